@@ -1,0 +1,86 @@
+"""`TrainingArguments` fields for the plugin, as a dataclass mixin usable with any Trainer config class.
+
+`UnifiedCheckpointArguments` is `TrainingArguments` with the fields; `with_unified_checkpoint(Cls)` adds them
+to another config class such as TRL's `SFTConfig` (see `hf_unified_ckpt.trl_configs`). The values are parsed
+once, in `__post_init__`, into `args.unified_checkpoint_options` (a frozen `UnifiedCheckpointOptions`), so a
+bad word fails when the arguments are built, before any training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, is_dataclass
+
+from transformers import TrainingArguments
+
+from .options import CONFIG_WORDS, DEFAULT_MAX_SHARD_SIZE, UnifiedCheckpointOptions, parse_options
+
+_CONFIG_HELP = "Space- or comma-separated words: " + "; ".join(f"{w}: {d}" for w, d in CONFIG_WORDS.items()) + "."
+
+
+@dataclass
+class UnifiedCheckpointFields:
+    """Dataclass mixin holding the plugin's fields; put it first in the bases of a TrainingArguments subclass."""
+
+    unified_checkpoint: bool = field(
+        default=False,
+        metadata={"help": "Save every checkpoint as engine- and world-size-independent safetensors "
+                          "(model loadable by from_pretrained, optimizer keyed by parameter name)."},
+    )
+    unified_checkpoint_config: str = field(default="", metadata={"help": _CONFIG_HELP})
+    ckpt_quant_stage: str = field(
+        default="O0",
+        metadata={"help": "Optimizer-state compression in checkpoints: O0 none, O1 int8, O2 int4."},
+    )
+    disable_ckpt_quant: bool = field(
+        default=False, metadata={"help": "Turn checkpoint compression off whatever ckpt_quant_stage says."}
+    )
+    unified_checkpoint_max_shard_size: str = field(
+        default=DEFAULT_MAX_SHARD_SIZE,
+        metadata={"help": "Largest safetensors file written, e.g. '5GB' or '512MiB'. Files are also split so "
+                          "that every rank writes at least one when the state is large enough."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._unified_checkpoint_options = parse_options(
+            unified_checkpoint=self.unified_checkpoint,
+            unified_checkpoint_config=self.unified_checkpoint_config,
+            ckpt_quant_stage=self.ckpt_quant_stage,
+            disable_ckpt_quant=self.disable_ckpt_quant,
+            max_shard_size=self.unified_checkpoint_max_shard_size,
+        )
+
+    @property
+    def unified_checkpoint_options(self) -> UnifiedCheckpointOptions:
+        """The parsed, frozen options."""
+        return self._unified_checkpoint_options
+
+
+_CACHE: dict[type, type] = {}
+
+
+def with_unified_checkpoint(config_cls: type, name: str | None = None, module: str | None = None) -> type:
+    """Return a subclass of `config_cls` (a TrainingArguments dataclass) with the plugin's fields.
+
+    The result is cached per class. For `torch.save(args)` (the Trainer's `training_args.bin`) to unpickle,
+    bind the returned class to a module-level name in `module` (as `hf_unified_ckpt.trl_configs` does).
+    """
+    if not (isinstance(config_cls, type) and issubclass(config_cls, TrainingArguments) and is_dataclass(config_cls)):
+        raise TypeError(f"with_unified_checkpoint expects a TrainingArguments dataclass, got {config_cls!r}.")
+    if issubclass(config_cls, UnifiedCheckpointFields):
+        return config_cls
+    if config_cls not in _CACHE:
+        cls_name = name or f"Unified{config_cls.__name__}"
+        namespace = {"__module__": module or config_cls.__module__, "__qualname__": cls_name}
+        _CACHE[config_cls] = dataclass(type(cls_name, (UnifiedCheckpointFields, config_cls), namespace))
+    return _CACHE[config_cls]
+
+
+UnifiedCheckpointArguments = with_unified_checkpoint(
+    TrainingArguments, name="UnifiedCheckpointArguments", module=__name__
+)
+UnifiedCheckpointArguments.__doc__ = (
+    "`transformers.TrainingArguments` plus the unified-checkpoint fields "
+    "(unified_checkpoint, unified_checkpoint_config, ckpt_quant_stage, disable_ckpt_quant, "
+    "unified_checkpoint_max_shard_size)."
+)

@@ -1,0 +1,118 @@
+"""Single process and DDP: every rank holds the full model and optimizer state, so every rank can write any
+file; the plan spreads files over ranks, and loading reads whole tensors locally."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+from torch import nn
+
+from .. import dist
+from ..errors import UnsupportedCheckpointError
+from ..hf_model import alias_groups, is_peft_model, model_state_for_save, parameter_names, weights_stem, write_model_configs
+from ..optim_state import flatten_optimizer_state, unflatten_optimizer_state
+from ..planning import TensorSpec
+from ..storage.safetensors_io import ComponentReader
+from .base import MODEL, OPTIMIZER
+
+
+class ReplicatedEngine:
+    """Adapter for a model replicated on every rank (no process group, or DDP)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.module = extract_model_from_parallel(model)
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        self.engine = "ddp" if dist.world_size() > 1 else "single"
+        self._model_state = model_state_for_save(self.module)
+        self._names = parameter_names(self.module, set(self._model_state))
+        self._optim: tuple[dict, dict] | None = None
+
+    def saved_by(self) -> dict:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.module.parameters()})
+        return {"engine": self.engine, "world_size": dist.world_size(), "zero_stage": None, "fsdp_version": None,
+                "param_dtypes": dtypes, "master_weights": False}
+
+    def file_stem(self, component: str) -> str:
+        return weights_stem(self.module) if component == MODEL else component
+
+    def _optimizer_flat(self) -> tuple[dict, dict]:
+        if self._optim is None:
+            if self.optimizer is None:
+                self._optim = ({}, {"param_groups": [], "state_types": {}})
+            else:
+                index_to_name = dict(enumerate(self._param_name(p) for g in self.optimizer.param_groups
+                                               for p in g["params"]))
+                self._optim = flatten_optimizer_state(self.optimizer.state_dict(), index_to_name)
+        return self._optim
+
+    def _param_name(self, param: torch.Tensor) -> str:
+        try:
+            return self._names[id(param)]
+        except KeyError:
+            raise UnsupportedCheckpointError(
+                f"the optimizer holds a tensor of shape {tuple(param.shape)} that is not a parameter of the model; "
+                "unified checkpoints key optimizer state by parameter name."
+            ) from None
+
+    def specs(self, component: str) -> list[TensorSpec]:
+        source = self._model_state if component == MODEL else self._optimizer_flat()[0]
+        return [TensorSpec.of(n, t) for n, t in source.items()]
+
+    def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        source = self._model_state if component == MODEL else self._optimizer_flat()[0]
+        return {n: source[n] for n in names}
+
+    def optimizer_metadata(self) -> dict:
+        return self._optimizer_flat()[1]
+
+    def write_configs(self, folder) -> None:
+        write_model_configs(self.module, folder)
+
+    # ---- load -------------------------------------------------------------------------------------------
+    def load_model(self, reader: ComponentReader) -> None:
+        if is_peft_model(self.module):
+            return self._load_adapter(reader)
+        targets = {k: v for k, v in self.module.state_dict().items()}
+        aliases = alias_groups(targets)
+        sources = {name: next((a for a in aliases[name] if a in reader), None) for name in targets}
+        missing = sorted(n for n, s in sources.items() if s is None)
+        unexpected = sorted(set(reader.keys()) - {s for s in sources.values() if s})
+        if missing or unexpected:
+            raise UnsupportedCheckpointError(
+                f"the checkpoint's model weights do not match the model: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
+                "Build the same architecture (config) as the run that saved it."
+            )
+        _check_shapes(reader, {n: (tuple(t.shape), sources[n]) for n, t in targets.items()})
+        with torch.no_grad():
+            for name, target in targets.items():
+                target.copy_(reader.get(sources[name]))
+
+    def _load_adapter(self, reader: ComponentReader) -> None:
+        from peft import set_peft_model_state_dict
+
+        expected = set(model_state_for_save(self.module))
+        if expected != set(reader.keys()):
+            raise UnsupportedCheckpointError(
+                f"the checkpoint's adapter weights do not match the PEFT model: missing "
+                f"{sorted(expected - set(reader.keys()))[:5]}, unexpected {sorted(set(reader.keys()) - expected)[:5]}. "
+                "Use the same LoRA configuration as the run that saved it."
+            )
+        set_peft_model_state_dict(self.module, {k: reader.get(k) for k in reader.keys()})
+
+    def load_optimizer(self, reader: ComponentReader) -> None:
+        current = [[self._param_name(p) for p in g["params"]] for g in self.optimizer.param_groups]
+        state = unflatten_optimizer_state(reader.keys(), reader.get, reader.metadata, current)
+        self.optimizer.load_state_dict(state)
+        self._optim = None
+
+
+def _check_shapes(reader: ComponentReader, wanted: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    specs = reader.specs()
+    bad = [f"{name}: checkpoint {specs[src][0]} vs model {shape}" for name, (shape, src) in wanted.items()
+           if tuple(specs[src][0]) != shape]
+    if bad:
+        raise UnsupportedCheckpointError(f"shape mismatch between checkpoint and model: {bad[:5]}. "
+                                         "Build the same architecture (config) as the run that saved it.")

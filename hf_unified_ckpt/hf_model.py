@@ -1,0 +1,108 @@
+"""What `save_pretrained` would write for a model, computed without writing: tensor names, tied-weight
+dedup, config files. Works for transformers models, PEFT models and plain `nn.Module`s."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedCheckpointError
+from .names import canonical_name
+
+MODEL_STEM, ADAPTER_STEM = "model", "adapter_model"
+
+
+def is_peft_model(module: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(module, PeftModel)
+
+
+def weights_stem(module: nn.Module) -> str:
+    """`adapter_model` for PEFT models (only trainable weights are saved), else `model`."""
+    return ADAPTER_STEM if is_peft_model(module) else MODEL_STEM
+
+
+def alias_groups(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """For every name, all names whose tensors share its storage (tied weights), itself first."""
+    by_storage: dict[tuple, list[str]] = defaultdict(list)
+    for name, tensor in state_dict.items():
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            by_storage[("own", name)].append(name)
+        else:
+            by_storage[(tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))].append(name)
+    return {name: [name] + [n for n in names if n != name] for names in by_storage.values() for name in names}
+
+
+def model_state_for_save(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors `save_pretrained(module)` would write, by the names it would use (references, no copies)."""
+    if is_peft_model(module):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(module)
+    state = {canonical_name(k): v for k, v in module.state_dict().items()}
+    try:
+        from transformers import PreTrainedModel
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedModel = None
+    if PreTrainedModel is not None and isinstance(module, PreTrainedModel):
+        state = remove_tied_weights_from_state_dict(state, module)
+        _refuse_weight_conversions(module, state)
+        return state
+    seen, out = set(), {}
+    for name, group in alias_groups(state).items():
+        if not seen.intersection(group):
+            out[name] = state[name]
+            seen.update(group)
+    return out
+
+
+def _refuse_weight_conversions(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return
+    reverted = revert_weight_conversion(module, dict(state))
+    if set(reverted) != set(state):
+        raise UnsupportedCheckpointError(
+            f"{type(module).__name__} renames or fuses weights when loaded (transformers weight conversions); "
+            "unified checkpoints do not support such models yet. Set unified_checkpoint=False for this model."
+        )
+
+
+def parameter_names(module: nn.Module, saved_names: set[str] | None = None) -> dict[int, str]:
+    """id(param) -> canonical name. A tied parameter takes the name under which the model file stores it."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names[id(param)].append(canonical_name(name))
+    chosen = {}
+    for pid, candidates in names.items():
+        preferred = [n for n in candidates if saved_names and n in saved_names]
+        chosen[pid] = (preferred or candidates)[0]
+    return chosen
+
+
+def write_model_configs(module: nn.Module, folder: str | os.PathLike) -> None:
+    """Write config.json / generation_config.json (or adapter_config.json) as `save_pretrained` would."""
+    folder = Path(folder)
+    if is_peft_model(module):
+        config = copy.deepcopy(module.peft_config[module.active_adapter])
+        config.inference_mode = True
+        config.save_pretrained(str(folder))
+    elif hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
+        config = copy.deepcopy(module.config)
+        if hasattr(module, "dtype"):
+            config.dtype = str(module.dtype).split(".")[1]
+        config.architectures = [type(module).__name__.removeprefix("FSDP")]
+        config.save_pretrained(str(folder))
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and getattr(module, "can_generate", lambda: False)():
+            generation.save_pretrained(str(folder))

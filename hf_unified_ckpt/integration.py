@@ -1,0 +1,284 @@
+"""The only module that touches `transformers.Trainer` internals (checked against transformers 5.x).
+
+`attach(trainer)` gives one Trainer instance (Trainer, SFTTrainer, DPOTrainer, ...) the unified save and
+resume paths by switching that instance to a subclass with `UnifiedCheckpointMixin` first in its bases, and
+adds a `UnifiedCheckpointCallback`. Nothing is patched globally. The mixin overrides:
+
+- `train`: resolves `resume_from_checkpoint` (True -> newest *complete* checkpoint), tells the folder's kind
+  and verifies a unified folder's files before anything is loaded; refuses what it cannot load, loudly;
+- `_load_from_checkpoint` / `_prepare_for_training`: a unified folder is loaded after the engine is prepared
+  (`super()._prepare_for_training(..., None)` keeps the Trainer's own trainer-state restore and data skip);
+- `_load_rng_state`: per-rank RNG with one warning when the world size changed;
+- `_save_checkpoint`: replaces the native checkpoint write by the unified one (not written twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from . import dist
+from .engines.replicated import ReplicatedEngine
+from .errors import IncompleteCheckpointError, UnsupportedCheckpointError
+from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete, skipped_incomplete
+from .load import load_checkpoint, verify_checkpoint
+from .retention import rotate_checkpoints
+from .rng import restore_rng_state, save_rng_state
+from .save import SaveRequest, save_checkpoint
+from .storage.commit import remove_stale
+from .storage.files import FileRecord, record_file
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TRANSFORMERS_MAJOR = 5
+_REQUIRED_METHODS = ("train", "_prepare_for_training", "_load_from_checkpoint", "_load_rng_state",
+                     "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler")
+SCHEDULER_FILE, TRAINER_STATE_FILE, ARGS_FILE, SCALER_FILE = (
+    "scheduler.pt", "trainer_state.json", "training_args.bin", "scaler.pt")
+
+
+@dataclass(frozen=True)
+class _Resume:
+    layout: Layout
+    manifest: dict
+
+
+class UnifiedCheckpointMixin:
+    """Trainer mixin with the unified save and resume paths. Prefer `attach(trainer)` to subclassing."""
+
+    # ---- resume -----------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        self._uc_resume = None
+        self._uc_refuse_unsupported_engine()
+        path = self._uc_resolve(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=path, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
+                             **kwargs)
+
+    def _uc_resolve(self, value) -> str | None:
+        """Pick and check the folder to resume from. Collective (verification): all ranks call it."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            layout = newest_complete(self.args.output_dir)
+            for bad in skipped_incomplete(self.args.output_dir):
+                if dist.rank() == 0:
+                    logger.warning("Skipping %s when resuming: %s", bad.path, bad.reason)
+            if layout is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
+                                 "checkpoint-N folder (unified or legacy). Start without resuming, or pass a path.")
+        else:
+            layout = detect_layout(value)
+        self._uc_check_loadable(layout)
+        if layout.kind == UNIFIED:
+            self._uc_resume = _Resume(layout, verify_checkpoint(layout.path))
+        return str(layout.path)
+
+    def _uc_check_loadable(self, layout: Layout) -> None:
+        engine = _engine_kind(self)
+        if layout.kind == UNIFIED_INCOMPLETE or (layout.kind == UNIFIED and not layout.complete):
+            newest = newest_complete(layout.path.parent)
+            raise IncompleteCheckpointError(
+                f"{layout.path} is not a complete unified checkpoint: {layout.reason}. "
+                + (f"The newest complete checkpoint next to it is {newest.path}." if newest else
+                   "There is no complete checkpoint next to it.")
+                + " Resume from a complete one (resume_from_checkpoint=True picks it)."
+            )
+        if layout.kind == UNIFIED and engine != "replicated":
+            raise UnsupportedCheckpointError(
+                f"resuming a unified checkpoint under {engine} is not supported yet in this version; "
+                "resume it on a single process or DDP.")
+        if layout.kind in (DEEPSPEED, FSDP) and (engine != layout.kind or self.args.unified_checkpoint):
+            raise UnsupportedCheckpointError(
+                f"{layout.path} is a legacy {layout.kind} checkpoint; this version of hf_unified_ckpt cannot "
+                f"load it into a {engine} run. (The plain Trainer would 'resume' it without its optimizer and "
+                "LR schedule, silently.) Resume it with the engine and world size that wrote it and "
+                "unified_checkpoint=False.")
+        if layout.kind in (UNIFIED, HF_TRAINER, DEEPSPEED, FSDP):
+            if not layout.complete:
+                raise IncompleteCheckpointError(f"{layout.path} ({layout.kind}) is incomplete: {layout.reason}.")
+            return
+        raise UnsupportedCheckpointError(f"{layout.path} is not a checkpoint this library knows: {layout.reason}.")
+
+    def _uc_refuse_unsupported_engine(self) -> None:
+        engine = _engine_kind(self)
+        if self.args.unified_checkpoint_options.enabled and engine != "replicated":
+            raise UnsupportedCheckpointError(
+                f"unified_checkpoint=True with {engine} is not supported yet in this version (single process and "
+                f"DDP are). Set unified_checkpoint=False to use {engine}'s own checkpoints.")
+
+    def _uc_resuming(self, checkpoint) -> _Resume | None:
+        resume = getattr(self, "_uc_resume", None)
+        if resume is not None and checkpoint is not None and Path(checkpoint) == resume.layout.path:
+            return resume
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if self._uc_resuming(resume_from_checkpoint):
+            return None  # loaded into the prepared engine in _prepare_for_training
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        resume = self._uc_resuming(resume_from_checkpoint)
+        if resume is None:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        folder = resume.layout.path
+        load_checkpoint(folder, self._uc_engine(), resume.manifest, load_optimizer=True)
+        if self.lr_scheduler is not None and (folder / SCHEDULER_FILE).is_file():
+            self.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
+        self._load_scaler(str(folder))
+        logger.info("Resumed from unified checkpoint %s (step %s)", folder, resume.manifest.get("global_step"))
+        return model, train_dataloader
+
+    def _load_rng_state(self, checkpoint):
+        resume = self._uc_resuming(checkpoint)
+        if resume is None:
+            return super()._load_rng_state(checkpoint)
+        saved_world = int(resume.manifest.get("saved_by", {}).get("world_size", 1))
+        lost = restore_rng_state(checkpoint, dist.rank(), saved_world, dist.world_size())
+        if lost and dist.rank() == 0:
+            logger.warning("Resuming from %s: %s", checkpoint, lost)
+
+    # ---- save -------------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        options = self.args.unified_checkpoint_options
+        if not options.enabled:
+            return super()._save_checkpoint(model, trial)
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = Path(self._get_output_dir(trial=trial))
+        output_dir = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._uc_track_best(run_dir)
+        self._uc_export_callback_states()
+        if dist.rank() == 0:
+            remove_stale(run_dir)
+        request = SaveRequest(output_dir, self.state.global_step, options,
+                              include_optimizer=not self.args.save_only_model,
+                              show_progress=not self.args.disable_tqdm)
+        engine = self._uc_engine()
+        save_checkpoint(engine, request, lambda folder: self._uc_write_extras(folder, engine))
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(str(output_dir))
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, self.args.save_total_limit,
+                               protect=[self.state.best_model_checkpoint, output_dir])
+
+    def _uc_engine(self):
+        return ReplicatedEngine(self.model_wrapped, self.optimizer)
+
+    def _uc_write_extras(self, folder: Path, engine) -> list[FileRecord]:
+        """This rank's non-tensor files: its RNG state; on the saving rank also configs, tokenizer, training
+        args, scheduler, scaler and trainer state. Written into a private subfolder, then moved in."""
+        private = folder / f".extras-rank{dist.rank()}"
+        private.mkdir()
+        if not self.args.save_only_model:
+            save_rng_state(private, dist.rank())
+        if dist.rank() == 0:
+            engine.write_configs(private)
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(str(private))
+            torch.save(self.args, private / ARGS_FILE)
+            if not self.args.save_only_model:
+                if self.lr_scheduler is not None:
+                    torch.save(self.lr_scheduler.state_dict(), private / SCHEDULER_FILE)
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None:
+                    torch.save(scaler.state_dict(), private / SCALER_FILE)
+            self.state.save_to_json(str(private / TRAINER_STATE_FILE))
+        records = []
+        for name in sorted(os.listdir(private)):
+            os.replace(private / name, folder / name)
+            records.append(record_file(folder / name))
+        shutil.rmtree(private)
+        return records
+
+    def _uc_track_best(self, run_dir: Path) -> None:
+        """Same bookkeeping as the native `_save_checkpoint` for `best_model_checkpoint`."""
+        if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:
+            dist.barrier()
+            best = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            if best.exists():
+                self.state.best_model_checkpoint = str(best)
+
+    def _uc_export_callback_states(self) -> None:
+        """Same as the native `_save_checkpoint`: store `ExportableState` callbacks in the trainer state."""
+        from transformers.trainer_callback import ExportableState
+
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name, cb_state = type(cb).__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb_state)
+            else:
+                self.state.stateful_callbacks[name] = cb_state
+
+
+def _engine_kind(trainer) -> str:
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "deepspeed"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "fsdp"
+    return "replicated"
+
+
+class UnifiedCheckpointCallback(TrainerCallback):
+    """Marks a Trainer as using unified checkpoints. Add it with `UnifiedCheckpointCallback.attach(trainer)`
+    (or `hf_unified_ckpt.attach(trainer)`): a callback alone cannot reach the Trainer's save and resume paths."""
+
+    def __init__(self):
+        self.attached = False
+
+    @classmethod
+    def attach(cls, trainer):
+        return attach(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not self.attached:
+            raise RuntimeError(
+                "UnifiedCheckpointCallback was added to a Trainer without attaching it, so checkpoints would be "
+                "written the native way. Use `hf_unified_ckpt.attach(trainer)` instead of add_callback/callbacks=[...].")
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def attach(trainer):
+    """Give `trainer` (any `transformers.Trainer` subclass instance) unified checkpoints; returns it.
+
+    Its `args` must carry the plugin's fields (`UnifiedCheckpointArguments`, or a config class made with
+    `with_unified_checkpoint`, such as `hf_unified_ckpt.trl_configs.UnifiedSFTConfig`).
+    """
+    if getattr(trainer.args, "unified_checkpoint_options", None) is None:
+        raise TypeError(
+            f"trainer.args is a {type(trainer.args).__name__} without the unified-checkpoint fields; build it with "
+            "hf_unified_ckpt.UnifiedCheckpointArguments (or with_unified_checkpoint(YourConfigClass)).")
+    _check_transformers(trainer)
+    cls = type(trainer)
+    if not isinstance(trainer, UnifiedCheckpointMixin):
+        if cls not in _SUBCLASSES:
+            _SUBCLASSES[cls] = type(f"Unified{cls.__name__}", (UnifiedCheckpointMixin, cls),
+                                    {"__module__": cls.__module__, "__doc__": cls.__doc__})
+        trainer.__class__ = _SUBCLASSES[cls]
+    callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, UnifiedCheckpointCallback)), None)
+    if callback is None:
+        callback = UnifiedCheckpointCallback()
+        trainer.add_callback(callback)
+    callback.attached = True
+    return trainer
+
+
+def _check_transformers(trainer) -> None:
+    major = int(transformers.__version__.split(".")[0])
+    missing = [m for m in _REQUIRED_METHODS if not callable(getattr(trainer, m, None))]
+    if major != SUPPORTED_TRANSFORMERS_MAJOR or missing:
+        raise RuntimeError(
+            f"hf_unified_ckpt {__import__('hf_unified_ckpt').__version__} supports transformers "
+            f"{SUPPORTED_TRANSFORMERS_MAJOR}.x (found {transformers.__version__}"
+            + (f", Trainer lacks {missing}" if missing else "") + ").")

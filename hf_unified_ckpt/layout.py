@@ -1,0 +1,124 @@
+"""Tell what a checkpoint folder is from file names, JSON and safetensors headers alone (no tensor data).
+
+Kinds: `unified` (manifest present and valid), `unified-incomplete` (unified files but no valid manifest: an
+interrupted save), `hf-trainer` (the plain Trainer's model + optimizer.pt + trainer_state.json), `deepspeed`
+(`global_step*/` ZeRO partitions), `fsdp` (`pytorch_model_fsdp*` / `optimizer_0`), `unknown`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CorruptCheckpointError, UnifiedCheckpointError
+from .storage.commit import CHECKPOINT_RE, STAGING_SUFFIX, list_checkpoints
+from .storage.manifest import MANIFEST_NAME, read_manifest
+from .storage.safetensors_io import read_safetensors_header
+
+UNIFIED, UNIFIED_INCOMPLETE, HF_TRAINER, DEEPSPEED, FSDP, UNKNOWN = (
+    "unified", "unified-incomplete", "hf-trainer", "deepspeed", "fsdp", "unknown")
+TRAINER_STATE = "trainer_state.json"
+_UNIFIED_ONLY = ("optimizer", "master_weights", "ema")
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What `detect_layout` found. `complete` is structural (files present, sizes/headers sane); checksums are
+    checked by `verify`."""
+
+    kind: str
+    path: Path
+    complete: bool
+    global_step: int | None = None
+    reason: str = ""
+    manifest: dict | None = field(default=None, repr=False)
+
+
+def detect_layout(path: str | os.PathLike) -> Layout:
+    path = Path(path)
+    if not path.is_dir():
+        return Layout(UNKNOWN, path, False, reason=f"{path} is not a directory")
+    names = set(os.listdir(path))
+    if MANIFEST_NAME in names:
+        return _unified(path)
+    if path.name.endswith(STAGING_SUFFIX) or any(n.startswith(_UNIFIED_ONLY) and n.endswith((".safetensors", ".json"))
+                                                 for n in names):
+        return Layout(UNIFIED_INCOMPLETE, path, False, _step(path),
+                      f"{MANIFEST_NAME} is missing: the save was interrupted before it was committed")
+    if any(n.startswith("global_step") and (path / n).is_dir() for n in names):
+        return _legacy(path, DEEPSPEED, _deepspeed_problem(path, names))
+    if any(n.startswith(("pytorch_model_fsdp", "optimizer_0")) or n == "optimizer.bin" for n in names):
+        return _legacy(path, FSDP, None)
+    if TRAINER_STATE in names or names & set(_HF_WEIGHTS):
+        return _legacy(path, HF_TRAINER, _hf_problem(path, names))
+    return Layout(UNKNOWN, path, False, _step(path),
+                  f"no checkpoint files found (expected {MANIFEST_NAME}, {TRAINER_STATE}, model weights, "
+                  f"global_step*/ or pytorch_model_fsdp*); found: {sorted(names)[:10]}")
+
+
+def _unified(path: Path) -> Layout:
+    try:
+        manifest = read_manifest(path)
+    except (UnifiedCheckpointError, OSError) as e:
+        return Layout(UNIFIED_INCOMPLETE, path, False, _step(path), f"manifest unusable: {e}")
+    missing = [n for n, rec in manifest["files"].items()
+               if not (path / n).is_file() or (path / n).stat().st_size != rec["size"]]
+    reason = f"files missing or of the wrong size: {missing[:10]}" if missing else ""
+    return Layout(UNIFIED, path, not missing, manifest.get("global_step"), reason, manifest)
+
+
+def _legacy(path: Path, kind: str, problem: str | None) -> Layout:
+    if problem is None and not (path / TRAINER_STATE).is_file():
+        problem = f"{TRAINER_STATE} is missing (the Trainer writes it last; the save did not finish)"
+    return Layout(kind, path, problem is None, _step(path), problem or "")
+
+
+def _deepspeed_problem(path: Path, names: set[str]) -> str | None:
+    for d in sorted(n for n in names if n.startswith("global_step")):
+        files = os.listdir(path / d)
+        if any(f.endswith("optim_states.pt") for f in files) and any(f.endswith("model_states.pt") for f in files):
+            return None
+    return "no global_step*/ folder holds both *model_states.pt and *optim_states.pt"
+
+
+def _hf_problem(path: Path, names: set[str]) -> str | None:
+    weights = names & set(_HF_WEIGHTS)
+    if not weights:
+        return f"no model weights ({', '.join(_HF_WEIGHTS)})"
+    for name in weights:
+        if name.endswith(".safetensors"):
+            try:
+                read_safetensors_header(path / name)
+            except CorruptCheckpointError as e:
+                return str(e)
+    return None
+
+
+def _step(path: Path) -> int | None:
+    try:
+        with open(path / TRAINER_STATE, encoding="utf-8") as f:
+            return int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        match = CHECKPOINT_RE.match(path.name.removeprefix(".").removesuffix(STAGING_SUFFIX))
+        return int(match.group(1)) if match else None
+
+
+def newest_complete(run_dir: str | os.PathLike) -> Layout | None:
+    """The complete checkpoint (unified or legacy) with the highest step in `run_dir`, or None."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        layout = detect_layout(path)
+        if layout.complete:
+            return layout
+    return None
+
+
+def skipped_incomplete(run_dir: str | os.PathLike) -> list[Layout]:
+    """Incomplete `checkpoint-N` folders newer than the newest complete one (reported when resuming)."""
+    newest = newest_complete(run_dir)
+    floor = int(CHECKPOINT_RE.match(newest.path.name).group(1)) if newest else -1
+    return [lay for step, path in list_checkpoints(run_dir)
+            if step > floor and not (lay := detect_layout(path)).complete]

@@ -1,0 +1,140 @@
+"""Flatten any torch optimizer's `state_dict()` into name-keyed tensors plus JSON metadata, and back. Pure.
+
+Tensors are keyed `<param name>/<state name>`. Non-tensor per-parameter values (Adafactor's int `step`,
+float `RMS`, `None` momentum buffers) are stored as 0-d tensors (or not at all, for None) and their Python
+type is recorded in the metadata so they round-trip exactly. Param-group hyper-parameters are stored as
+JSON with tuples and tensors tagged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from .names import optimizer_key, split_optimizer_key
+
+_PY_SCALARS = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
+
+
+def encode_hparam(key: str, value):
+    """Encode one param-group value as JSON (tuples, tensors and non-finite floats are tagged)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_hparam(key, v) for v in value]}
+    if isinstance(value, list):
+        return [encode_hparam(key, v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    raise TypeError(
+        f"optimizer param_group entry {key!r} has a value of type {type(value).__name__} that the unified "
+        "format cannot store; expected numbers, strings, bools, None, tuples/lists of them or tensors."
+    )
+
+
+def decode_hparam(value):
+    """Inverse of `encode_hparam`."""
+    if isinstance(value, list):
+        return [decode_hparam(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(decode_hparam(v) for v in value["__tuple__"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+    return value
+
+
+def flatten_optimizer_state(
+    state_dict: Mapping, index_to_name: Mapping[int, str]
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Turn `optimizer.state_dict()` into (`{"<param>/<state>": tensor}`, metadata).
+
+    `index_to_name` maps the integer ids of `state_dict["param_groups"][*]["params"]` to canonical names.
+    The metadata holds `param_groups` (hyper-parameters + parameter names) and `state_types`.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    state_types: dict[str, str] = {}
+    for index, per_param in state_dict["state"].items():
+        name = index_to_name[index]
+        for state_name, value in per_param.items():
+            key = optimizer_key(name, state_name)
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value
+            elif value is None:
+                state_types[key] = "none"
+            elif type(value) in _PY_SCALARS:
+                type_name, dtype = _PY_SCALARS[type(value)]
+                tensors[key] = torch.tensor(value, dtype=dtype)
+                state_types[key] = type_name
+            else:
+                raise TypeError(
+                    f"optimizer state {key!r} is a {type(value).__name__}; the unified format stores tensors, "
+                    "Python numbers and None only."
+                )
+    groups = []
+    for group in state_dict["param_groups"]:
+        encoded = {k: encode_hparam(k, v) for k, v in group.items() if k != "params"}
+        encoded["params"] = [index_to_name[i] for i in group["params"]]
+        groups.append(encoded)
+    return tensors, {"param_groups": groups, "state_types": state_types}
+
+
+def group_param_names(metadata: Mapping) -> list[list[str]]:
+    """The parameter names of each saved param group."""
+    return [list(g["params"]) for g in metadata["param_groups"]]
+
+
+def check_groups_match(saved: Sequence[Sequence[str]], current: Sequence[Sequence[str]]) -> None:
+    """Raise if the saved param groups do not hold the same parameters as the current optimizer's."""
+    if len(saved) != len(current):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved)} param group(s), the current optimizer has "
+            f"{len(current)}; build the optimizer the same way as the run that saved it."
+        )
+    for i, (s, c) in enumerate(zip(saved, current)):
+        missing, extra = sorted(set(c) - set(s)), sorted(set(s) - set(c))
+        if missing or extra:
+            raise ValueError(
+                f"optimizer param group {i}: parameters in the current optimizer but not in the checkpoint: "
+                f"{missing[:5]}{'...' if len(missing) > 5 else ''}; in the checkpoint but not in the current "
+                f"optimizer: {extra[:5]}{'...' if len(extra) > 5 else ''}. The model or its trainable parameters differ."
+            )
+
+
+def unflatten_optimizer_state(
+    keys: Sequence[str],
+    get_tensor: Callable[[str], torch.Tensor],
+    metadata: Mapping,
+    current_groups: Sequence[Sequence[str]],
+) -> dict:
+    """Build an `optimizer.load_state_dict()` argument for an optimizer whose groups hold `current_groups`
+    (parameter names, in the optimizer's own order). State ids follow that order, so the positional mapping
+    `load_state_dict` performs is the identity."""
+    check_groups_match(group_param_names(metadata), current_groups)
+    name_to_index = {name: i for i, name in enumerate(n for group in current_groups for n in group)}
+    state_types = metadata.get("state_types", {})
+    state: dict[int, dict] = {}
+    for key in list(keys) + [k for k, t in state_types.items() if t == "none"]:
+        name, state_name = split_optimizer_key(key)
+        if name not in name_to_index:
+            raise ValueError(f"optimizer state {key!r} belongs to no parameter of the current optimizer.")
+        kind = state_types.get(key)
+        if kind == "none":
+            value = None
+        elif kind in ("bool", "int", "float"):
+            value = {"bool": bool, "int": int, "float": float}[kind](get_tensor(key).item())
+        else:
+            value = get_tensor(key)
+        state.setdefault(name_to_index[name], {})[state_name] = value
+    groups = []
+    for saved_group, names in zip(metadata["param_groups"], current_groups):
+        group = {k: decode_hparam(v) for k, v in saved_group.items() if k != "params"}
+        group["params"] = [name_to_index[n] for n in names]
+        groups.append(group)
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,161 @@
+"""User options: parsed once from TrainingArguments fields into a frozen `UnifiedCheckpointOptions`.
+
+No other module looks at option strings; everything reads the frozen dataclass.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import UnsupportedOptionError
+
+#: Words accepted in `unified_checkpoint_config`, with what each does.
+CONFIG_WORDS: dict[str, str] = {
+    "async_save": "write the checkpoint in the background; training blocks only for the host snapshot",
+    "skip_save_model_weight": "when fp32 master weights exist, save them as the model weights and skip the low-precision copy",
+    "master_weight_compatible": "build missing master weights from the model weights on load",
+    "remove_master_weight": "do not save master weights; rebuild them from the model weights on load",
+    "enable_all_options": "skip_save_model_weight + master_weight_compatible",
+}
+
+#: Words whose implementation has not landed yet: accepted by the parser, refused by `validate_supported`.
+NOT_SUPPORTED_YET: dict[str, str] = {
+    "async_save": "asynchronous saving",
+    "skip_save_model_weight": "master-weight options (they need an engine with fp32 master weights: DeepSpeed)",
+    "master_weight_compatible": "master-weight options (they need an engine with fp32 master weights: DeepSpeed)",
+    "remove_master_weight": "master-weight options (they need an engine with fp32 master weights: DeepSpeed)",
+}
+
+QUANT_STAGES = ("O0", "O1", "O2")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class UnifiedCheckpointOptions:
+    """The plugin's options, parsed and validated once.
+
+    Attributes:
+        enabled: write unified checkpoints (`unified_checkpoint=True`).
+        async_save: write in the background (not supported yet).
+        skip_save_model_weight: save master weights in place of the model weights when they exist.
+        master_weight_compatible: rebuild missing master weights from model weights on load.
+        remove_master_weight: never save master weights.
+        quant_stage: optimizer-moment compression, "O0" (none), "O1" (int8) or "O2" (int4).
+        max_shard_size: upper bound, in bytes, of one safetensors file.
+    """
+
+    enabled: bool = False
+    async_save: bool = False
+    skip_save_model_weight: bool = False
+    master_weight_compatible: bool = False
+    remove_master_weight: bool = False
+    quant_stage: str = "O0"
+    max_shard_size: int = 5 * 10**9
+
+    def as_manifest_dict(self) -> dict:
+        """The options recorded in the manifest (what a reader must know to interpret the files)."""
+        return {
+            "ckpt_quant_stage": self.quant_stage,
+            "skip_save_model_weight": self.skip_save_model_weight,
+            "remove_master_weight": self.remove_master_weight,
+            "async_save": self.async_save,
+            "ema": False,
+        }
+
+
+def parse_size(value: str | int) -> int:
+    """Parse "5GB", "500MiB", "1000" or an int into bytes."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = match.group(2).upper() if match else None
+        if not match or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"unified_checkpoint_max_shard_size={value!r} is not a size; expected a number of bytes "
+                f"or a number with a unit ({', '.join(u for u in _SIZE_UNITS if u)}), e.g. '5GB' or '512MiB'."
+            )
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"unified_checkpoint_max_shard_size must be positive, got {value!r}.")
+    return size
+
+
+def split_config_words(config: str | list[str] | None) -> list[str]:
+    """Split `unified_checkpoint_config` on spaces and commas (a list is accepted as well)."""
+    if config is None:
+        return []
+    if isinstance(config, (list, tuple)):
+        config = " ".join(config)
+    return [w for w in re.split(r"[\s,]+", config.strip()) if w]
+
+
+def parse_options(
+    unified_checkpoint: bool = False,
+    unified_checkpoint_config: str | list[str] | None = "",
+    ckpt_quant_stage: str = "O0",
+    disable_ckpt_quant: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+) -> UnifiedCheckpointOptions:
+    """Parse the raw argument values into `UnifiedCheckpointOptions`.
+
+    Raises:
+        ValueError: an unknown word, an unknown quantisation stage, or a contradictory combination.
+        UnsupportedOptionError: a valid option whose implementation has not landed yet.
+    """
+    words = split_config_words(unified_checkpoint_config)
+    unknown = [w for w in words if w not in CONFIG_WORDS]
+    if unknown:
+        raise ValueError(
+            f"unified_checkpoint_config: unknown word(s) {unknown}; valid words are: "
+            + ", ".join(f"'{w}' ({d})" for w, d in CONFIG_WORDS.items())
+            + ". Separate words with spaces or commas."
+        )
+    chosen = set(words)
+    if "enable_all_options" in chosen:
+        chosen |= {"skip_save_model_weight", "master_weight_compatible"}
+    if {"skip_save_model_weight", "remove_master_weight"} <= chosen:
+        raise ValueError(
+            "unified_checkpoint_config: 'skip_save_model_weight' (or 'enable_all_options') together with "
+            "'remove_master_weight' would save no weights at all. Keep one of them."
+        )
+    stage = (ckpt_quant_stage or "O0").strip().upper()
+    if stage not in QUANT_STAGES:
+        raise ValueError(
+            f"ckpt_quant_stage={ckpt_quant_stage!r} is not valid; expected one of {list(QUANT_STAGES)} "
+            "(O0: no compression, O1: int8, O2: int4 optimizer moments)."
+        )
+    if disable_ckpt_quant:
+        stage = "O0"
+    options = UnifiedCheckpointOptions(
+        enabled=bool(unified_checkpoint),
+        async_save="async_save" in chosen,
+        skip_save_model_weight="skip_save_model_weight" in chosen,
+        master_weight_compatible="master_weight_compatible" in chosen,
+        remove_master_weight="remove_master_weight" in chosen,
+        quant_stage=stage,
+        max_shard_size=parse_size(max_shard_size),
+    )
+    validate_supported(options, words)
+    return options
+
+
+def validate_supported(options: UnifiedCheckpointOptions, words: list[str]) -> None:
+    """Refuse options that this version accepts in the format but does not implement yet."""
+    pending = [w for w in words if w in NOT_SUPPORTED_YET]
+    if "enable_all_options" in words:
+        pending.append("enable_all_options")
+    if pending:
+        what = sorted({NOT_SUPPORTED_YET.get(w, NOT_SUPPORTED_YET["skip_save_model_weight"]) for w in pending})
+        raise UnsupportedOptionError(
+            f"unified_checkpoint_config: {sorted(set(pending))} not supported yet in this version "
+            f"({'; '.join(what)}). Remove the word(s) to save and resume without them."
+        )
+    if options.quant_stage != "O0":
+        raise UnsupportedOptionError(
+            f"ckpt_quant_stage={options.quant_stage!r}: int8/int4 optimizer compression is not supported yet "
+            "in this version. Use 'O0' (or set disable_ckpt_quant=True)."
+        )

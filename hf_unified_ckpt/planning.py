@@ -1,0 +1,97 @@
+"""Shard planning: which tensors go to which file, and which rank writes each file. Pure, deterministic.
+
+Every rank computes the same plan from the same tensor specs, so no communication is needed to agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+
+#: Below this many bytes per writer, splitting a component across ranks costs more than it saves.
+MIN_PARALLEL_SHARD_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, full shape and dtype of one tensor, enough to plan without holding it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(name, tuple(tensor.shape), tensor.dtype)
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """The files of one component (model, optimizer, ...) and their writers."""
+
+    component: str
+    filename_pattern: str
+    files: dict[str, list[str]]  # file name -> tensor names, in write order
+    owners: dict[str, int]  # file name -> writing rank
+    total_size: int
+    specs: dict[str, TensorSpec] = field(repr=False, default_factory=dict)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {name: file for file, names in self.files.items() for name in names}
+
+    def files_for(self, rank: int) -> list[str]:
+        return [f for f in self.files if self.owners[f] == rank]
+
+    @property
+    def is_sharded(self) -> bool:
+        return len(self.files) > 1
+
+
+def target_shard_size(total_bytes: int, writers: int, max_shard_size: int,
+                      min_parallel: int = MIN_PARALLEL_SHARD_BYTES) -> int:
+    """Largest file size that still gives every writer a file, within [min_parallel, max_shard_size]."""
+    per_writer = -(-total_bytes // max(writers, 1))
+    return max(1, min(max_shard_size, max(per_writer, min_parallel)))
+
+
+def assign_owners(file_sizes: dict[str, int], writers: int) -> dict[str, int]:
+    """Largest file first, each to the least-loaded writer (ties to the lowest rank)."""
+    load = [0] * max(writers, 1)
+    owners = {}
+    for name, size in sorted(file_sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += size
+    return owners
+
+
+def plan_component(component: str, specs: list[TensorSpec], writers: int, max_shard_size: int,
+                   file_stem: str | None = None,
+                   min_parallel: int = MIN_PARALLEL_SHARD_BYTES) -> ComponentPlan:
+    """Split `specs` (in their order) into files named like HF shards (`<stem>-0000k-of-0000n.safetensors`,
+    or `<stem>.safetensors` for one file) and assign each file to a writer."""
+    stem = file_stem or component
+    pattern = stem + "{suffix}.safetensors"
+    by_name = {s.name: s for s in specs}
+    if len(by_name) != len(specs):
+        raise ValueError(f"{component}: duplicate tensor names in the plan.")
+    total = sum(s.nbytes for s in specs)
+    split = split_state_dict_into_shards_factory(
+        by_name, get_storage_size=lambda s: s.nbytes, filename_pattern=pattern,
+        max_shard_size=target_shard_size(total, writers, max_shard_size, min_parallel),
+    )
+    files = {f: list(names) for f, names in split.filename_to_tensors.items()}
+    if not files:  # a component with no tensors still gets one (empty) file, so it is self-describing
+        files = {pattern.format(suffix=""): []}
+    sizes = {f: sum(by_name[n].nbytes for n in names) for f, names in files.items()}
+    return ComponentPlan(component, pattern, files, assign_owners(sizes, writers), total, by_name)

@@ -1,0 +1,41 @@
+"""`save_total_limit` rotation that never deletes the newest complete checkpoint or one being written."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from .layout import detect_layout
+from .storage.commit import list_checkpoints
+
+logger = logging.getLogger(__name__)
+
+
+def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, protect: Iterable[str | os.PathLike] = ()) -> list[Path]:
+    """Delete the oldest complete `checkpoint-N` folders beyond `limit`; return what was deleted.
+
+    Only complete checkpoints count and only they are deleted: folders still being written are hidden staging
+    folders (never matched), and incomplete `checkpoint-N` folders are left for a person to inspect. The
+    newest complete checkpoint and everything in `protect` (the best model, the one just written) are kept.
+    """
+    if not limit or limit <= 0:
+        return []
+    complete = [path for _, path in list_checkpoints(run_dir) if detect_layout(path).complete]
+    if not complete:
+        return []
+    keep = {Path(p).resolve() for p in protect if p} | {complete[-1].resolve()}
+    excess = len(complete) - limit
+    deleted = []
+    for path in complete:
+        if excess <= 0:
+            break
+        if path.resolve() in keep:
+            continue
+        logger.info("Deleting older checkpoint %s due to save_total_limit=%d", path, limit)
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+        excess -= 1
+    return deleted

@@ -1,0 +1,59 @@
+"""Per-rank RNG state files (`rng_state_<rank>.pth`), readable by the Trainer's own loader too."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def rng_file_name(rank: int) -> str:
+    return f"rng_state_{rank}.pth"
+
+
+def capture_rng_state() -> dict:
+    """The Python, NumPy, torch CPU (and CUDA, when present) generator states, keyed as the Trainer keys them."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def save_rng_state(folder: str | Path, rank: int) -> Path:
+    path = Path(folder) / rng_file_name(rank)
+    torch.save(capture_rng_state(), path)
+    return path
+
+
+def _numpy_safe_globals():
+    np_core = getattr(np, "_core", None) or np.core
+    return torch.serialization.safe_globals(
+        [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))])
+
+
+def restore_rng_state(folder: str | Path, rank: int, saved_world_size: int, world_size: int) -> str | None:
+    """Restore this rank's generators from the folder. Returns a description of what could not be restored
+    exactly (when the world size changed or the rank's file is absent), for the caller to warn about once."""
+    folder = Path(folder)
+    own = folder / rng_file_name(rank)
+    path = own if own.is_file() else folder / rng_file_name(0)
+    lost = None
+    if saved_world_size != world_size or not own.is_file():
+        lost = (f"the checkpoint was saved by {saved_world_size} rank(s) and is resumed on {world_size}: per-rank "
+                f"random streams (dropout, sampling inside the model) cannot continue exactly; ranks without their "
+                f"own {rng_file_name(0).replace('0', '<rank>')} continue from rank 0's stream.")
+    if not path.is_file():
+        return f"{path.name} is missing: random generators were not restored."
+    with _numpy_safe_globals():
+        state = torch.load(path, weights_only=True)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+    return lost

@@ -1,0 +1,125 @@
+"""The save algorithm, the same with and without a process group.
+
+1. rank 0 creates the staging folder `.checkpoint-N.incomplete`;
+2. every rank computes the same shard plan and writes the files it owns, plus its own extras (RNG state...);
+3. every rank reports its file records (or its error) to all;
+4. rank 0 writes the index files and the manifest (last), then renames the staging folder to `checkpoint-N`.
+Any failure on any rank aborts the save on every rank: the staging folder is removed and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from . import dist
+from .engines.base import MODEL, OPTIMIZER, EngineAdapter
+from .errors import UnifiedCheckpointError
+from .options import UnifiedCheckpointOptions
+from .planning import ComponentPlan, plan_component
+from .storage.commit import commit, prepare_staging, staging_dir
+from .storage.files import FileRecord
+from .storage.manifest import ComponentEntry, build_manifest, write_manifest
+from .storage.safetensors_io import index_name, write_index, write_shard
+
+logger = logging.getLogger(__name__)
+
+#: Writes this rank's non-tensor files (RNG, and on rank 0 trainer state, scheduler, tokenizer...) into a folder.
+ExtrasWriter = Callable[[Path], list[FileRecord]]
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """Where and what to save."""
+
+    final_dir: Path
+    global_step: int
+    options: UnifiedCheckpointOptions
+    include_optimizer: bool = True
+    show_progress: bool = True
+
+
+def plan_save(engine: EngineAdapter, request: SaveRequest) -> dict[str, ComponentPlan]:
+    """The shard plan of every component (identical on all ranks)."""
+    components = [MODEL] + ([OPTIMIZER] if request.include_optimizer else [])
+    return {c: plan_component(c, engine.specs(c), dist.world_size(), request.options.max_shard_size,
+                              file_stem=engine.file_stem(c)) for c in components}
+
+
+def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter) -> Path:
+    """Write and commit one unified checkpoint at `request.final_dir`.
+
+    Collective: all ranks must call it. Returns the committed folder; raises `UnifiedCheckpointError` on every
+    rank if any rank failed, leaving no `checkpoint-N` behind (an existing complete one stays untouched).
+    """
+    final = Path(request.final_dir)
+    staging = staging_dir(final)
+    if dist.rank() == 0:
+        prepare_staging(staging)
+    dist.barrier()
+    plans = plan_save(engine, request)
+    outcome = _guarded(lambda: _write_share(engine, plans, staging, request) + write_extras(staging))
+    reports = dist.all_gather_object(outcome)
+    _raise_if_failed(reports, staging, final)
+    status = None
+    if dist.rank() == 0:
+        records = [r for ok, payload in reports for r in payload]
+        status = _guarded(lambda: _finalize(engine, plans, staging, final, request, records))
+    status = dist.broadcast_object(status)
+    _raise_if_failed([status], staging, final)
+    return final
+
+
+def _guarded(fn) -> tuple[bool, object]:
+    try:
+        return True, fn()
+    except Exception as e:  # reported to every rank, re-raised there
+        logger.debug("unified checkpoint save failed on rank %d", dist.rank(), exc_info=True)
+        return False, f"rank {dist.rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+
+
+def _raise_if_failed(reports, staging: Path, final: Path) -> None:
+    failures = [payload for ok, payload in reports if not ok]
+    if not failures:
+        return
+    if dist.rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    raise UnifiedCheckpointError(
+        f"saving {final} failed; nothing was committed and earlier checkpoints are untouched.\n"
+        + "\n".join(failures)
+    )
+
+
+def _write_share(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path,
+                 request: SaveRequest) -> list[FileRecord]:
+    mine = [(c, f) for c, plan in plans.items() for f in plan.files_for(dist.rank())]
+    show = request.show_progress and dist.rank() == 0
+    records = []
+    for component, file in tqdm(mine, desc=f"Saving {request.final_dir.name}", unit="file", disable=not show):
+        tensors = engine.tensors(component, plans[component].files[file])
+        records.append(write_shard(staging / file, tensors))
+    return records
+
+
+def _finalize(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path, final: Path,
+              request: SaveRequest, records: list[FileRecord]) -> None:
+    entries = {}
+    for component, plan in plans.items():
+        stem = engine.file_stem(component)
+        index = None
+        if component != MODEL or plan.is_sharded:
+            extra = engine.optimizer_metadata() if component == OPTIMIZER else {}
+            records.append(write_index(staging, stem, plan.weight_map, plan.total_size, extra))
+            index = index_name(stem)
+        entries[component] = ComponentEntry(stem, tuple(plan.files), index, len(plan.weight_map), plan.total_size)
+    manifest = build_manifest(request.global_step, engine.saved_by(), request.options.as_manifest_dict(),
+                              entries, records)
+    write_manifest(staging, manifest)
+    commit(staging, final)
+    logger.info("Saved unified checkpoint %s (%d files)", final, len(records) + 1)

@@ -1,0 +1,1 @@
+"""Storage layer: how bytes land (safetensors shards, indexes, manifest, atomic commit, checksums)."""

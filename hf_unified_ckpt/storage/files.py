@@ -1,0 +1,93 @@
+"""Durable file primitives: fsync, checksums, atomic JSON, and the plain-file-name rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CorruptCheckpointError
+
+CHECKSUM_ALGORITHM = "crc32"
+_CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a checkpoint as the manifest records it."""
+
+    name: str
+    size: int
+    crc32: str
+
+    def as_dict(self) -> dict:
+        return {"size": self.size, CHECKSUM_ALGORITHM: self.crc32}
+
+
+def check_plain_name(name: str, where: str) -> str:
+    """Accept only a plain file name inside the checkpoint folder (no directories, absolute paths or `..`)."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\x00" in name or os.path.isabs(name)):
+        raise CorruptCheckpointError(
+            f"{where} names the file {name!r}; only plain file names inside the checkpoint folder are allowed "
+            "(no directories, absolute paths or '..'). The checkpoint is corrupt or hostile; do not load it."
+        )
+    return name
+
+
+def file_crc32(path: str | os.PathLike) -> str:
+    """CRC-32 of a file's bytes, as 8 lowercase hex digits."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Persist a directory's entries (a rename or a new file in it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def record_file(path: str | os.PathLike) -> FileRecord:
+    """fsync a written file and return its manifest record."""
+    path = Path(path)
+    fsync_file(path)
+    return FileRecord(path.name, path.stat().st_size, file_crc32(path))
+
+
+def write_json(path: str | os.PathLike, obj) -> FileRecord:
+    """Write JSON durably through a temporary file and an atomic rename; return its record."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return FileRecord(path.name, path.stat().st_size, file_crc32(path))
+
+
+def read_json(path: str | os.PathLike, what: str):
+    """Read a JSON file, turning any failure into a `CorruptCheckpointError` that names the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{what} {str(path)!r} is not valid JSON ({e}); the file is corrupt.") from e

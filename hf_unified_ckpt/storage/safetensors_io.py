@@ -1,0 +1,139 @@
+"""Sharded safetensors: writing one shard durably, HF-style index files, and lazy name-keyed reading."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CorruptCheckpointError
+from .files import FileRecord, check_plain_name, read_json, record_file, write_json
+
+SAFETENSORS_METADATA = {"format": "pt"}
+_MAX_HEADER = 100 * 2**20
+
+
+def _writable(tensor: torch.Tensor) -> torch.Tensor:
+    """safetensors refuses views that share storage; copy those (and non-contiguous ones) only."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        tensor = tensor.contiguous().clone()
+    return tensor
+
+
+def write_shard(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
+    """Write one safetensors file with `{"format": "pt"}` metadata, fsync it and return its record."""
+    save_file({k: _writable(v) for k, v in tensors.items()}, str(path), metadata=dict(SAFETENSORS_METADATA))
+    return record_file(path)
+
+
+def index_name(file_stem: str) -> str:
+    return f"{file_stem}.safetensors.index.json"
+
+
+def write_index(folder: str | os.PathLike, file_stem: str, weight_map: Mapping[str, str], total_size: int,
+                extra_metadata: Mapping | None = None) -> FileRecord:
+    """Write `<stem>.safetensors.index.json` in the HF layout, with optional extra metadata keys."""
+    metadata = {"total_size": int(total_size), **(extra_metadata or {})}
+    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+    return write_json(Path(folder) / index_name(file_stem), index)
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict:
+    """Read a safetensors file's JSON header without touching tensor data; raise if it is malformed."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError("file shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER:
+                raise ValueError(f"header length {n} is implausible")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > path.stat().st_size:
+            raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {path.stat().st_size}")
+        return header
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CorruptCheckpointError(f"safetensors file {str(path)!r} is truncated or malformed: {e}.") from e
+
+
+class ComponentReader:
+    """Lazy, name-keyed access to one component (`model`, `optimizer`, ...) of a checkpoint folder.
+
+    Reads `<stem>.safetensors.index.json` if present, else the single `<stem>.safetensors`. Files are opened
+    with `safe_open` on first use; `get_slice` reads only the requested part of a tensor.
+    """
+
+    def __init__(self, folder: str | os.PathLike, file_stem: str):
+        self.folder = Path(folder)
+        self.file_stem = file_stem
+        self.metadata: dict = {}
+        index_path = self.folder / index_name(file_stem)
+        if index_path.is_file():
+            index = read_json(index_path, "index file")
+            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+                raise CorruptCheckpointError(f"index {str(index_path)!r} has no 'weight_map' object.")
+            self.metadata = index.get("metadata") or {}
+            self.weight_map = {k: check_plain_name(v, f"index {index_path.name}") for k, v in index["weight_map"].items()}
+            self.files = sorted(set(self.weight_map.values()))
+        else:
+            single = self.folder / f"{file_stem}.safetensors"
+            if not single.is_file():
+                raise FileNotFoundError(f"{self.folder} has neither {index_path.name} nor {single.name}.")
+            self.files = [single.name]
+            with safe_open(str(single), framework="pt") as f:
+                self.weight_map = {k: single.name for k in f.keys()}
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, name: str):
+        try:
+            file = self.weight_map[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not in the {self.file_stem} files of {self.folder}") from None
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.folder / file), framework="pt")
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str):
+        return self._handle(name).get_slice(name)
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Shape and dtype string of every tensor, from the headers only."""
+        out = {}
+        for file in self.files:
+            header = read_safetensors_header(self.folder / file)
+            out.update({k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"})
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def tensor_names_in(files: Iterable[str | os.PathLike]) -> dict[str, int]:
+    """Tensor count per file, from headers only."""
+    return {Path(f).name: sum(1 for k in read_safetensors_header(f) if k != "__metadata__") for f in files}

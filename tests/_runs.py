@@ -1,0 +1,112 @@
+"""Shared fixtures for Trainer runs in tests and in the torchrun worker: a tiny model, data, one run.
+
+Sizes are deliberately odd (vocab 97, hidden 30, intermediate 46) so nothing divides evenly by 2 or 3 ranks.
+The global batch (6) is kept constant across world sizes 1, 2 and 3.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+GLOBAL_BATCH = 6
+SEQ_LEN = 16
+VOCAB = 97
+
+
+class TokenDataset(Dataset):
+    """Fixed-length random token sequences (no padding, so per-rank token counts are equal)."""
+
+    def __init__(self, n: int = 96, seed: int = 1234):
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (n, SEQ_LEN), generator=g)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i], "labels": self.data[i].clone(), "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long)}
+
+
+def build_model(kind: str = "llama", seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=30, intermediate_size=46, num_hidden_layers=2,
+                             num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64,
+                             tie_word_embeddings=False)
+        return LlamaForCausalLM(config)
+    if kind == "gpt2":  # tied embeddings
+        config = GPT2Config(vocab_size=VOCAB, n_embd=30, n_layer=2, n_head=3, n_positions=64,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+        return GPT2LMHeadModel(config)
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        base = build_model("llama", seed)
+        return get_peft_model(base, LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    raise ValueError(kind)
+
+
+def make_args(output_dir, world_size: int = 1, max_steps: int = 6, save_steps: int = 3, optim: str = "adamw_torch",
+              **overrides):
+    from hf_unified_ckpt import UnifiedCheckpointArguments
+
+    kwargs = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=GLOBAL_BATCH // world_size,
+        gradient_accumulation_steps=1, max_steps=max_steps, save_steps=save_steps, save_strategy="steps",
+        logging_steps=1, learning_rate=5e-3, warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.01,
+        use_cpu=True, report_to=[], disable_tqdm=True, seed=0, optim=optim, unified_checkpoint=True,
+        dataloader_num_workers=0, save_only_model=False,
+    )
+    if world_size > 1:
+        kwargs["ddp_backend"] = "gloo"
+    kwargs.update(overrides)
+    return UnifiedCheckpointArguments(**kwargs)
+
+
+def reset_accelerate_state() -> None:
+    """Let several Trainer runs share one process (DESIGN.md section 5)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        os.environ.pop(var, None)
+
+
+def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 1, optim: str = "adamw_torch",
+          attach: bool = True, **overrides):
+    """One Trainer run. Returns (trainer, {step: loss})."""
+    from transformers import Trainer
+
+    import hf_unified_ckpt
+
+    reset_accelerate_state()
+    args = make_args(output_dir, world_size=world_size, optim=optim, **overrides)
+    model = build_model(model_kind)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset())
+    if attach:
+        hf_unified_ckpt.attach(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    return trainer, losses
+
+
+def final_state(trainer) -> dict[str, torch.Tensor]:
+    from accelerate.utils import extract_model_from_parallel
+
+    module = extract_model_from_parallel(trainer.model_wrapped)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def optimizer_state(trainer) -> dict[str, torch.Tensor]:
+    """Optimizer state keyed by parameter name (via the library's own flattening)."""
+    from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+
+    engine = ReplicatedEngine(trainer.model_wrapped, trainer.optimizer)
+    return {s.name: t.clone() for s, t in zip(engine.specs("optimizer"),
+                                               engine.tensors("optimizer", [s.name for s in engine.specs("optimizer")]).values())}
