@@ -110,3 +110,16 @@ def optimizer_state(trainer) -> dict[str, torch.Tensor]:
     engine = ReplicatedEngine(trainer.model_wrapped, trainer.optimizer)
     return {s.name: t.clone() for s, t in zip(engine.specs("optimizer"),
                                                engine.tensors("optimizer", [s.name for s in engine.specs("optimizer")]).values())}
+
+
+def record(trainer, losses) -> dict:
+    """What a resume-equivalence test compares: per-step losses, final weights, final optimizer state."""
+    return {"losses": losses, "state": final_state(trainer), "optim": optimizer_state(trainer),
+            "global_step": trainer.state.global_step}
+
+
+def run_spec(run: dict, world_size: int) -> dict:
+    """Execute one run described as a dict (the format the torchrun worker reads)."""
+    trainer, losses = train(run["output_dir"], model_kind=run.get("model", "llama"), resume=run.get("resume"),
+                            world_size=world_size, optim=run.get("optim", "adamw_torch"), **run.get("overrides", {}))
+    return record(trainer, losses)

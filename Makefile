@@ -1,0 +1,28 @@
+# Two commands for a new user: `make demo` and `make test`. Each creates .venv/ (pinned versions) if missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# torch first: its 2.13.0 CPU build lies on this machine; a looser requirement would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+PINS   := transformers==5.23.0 accelerate==1.15.0 safetensors==0.8.0 deepspeed==0.19.8 \
+          peft==0.21.2 trl==1.16.0 pytest==9.2.0
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH)
+	$(PIP) install $(TORCH) $(PINS) -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) demo_output .pytest_cache

@@ -1,0 +1,81 @@
+"""`hf-unified-ckpt` command line: `info PATH [--json]` and `verify PATH`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import UnifiedCheckpointError
+from .layout import UNIFIED, detect_layout
+from .storage.manifest import verify_folder
+
+
+def _info(path: str) -> dict:
+    layout = detect_layout(path)
+    info = {"path": str(layout.path), "kind": layout.kind, "complete": layout.complete,
+            "global_step": layout.global_step, "reason": layout.reason or None}
+    if layout.manifest:
+        m = layout.manifest
+        info.update({
+            "format_version": m.get("format_version"), "library_version": m.get("library", {}).get("version"),
+            "saved_by": m.get("saved_by"), "options": m.get("options"),
+            "components": {k: {"file_stem": v["file_stem"], "files": len(v["files"]), "tensors": v["tensors"],
+                               "bytes": v["bytes"]} for k, v in m.get("components", {}).items()},
+            "files": len(m.get("files", {})),
+            "total_bytes": sum(f["size"] for f in m.get("files", {}).values()),
+        })
+    return info
+
+
+def _print_info(info: dict) -> None:
+    print(f"{info['path']}\n  kind:        {info['kind']}\n  complete:    {info['complete']}"
+          f"\n  global_step: {info['global_step']}")
+    if info.get("reason"):
+        print(f"  note:        {info['reason']}")
+    if "saved_by" in info:
+        print(f"  saved by:    {json.dumps(info['saved_by'], sort_keys=True)}")
+        print(f"  options:     {json.dumps(info['options'], sort_keys=True)}")
+        print(f"  files:       {info['files']} ({info['total_bytes']:,} bytes)")
+        for name, c in info["components"].items():
+            print(f"  {name:<12} {c['tensors']:>6} tensors {c['bytes']:>15,} bytes in {c['files']} "
+                  f"{c['file_stem']}*.safetensors file(s)")
+
+
+def _verify(path: str) -> int:
+    layout = detect_layout(path)
+    if layout.kind != UNIFIED or layout.manifest is None:
+        print(f"FAIL {path}: not a complete unified checkpoint (kind {layout.kind}): {layout.reason}", file=sys.stderr)
+        return 1
+    problems = verify_folder(layout.path, layout.manifest, checksums=True)
+    if problems:
+        print(f"FAIL {path}: {len(problems)} problem(s)", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    print(f"OK {path}: {len(layout.manifest['files'])} files, sizes and checksums match (step {layout.global_step})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-unified-ckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="what a checkpoint folder is, whether it is complete, what it holds")
+    p_info.add_argument("path")
+    p_info.add_argument("--json", action="store_true", help="print one JSON object")
+    p_verify = sub.add_parser("verify", help="exit 0 only if complete and every checksum matches")
+    p_verify.add_argument("path")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "info":
+            info = _info(args.path)
+            print(json.dumps(info, sort_keys=True)) if args.json else _print_info(info)
+            return 0
+        return _verify(args.path)
+    except UnifiedCheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""torchrun worker: run the Trainer runs listed in a JSON spec, one after another in this launch.
+
+    torchrun --standalone --nproc_per_node N tests/dist_worker.py spec.json
+
+Each run is {"output_dir", "model", "optim", "resume", "overrides", "result"}; rank 0 saves the run's record
+(losses, final weights, optimizer state) with torch.save to "result".
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _runs import run_spec  # noqa: E402
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    world = int(os.environ["WORLD_SIZE"])
+    for run in spec["runs"]:
+        result = run_spec(run, world)
+        if dist.get_rank() == 0 and run.get("result"):
+            torch.save(result, run["result"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
