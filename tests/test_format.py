@@ -1,0 +1,191 @@
+"""The pure layer and the on-disk format: golden index/manifest layout, planning, optimizer flattening."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+from hf_unified_ckpt.names import canonical_name, split_optimizer_key
+from hf_unified_ckpt.optim_state import flatten_optimizer_state, unflatten_optimizer_state
+from hf_unified_ckpt.options import UnifiedCheckpointOptions
+from hf_unified_ckpt.planning import TensorSpec, plan_component
+from hf_unified_ckpt.save import SaveRequest, save_checkpoint
+from hf_unified_ckpt.storage.safetensors_io import read_safetensors_header
+
+
+def _fixed_model_and_optimizer():
+    """Two linear layers with arange weights and one AdamW step on fixed gradients: deterministic bytes."""
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) / (10 + i))
+            p.grad = torch.full_like(p, 0.5 - i)
+    opt.step()
+    return model, opt
+
+
+@pytest.fixture
+def golden_checkpoint(tmp_path):
+    model, opt = _fixed_model_and_optimizer()
+    final = tmp_path / "checkpoint-7"
+    options = UnifiedCheckpointOptions(enabled=True, max_shard_size=200)
+    save_checkpoint(ReplicatedEngine(model, opt), SaveRequest(final, 7, options, show_progress=False), lambda f: [])
+    return final
+
+
+def test_golden_model_index(golden_checkpoint):
+    index = json.loads((golden_checkpoint / "model.safetensors.index.json").read_text())
+    assert index == {
+        "metadata": {"total_size": 264},
+        "weight_map": {"0.bias": "model-00001-of-00002.safetensors", "0.weight": "model-00001-of-00002.safetensors",
+                       "1.bias": "model-00002-of-00002.safetensors", "1.weight": "model-00002-of-00002.safetensors"},
+    }
+
+
+def test_golden_optimizer_index(golden_checkpoint):
+    index = json.loads((golden_checkpoint / "optimizer.safetensors.index.json").read_text())
+    assert index["metadata"] == {
+        "total_size": 544,
+        "state_types": {},
+        "param_groups": [{
+            "amsgrad": False, "betas": {"__tuple__": [0.9, 0.999]}, "capturable": False,
+            "decoupled_weight_decay": True, "differentiable": False, "eps": 1e-08, "foreach": None, "fused": None,
+            "lr": 0.1, "maximize": False, "weight_decay": 0.01,
+            "params": ["0.weight", "0.bias", "1.weight", "1.bias"],
+        }],
+    }
+    assert sorted(index["weight_map"]) == sorted(f"{p}/{s}" for p in ("0.weight", "0.bias", "1.weight", "1.bias")
+                                                 for s in ("exp_avg", "exp_avg_sq", "step"))
+    assert set(index["weight_map"].values()) == {f"optimizer-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
+
+
+def test_golden_manifest(golden_checkpoint):
+    manifest = json.loads((golden_checkpoint / "unified_checkpoint.json").read_text())
+    files = manifest.pop("files")
+    assert manifest == {
+        "format": "hf-unified-checkpoint", "format_version": 1, "checksum_algorithm": "crc32",
+        "library": {"name": "hf_unified_ckpt", "version": "0.1.0"}, "global_step": 7,
+        "saved_by": {"engine": "single", "world_size": 1, "zero_stage": None, "fsdp_version": None,
+                     "param_dtypes": ["float32"], "master_weights": False},
+        "options": {"ckpt_quant_stage": "O0", "skip_save_model_weight": False, "remove_master_weight": False,
+                    "async_save": False, "ema": False},
+        "components": {
+            "model": {"file_stem": "model", "index": "model.safetensors.index.json", "tensors": 4, "bytes": 264,
+                      "files": ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]},
+            "optimizer": {"file_stem": "optimizer", "index": "optimizer.safetensors.index.json", "tensors": 12,
+                          "bytes": 544, "files": [f"optimizer-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]},
+        },
+    }
+    assert sorted(files) == sorted(p.name for p in golden_checkpoint.iterdir() if p.name != "unified_checkpoint.json")
+    assert files["model-00001-of-00002.safetensors"] == {"size": 336, "crc32": "f6dc1623"}
+    assert all(set(rec) == {"size", "crc32"} and len(rec["crc32"]) == 8 for rec in files.values())
+
+
+def test_golden_safetensors_header(golden_checkpoint):
+    header = read_safetensors_header(golden_checkpoint / "model-00001-of-00002.safetensors")
+    assert header == {
+        "__metadata__": {"format": "pt"},
+        "0.bias": {"dtype": "F32", "shape": [7], "data_offsets": [0, 28]},
+        "0.weight": {"dtype": "F32", "shape": [7, 5], "data_offsets": [28, 168]},
+    }
+
+
+def test_saving_twice_gives_identical_bytes(tmp_path, golden_checkpoint):
+    model, opt = _fixed_model_and_optimizer()
+    again = tmp_path / "again" / "checkpoint-7"
+    save_checkpoint(ReplicatedEngine(model, opt),
+                    SaveRequest(again, 7, UnifiedCheckpointOptions(enabled=True, max_shard_size=200), show_progress=False),
+                    lambda f: [])
+    assert (again / "unified_checkpoint.json").read_bytes() == (golden_checkpoint / "unified_checkpoint.json").read_bytes()
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("module.model.layers.0.weight", "model.layers.0.weight"),
+    ("module._orig_mod.model.layers.0._fsdp_wrapped_module.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
+    ("model.layers.1._checkpoint_wrapped_module.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+])
+def test_canonical_name(name, expected):
+    assert canonical_name(name) == expected
+
+
+def test_optimizer_key_split():
+    assert split_optimizer_key("model.layers.0.mlp.up_proj.weight/exp_avg") == ("model.layers.0.mlp.up_proj.weight", "exp_avg")
+    with pytest.raises(ValueError, match="not of the form"):
+        split_optimizer_key("no_slash")
+
+
+def test_plan_spreads_files_over_writers_and_never_splits_a_tensor():
+    specs = [TensorSpec(f"t{i}", (100 + i,), torch.float32) for i in range(10)] + [TensorSpec("big", (5000,), torch.float32)]
+    plan = plan_component("optimizer", specs, writers=3, max_shard_size=2000, min_parallel=1)
+    names = [n for f in plan.files.values() for n in f]
+    assert sorted(names) == sorted(s.name for s in specs)  # each tensor exactly once
+    sizes = {f: sum(plan.specs[n].nbytes for n in ns) for f, ns in plan.files.items()}
+    assert all(size <= 2000 or len(plan.files[f]) == 1 for f, size in sizes.items())
+    assert set(plan.owners.values()) == {0, 1, 2}
+    assert plan.weight_map["big"] in plan.files and len(plan.files[plan.weight_map["big"]]) == 1
+
+
+def test_plan_keeps_small_states_in_one_file():
+    plan = plan_component("model", [TensorSpec("a", (10,), torch.float32)], writers=4, max_shard_size=10**9)
+    assert list(plan.files) == ["model.safetensors"] and not plan.is_sharded
+
+
+def _roundtrip(opt, names):
+    tensors, meta = flatten_optimizer_state(opt.state_dict(), dict(enumerate(names)))
+    meta = json.loads(json.dumps(meta))  # as stored in the index
+    groups = [[names[i] for i in g["params"]] for g in opt.state_dict()["param_groups"]]
+    return unflatten_optimizer_state(list(tensors), tensors.__getitem__, meta, groups)
+
+
+def _assert_state_equal(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys()
+        for k, v in a["state"][i].items():
+            w = b["state"][i][k]
+            assert type(v) is type(w), k
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1),  # momentum 0: momentum_buffer is None
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True),
+    lambda ps: __import__("transformers").Adafactor(ps, lr=0.01, relative_step=False, scale_parameter=False),
+    lambda ps: torch.optim.AdamW([{"params": ps[:1], "weight_decay": 0.0}, {"params": ps[1:], "lr": 0.5}], lr=0.1),
+])
+def test_any_torch_optimizer_state_round_trips(make):
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    opt = make(list(model.parameters()))
+    for _ in range(2):
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+    names = [n for n, _ in model.named_parameters()]
+    _assert_state_equal(_roundtrip(opt, names), opt.state_dict())
+
+
+def test_hparams_with_tensors_and_non_finite_values_round_trip():
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.param_groups[0]["custom_tensor"] = torch.tensor([1.5, 2.5])
+    opt.param_groups[0]["max_norm"] = math.inf
+    out = _roundtrip(opt, ["w"])
+    assert torch.equal(out["param_groups"][0]["custom_tensor"], torch.tensor([1.5, 2.5]))
+    assert out["param_groups"][0]["max_norm"] == math.inf
+
+
+def test_mismatched_param_groups_name_the_parameters():
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    tensors, meta = flatten_optimizer_state(opt.state_dict(), dict(enumerate(["a", "b", "c", "d"])))
+    with pytest.raises(ValueError, match=r"\['e'\]"):
+        unflatten_optimizer_state(list(tensors), tensors.__getitem__, meta, [["a", "b", "c", "e"]])

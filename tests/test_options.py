@@ -1,0 +1,94 @@
+"""Options: parsed once into a frozen dataclass; bad words and contradictions fail early with named errors."""
+
+import dataclasses
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_unified_ckpt import UnifiedCheckpointArguments, UnifiedCheckpointOptions, parse_options, with_unified_checkpoint
+from hf_unified_ckpt.errors import UnsupportedOptionError
+from hf_unified_ckpt.options import parse_size
+
+
+def test_defaults_and_frozen():
+    opts = parse_options(True, "")
+    assert opts == UnifiedCheckpointOptions(enabled=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.enabled = False
+
+
+def test_unknown_word_names_it_and_lists_valid_words():
+    with pytest.raises(ValueError) as e:
+        parse_options(True, "async_save,  bogus_word")
+    msg = str(e.value)
+    assert "bogus_word" in msg and "skip_save_model_weight" in msg and "remove_master_weight" in msg
+
+
+@pytest.mark.parametrize("config", ["skip_save_model_weight remove_master_weight",
+                                    "enable_all_options,remove_master_weight"])
+def test_contradiction_is_an_error(config):
+    with pytest.raises(ValueError, match="save no weights"):
+        parse_options(True, config)
+
+
+@pytest.mark.parametrize("config", ["async_save", "skip_save_model_weight", "master_weight_compatible",
+                                    "remove_master_weight", "enable_all_options"])
+def test_options_of_later_issues_are_refused_not_ignored(config):
+    with pytest.raises(UnsupportedOptionError, match="not supported yet"):
+        parse_options(True, config)
+
+
+def test_quant_stage_validation():
+    with pytest.raises(ValueError, match="O3"):
+        parse_options(True, "", ckpt_quant_stage="O3")
+    with pytest.raises(UnsupportedOptionError, match="int8/int4"):
+        parse_options(True, "", ckpt_quant_stage="O1")
+    assert parse_options(True, "", ckpt_quant_stage="O2", disable_ckpt_quant=True).quant_stage == "O0"
+
+
+@pytest.mark.parametrize("text,expected", [("5GB", 5 * 10**9), ("512MiB", 512 * 2**20), ("1000", 1000),
+                                           (" 1.5 kb ", 1500), (42, 42)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["5 parsecs", "", "-1", 0])
+def test_parse_size_errors(bad):
+    with pytest.raises(ValueError, match="unified_checkpoint_max_shard_size"):
+        parse_size(bad)
+
+
+def test_arguments_parse_from_cli_and_yaml(tmp_path):
+    parser = HfArgumentParser(UnifiedCheckpointArguments)
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--unified_checkpoint", "--unified_checkpoint_max_shard_size", "2MB",
+         "--use_cpu"])
+    assert args.unified_checkpoint_options == UnifiedCheckpointOptions(enabled=True, max_shard_size=2_000_000)
+    yaml_file = tmp_path / "args.yaml"
+    yaml_file.write_text(f"output_dir: {tmp_path}\nunified_checkpoint: true\nuse_cpu: true\n")
+    (args,) = parser.parse_yaml_file(str(yaml_file))
+    assert args.unified_checkpoint_options.enabled
+    helps = {a.dest: a.help for a in parser._actions}
+    assert "safetensors" in helps["unified_checkpoint"] and "async_save" in helps["unified_checkpoint_config"]
+
+
+def test_bad_word_fails_when_arguments_are_built(tmp_path):
+    with pytest.raises(ValueError, match="nonsense"):
+        UnifiedCheckpointArguments(output_dir=str(tmp_path), unified_checkpoint=True,
+                                   unified_checkpoint_config="nonsense", use_cpu=True)
+
+
+def test_trl_configs_carry_the_fields_and_pickle(tmp_path):
+    import pickle
+
+    from trl import DPOConfig, SFTConfig
+
+    from hf_unified_ckpt.trl_configs import UnifiedDPOConfig, UnifiedSFTConfig
+
+    for cls, base in ((UnifiedSFTConfig, SFTConfig), (UnifiedDPOConfig, DPOConfig)):
+        cfg = cls(output_dir=str(tmp_path), unified_checkpoint=True, use_cpu=True, bf16=False)
+        assert isinstance(cfg, base) and cfg.unified_checkpoint_options.enabled
+        assert type(pickle.loads(pickle.dumps(cfg))) is cls
+    assert with_unified_checkpoint(SFTConfig) is UnifiedSFTConfig
+    with pytest.raises(TypeError, match="TrainingArguments dataclass"):
+        with_unified_checkpoint(dict)
