@@ -83,7 +83,13 @@ class UnifiedCheckpointMixin:
 
     def _uc_check_loadable(self, layout: Layout) -> None:
         engine = _engine_kind(self)
-        if layout.kind == UNIFIED_INCOMPLETE or (layout.kind == UNIFIED and not layout.complete):
+        if layout.kind == UNIFIED:  # committed: damage is reported file by file by verify_checkpoint
+            if engine != "replicated":
+                raise UnsupportedCheckpointError(
+                    f"resuming a unified checkpoint under {engine} is not supported yet in this version; "
+                    "resume it on a single process or DDP.")
+            return
+        if layout.kind == UNIFIED_INCOMPLETE:
             newest = newest_complete(layout.path.parent)
             raise IncompleteCheckpointError(
                 f"{layout.path} is not a complete unified checkpoint: {layout.reason}. "
@@ -91,17 +97,13 @@ class UnifiedCheckpointMixin:
                    "There is no complete checkpoint next to it.")
                 + " Resume from a complete one (resume_from_checkpoint=True picks it)."
             )
-        if layout.kind == UNIFIED and engine != "replicated":
-            raise UnsupportedCheckpointError(
-                f"resuming a unified checkpoint under {engine} is not supported yet in this version; "
-                "resume it on a single process or DDP.")
         if layout.kind in (DEEPSPEED, FSDP) and (engine != layout.kind or self.args.unified_checkpoint):
             raise UnsupportedCheckpointError(
                 f"{layout.path} is a legacy {layout.kind} checkpoint; this version of hf_unified_ckpt cannot "
                 f"load it into a {engine} run. (The plain Trainer would 'resume' it without its optimizer and "
                 "LR schedule, silently.) Resume it with the engine and world size that wrote it and "
                 "unified_checkpoint=False.")
-        if layout.kind in (UNIFIED, HF_TRAINER, DEEPSPEED, FSDP):
+        if layout.kind in (HF_TRAINER, DEEPSPEED, FSDP):
             if not layout.complete:
                 raise IncompleteCheckpointError(f"{layout.path} ({layout.kind}) is incomplete: {layout.reason}.")
             return

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .layout import detect_layout
-from .storage.commit import list_checkpoints
+from .storage.commit import DELETING_SUFFIX, list_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, protect: I
         if path.resolve() in keep:
             continue
         logger.info("Deleting older checkpoint %s due to save_total_limit=%d", path, limit)
-        shutil.rmtree(path, ignore_errors=True)
+        doomed = path.with_name(f".{path.name}{DELETING_SUFFIX}")  # hidden first: a kill mid-delete leaves no
+        os.rename(path, doomed)                                    # half-deleted checkpoint-N behind
+        shutil.rmtree(doomed, ignore_errors=True)
         deleted.append(path)
         excess -= 1
     return deleted

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_SUFFIX = ".incomplete"
 SUPERSEDED_SUFFIX = ".superseded"
+DELETING_SUFFIX = ".deleting"
 
 
 def staging_dir(final: str | os.PathLike) -> Path:
@@ -49,10 +50,11 @@ def commit(staging: Path, final: Path) -> None:
 
 
 def remove_stale(run_dir: str | os.PathLike) -> list[Path]:
-    """Remove staging/superseded folders that interrupted saves left behind (rank 0, no save in flight)."""
+    """Remove staging/superseded/deleting folders that interrupted saves or rotations left behind (rank 0,
+    no save in flight)."""
     removed = []
     for path in Path(run_dir).glob(".checkpoint-*"):
-        if path.is_dir() and path.name.endswith((STAGING_SUFFIX, SUPERSEDED_SUFFIX)):
+        if path.is_dir() and path.name.endswith((STAGING_SUFFIX, SUPERSEDED_SUFFIX, DELETING_SUFFIX)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

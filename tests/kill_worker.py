@@ -1,0 +1,80 @@
+"""Train 9 steps saving at 3 and 6; die (os._exit, no clean-up: what SIGKILL leaves) at POINT during the
+step-6 save.   python tests/kill_worker.py RUN_DIR POINT"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hf_unified_ckpt.integration as integration  # noqa: E402
+import hf_unified_ckpt.retention as retention  # noqa: E402
+import hf_unified_ckpt.save as save  # noqa: E402
+from _runs import train  # noqa: E402
+
+KILLED = 137
+state = {"saves": 0}
+ORIGINAL_WRITE_SHARD = save.write_shard
+
+
+def die():
+    sys.stdout.flush()
+    os._exit(KILLED)
+
+
+def during_second_save(fn, on_call=1, before=None):
+    def wrapper(*args, **kwargs):
+        if state["saves"] == 2:
+            state[fn.__name__] = state.get(fn.__name__, 0) + 1
+            if state[fn.__name__] == on_call:
+                (before or (lambda *a, **k: die()))(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def half_file_then_die(path, tensors):
+    ORIGINAL_WRITE_SHARD(path, tensors)
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    die()
+
+
+def rotation_killer(real_rmtree):
+    """Kill while rotation deletes checkpoint-3 (after checkpoint-6 was committed)."""
+    def rmtree(path, *a, **k):
+        if "checkpoint-3" in os.path.basename(str(path)):
+            for name in sorted(os.listdir(path))[:3]:
+                os.remove(os.path.join(path, name))
+            die()
+        return real_rmtree(path, *a, **k)
+    return rmtree
+
+
+def count_saves(fn):
+    def wrapper(*args, **kwargs):
+        state["saves"] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+POINTS = {
+    "before-first-shard": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 1)),
+    "between-shards": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 3)),
+    "mid-file": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 2, before=half_file_then_die)),
+    "before-rng": lambda: setattr(integration, "save_rng_state", during_second_save(integration.save_rng_state)),
+    "before-index": lambda: setattr(save, "write_index", during_second_save(save.write_index, 1)),
+    "between-indexes": lambda: setattr(save, "write_index", during_second_save(save.write_index, 2)),
+    "before-manifest": lambda: setattr(save, "write_manifest", during_second_save(save.write_manifest)),
+    "before-rename": lambda: setattr(save, "commit", during_second_save(save.commit)),
+    "during-rotation": lambda: setattr(retention.shutil, "rmtree", rotation_killer(retention.shutil.rmtree)),
+}
+
+
+if __name__ == "__main__":
+    run_dir, point = sys.argv[1], sys.argv[2]
+    POINTS[point]()
+    integration.save_checkpoint = count_saves(integration.save_checkpoint)
+    limit = 1 if point == "during-rotation" else None
+    train(run_dir, max_steps=9, save_steps=3, save_total_limit=limit, unified_checkpoint_max_shard_size="40KB")
+    print("training finished without being killed", flush=True)
+    sys.exit(3)

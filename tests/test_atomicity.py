@@ -1,0 +1,67 @@
+"""Atomic: a save killed at any point leaves no folder that resume picks; resume picks the previous complete
+checkpoint and continues exactly. Also: an injected write failure (full disk) raises and commits nothing."""
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_unified_ckpt.save as save_module
+from _runs import final_state, train
+from hf_unified_ckpt.errors import UnifiedCheckpointError
+from hf_unified_ckpt.layout import detect_layout, newest_complete
+from kill_worker import KILLED, POINTS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    trainer, losses = train(tmp_path_factory.mktemp("base"), max_steps=9, save_steps=3,
+                            unified_checkpoint_max_shard_size="40KB")
+    return losses, final_state(trainer)
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, uninterrupted, caplog):
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "kill_worker.py"), str(run), point],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == KILLED, proc.stdout[-2000:] + proc.stderr[-4000:]
+    expected_step = 6 if point == "during-rotation" else 3
+    newest = newest_complete(run)
+    assert newest is not None and newest.global_step == expected_step
+    if point != "during-rotation":
+        six = run / "checkpoint-6"
+        assert not six.exists() or not detect_layout(six).complete
+    trainer, losses = train(run, max_steps=9, save_steps=3, resume=True, unified_checkpoint_max_shard_size="40KB")
+    base_losses, base_state = uninterrupted
+    assert all(losses[s] == base_losses[s] for s in range(expected_step + 1, 10))
+    state = final_state(trainer)
+    assert all(torch.equal(state[k], base_state[k]) for k in base_state)
+    assert detect_layout(run / "checkpoint-9").complete
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # leftovers were cleaned at the next save
+    if point == "during-rotation":
+        assert not (run / "checkpoint-3").exists()  # never a half-deleted checkpoint-3
+
+
+def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch):
+    real = save_module.write_shard
+    written = []
+
+    def failing(path, tensors):
+        if ".checkpoint-6." in str(path) and len(written) == 2:  # second save, after two of its files
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        if ".checkpoint-6." in str(path):
+            written.append(path)
+        return real(path, tensors)
+
+    monkeypatch.setattr(save_module, "write_shard", failing)
+    with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
+        train(tmp_path, max_steps=6, save_steps=3, unified_checkpoint_max_shard_size="40KB")
+    assert "No space left on device" in str(e.value) and "checkpoint-6" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]  # no staging folder left either
+    assert newest_complete(tmp_path).global_step == 3
