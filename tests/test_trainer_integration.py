@@ -1,0 +1,145 @@
+"""Trainer integration on one process: from_pretrained, native write replaced, rotation, resume selection,
+legacy plain-Trainer folders, refusals."""
+
+import logging
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import hf_unified_ckpt
+from _runs import TokenDataset, build_model, final_state, make_args, reset_accelerate_state, train
+from hf_unified_ckpt.errors import UnsupportedCheckpointError
+from hf_unified_ckpt.layout import detect_layout
+
+
+def _logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(TokenDataset(4, seed=7).data).logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_from_pretrained_gives_the_trained_logits_and_save_pretrained_names(kind, tmp_path):
+    trainer, _ = train(tmp_path / "run", model_kind=kind, max_steps=3, save_steps=3)
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert torch.equal(_logits(loaded), _logits(trainer.model))
+    trainer.model.save_pretrained(tmp_path / "native")
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as ours, \
+            safe_open(str(tmp_path / "native" / "model.safetensors"), "pt") as native:
+        assert sorted(ours.keys()) == sorted(native.keys())
+        assert ours.metadata() == {"format": "pt"}
+        for key in native.keys():
+            assert torch.equal(ours.get_tensor(key), native.get_tensor(key)), key
+        if kind == "gpt2":
+            assert "lm_head.weight" not in ours.keys() and loaded.lm_head.weight is loaded.transformer.wte.weight
+
+
+def test_native_checkpoint_write_is_replaced_not_doubled(tmp_path, monkeypatch):
+    calls = []
+    for name in ("_save_optimizer_and_scheduler", "_save_rng_state", "save_model"):
+        real = getattr(Trainer, name)
+        monkeypatch.setattr(Trainer, name, lambda self, *a, _n=name, _r=real, **k: calls.append(_n) or _r(self, *a, **k))
+    train(tmp_path, max_steps=3, save_steps=3)
+    assert calls == []
+    names = {p.name for p in (tmp_path / "checkpoint-3").iterdir()}
+    assert not names & {"optimizer.pt", "pytorch_model.bin", "rng_state.pth"}
+    assert {"model.safetensors", "optimizer.safetensors", "unified_checkpoint.json", "scheduler.pt",
+            "trainer_state.json", "rng_state_0.pth", "config.json"} <= names
+
+
+def test_rotation_keeps_limit_and_never_touches_incomplete(tmp_path):
+    stray = tmp_path / "checkpoint-1"
+    stray.mkdir(parents=True)
+    (stray / "model.safetensors").write_bytes(b"junk")
+    train(tmp_path, max_steps=6, save_steps=2, save_total_limit=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-4", "checkpoint-6"]
+
+
+def test_resume_true_picks_newest_complete_and_says_what_it_skipped(tmp_path, caplog):
+    _, base = train(tmp_path, max_steps=6, save_steps=3)
+    (tmp_path / "checkpoint-6" / "unified_checkpoint.json").unlink()  # as if killed just before the commit
+    assert detect_layout(tmp_path / "checkpoint-6").kind == "unified-incomplete"
+    with caplog.at_level(logging.WARNING, logger="hf_unified_ckpt"):
+        _, losses = train(tmp_path, max_steps=6, save_steps=3, resume=True)
+    assert "Skipping" in caplog.text and "checkpoint-6" in caplog.text
+    assert [losses[s] for s in (4, 5, 6)] == [base[s] for s in (4, 5, 6)]
+    assert detect_layout(tmp_path / "checkpoint-6").complete
+
+
+def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        train(tmp_path, max_steps=3, resume=True)
+
+
+def test_plain_trainer_folder_resumes_exactly_and_next_save_is_unified(tmp_path):
+    _, base = train(tmp_path / "legacy", max_steps=6, save_steps=3, attach=False)
+    legacy = tmp_path / "legacy" / "checkpoint-3"
+    assert detect_layout(legacy).kind == "hf-trainer" and (legacy / "optimizer.pt").exists()
+    trainer, losses = train(tmp_path / "resumed", max_steps=6, save_steps=3, resume=str(legacy))
+    assert [losses[s] for s in (4, 5, 6)] == [base[s] for s in (4, 5, 6)]
+    assert detect_layout(tmp_path / "resumed" / "checkpoint-6").kind == "unified"
+
+
+def test_adafactor_resume_is_exact(tmp_path):
+    trainer, base = train(tmp_path / "a", max_steps=6, save_steps=3, optim="adafactor")
+    resumed, losses = train(tmp_path / "b", max_steps=6, resume=str(tmp_path / "a" / "checkpoint-3"), optim="adafactor")
+    assert [losses[s] for s in (4, 5, 6)] == [base[s] for s in (4, 5, 6)]
+    a, b = final_state(trainer), final_state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_save_only_model_checkpoint_refuses_exact_resume(tmp_path):
+    train(tmp_path / "a", max_steps=3, save_steps=3, save_only_model=True)
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    assert "optimizer.safetensors" not in {p.name for p in ckpt.iterdir()}
+    with pytest.raises(UnsupportedCheckpointError, match="save_only_model"):
+        train(tmp_path / "b", max_steps=6, resume=str(ckpt))
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("hi")
+    with pytest.raises(UnsupportedCheckpointError, match="no checkpoint files found.*readme.txt"):
+        train(tmp_path / "b", max_steps=3, resume=str(tmp_path / "notes"))
+
+
+def test_callback_added_without_attach_is_an_error(tmp_path):
+    reset_accelerate_state()
+    trainer = Trainer(model=build_model(), args=make_args(tmp_path, max_steps=2), train_dataset=TokenDataset(),
+                      callbacks=[hf_unified_ckpt.UnifiedCheckpointCallback()])
+    with pytest.raises(RuntimeError, match="attach"):
+        trainer.train()
+
+
+def test_attach_needs_the_plugin_arguments(tmp_path):
+    reset_accelerate_state()
+    trainer = Trainer(model=build_model(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
+                      train_dataset=TokenDataset())
+    with pytest.raises(TypeError, match="UnifiedCheckpointArguments"):
+        hf_unified_ckpt.attach(trainer)
+
+
+def test_attach_is_per_instance_and_idempotent(tmp_path):
+    reset_accelerate_state()
+    args = make_args(tmp_path, max_steps=2)
+    one = Trainer(model=build_model(), args=args, train_dataset=TokenDataset())
+    two = Trainer(model=build_model(), args=args, train_dataset=TokenDataset())
+    hf_unified_ckpt.attach(one)
+    hf_unified_ckpt.UnifiedCheckpointCallback.attach(one)
+    assert isinstance(one, hf_unified_ckpt.UnifiedCheckpointMixin) and isinstance(one, Trainer)
+    assert not isinstance(two, hf_unified_ckpt.UnifiedCheckpointMixin) and type(two) is Trainer
+    assert sum(isinstance(c, hf_unified_ckpt.UnifiedCheckpointCallback) for c in one.callback_handler.callbacks) == 1
+
+
+def test_lora_checkpoint_loads_with_peft_from_pretrained(tmp_path):
+    from peft import PeftModel
+
+    trainer, _ = train(tmp_path, model_kind="lora", max_steps=3, save_steps=3)
+    ckpt = tmp_path / "checkpoint-3"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in ckpt.iterdir()}
+    assert "model.safetensors" not in {p.name for p in ckpt.iterdir()}
+    loaded = PeftModel.from_pretrained(build_model("llama"), ckpt)
+    assert torch.equal(_logits(loaded), _logits(trainer.model))
