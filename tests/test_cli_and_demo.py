@@ -1,0 +1,71 @@
+"""`hf-unified-ckpt info/verify` on every kind of folder, the console script, and the `make demo` script."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _runs import train
+from hf_unified_ckpt.cli import main as cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _info(path, capsys):
+    capsys.readouterr()  # drop what training printed
+    assert cli(["info", "--json", str(path)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_info_on_each_kind(tmp_path, capsys):
+    train(tmp_path / "u", max_steps=3, save_steps=3)
+    train(tmp_path / "legacy", max_steps=3, save_steps=3, attach=False)
+    info = _info(tmp_path / "u" / "checkpoint-3", capsys)
+    assert (info["kind"], info["complete"], info["global_step"]) == ("unified", True, 3)
+    assert info["components"]["model"]["tensors"] == 21 and info["components"]["optimizer"]["tensors"] == 63
+    assert info["saved_by"]["engine"] == "single" and info["saved_by"]["world_size"] == 1
+    assert info["total_bytes"] > info["components"]["model"]["bytes"] + info["components"]["optimizer"]["bytes"]
+    legacy = _info(tmp_path / "legacy" / "checkpoint-3", capsys)
+    assert (legacy["kind"], legacy["complete"], legacy["global_step"]) == ("hf-trainer", True, 3)
+    (tmp_path / "u" / "checkpoint-3" / "unified_checkpoint.json").unlink()
+    incomplete = _info(tmp_path / "u" / "checkpoint-3", capsys)
+    assert (incomplete["kind"], incomplete["complete"]) == ("unified-incomplete", False)
+    assert "interrupted" in incomplete["reason"]
+    (tmp_path / "empty").mkdir()
+    assert _info(tmp_path / "empty", capsys)["kind"] == "unknown"
+    capsys.readouterr()
+    assert cli(["verify", str(tmp_path / "u" / "checkpoint-3")]) == 1
+    assert "not a complete unified checkpoint" in capsys.readouterr().err
+
+
+def test_console_script_and_module_entry_points(tmp_path):
+    train(tmp_path, max_steps=3, save_steps=3)
+    exe = Path(sys.executable).with_name("hf-unified-ckpt")
+    assert exe.exists(), "console script not installed (pip install -e .)"
+    out = subprocess.run([str(exe), "info", "--json", str(tmp_path / "checkpoint-3")], capture_output=True,
+                         text=True, check=True).stdout
+    assert json.loads(out)["kind"] == "unified"
+    proc = subprocess.run([sys.executable, "-m", "hf_unified_ckpt", "verify", str(tmp_path / "checkpoint-3")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK")
+
+
+@pytest.mark.dist
+def test_make_demo_script(tmp_path):
+    """What `make demo` runs: DDP-2 train, resume on 1 process, loss curve continues, from_pretrained works."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), str(tmp_path / "demo")],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "loss curve after resume continues exactly" in proc.stdout
+    assert "generated:" in proc.stdout
+    for ckpt in ("ddp2/checkpoint-10", "resumed_1proc/checkpoint-30"):
+        out = subprocess.run([sys.executable, "-m", "hf_unified_ckpt", "info", "--json", str(tmp_path / "demo" / ckpt)],
+                             capture_output=True, text=True, check=True).stdout
+        info = json.loads(out)
+        assert info["kind"] == "unified" and info["complete"] is True
+    assert json.loads(subprocess.run([sys.executable, "-m", "hf_unified_ckpt", "info", "--json",
+                                      str(tmp_path / "demo" / "ddp2" / "checkpoint-10")], capture_output=True,
+                                     text=True).stdout)["saved_by"]["world_size"] == 2
