@@ -56,6 +56,7 @@ class UnifiedCheckpointMixin:
 
     # ---- resume -----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """`Trainer.train`, with the resume folder resolved and verified first. Collective: all ranks call it."""
         self._uc_resume = None
         self._uc_refuse_unsupported_engine()
         path = self._uc_resolve(resume_from_checkpoint)
@@ -78,7 +79,8 @@ class UnifiedCheckpointMixin:
             layout = detect_layout(value)
         self._uc_check_loadable(layout)
         if layout.kind == UNIFIED:
-            self._uc_resume = _Resume(layout, verify_checkpoint(layout.path))
+            self._uc_resume = _Resume(layout, verify_checkpoint(layout.path,
+                                                                 show_progress=not self.args.disable_tqdm))
         return str(layout.path)
 
     def _uc_check_loadable(self, layout: Layout) -> None:
@@ -151,6 +153,7 @@ class UnifiedCheckpointMixin:
 
     # ---- save -------------------------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial):
+        """Write a unified checkpoint instead of the native one. Collective: all ranks call it."""
         options = self.args.unified_checkpoint_options
         if not options.enabled:
             return super()._save_checkpoint(model, trial)

@@ -14,7 +14,7 @@ from .storage.safetensors_io import ComponentReader
 logger = logging.getLogger(__name__)
 
 
-def verify_checkpoint(folder: str | Path, checksums: bool = True) -> dict:
+def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress: bool = False) -> dict:
     """Check every file of the checkpoint (presence, size, checksum, headers, index names) before any tensor is
     read; each rank checks a share of the files. Returns the manifest.
 
@@ -27,7 +27,8 @@ def verify_checkpoint(folder: str | Path, checksums: bool = True) -> dict:
         manifest, error = None, e
     names = sorted(manifest["files"]) if manifest else []
     mine = names[dist.rank()::dist.world_size()]
-    problems = verify_folder(folder, manifest, mine, checksums) if manifest else []
+    show = show_progress and dist.rank() == 0
+    problems = verify_folder(folder, manifest, mine, checksums, show_progress=show) if manifest else []
     all_problems = sorted(p for share in dist.all_gather_object(problems) for p in share)
     if error is not None:
         raise error

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from .. import __version__
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .files import CHECKSUM_ALGORITHM, FileRecord, check_plain_name, file_crc32, read_json, write_json
@@ -91,13 +93,14 @@ def read_manifest(folder: str | os.PathLike) -> dict:
 
 
 def verify_folder(folder: str | os.PathLike, manifest: Mapping, names: Iterable[str] | None = None,
-                  checksums: bool = True) -> list[str]:
+                  checksums: bool = True, show_progress: bool = False) -> list[str]:
     """Check the listed files (all by default): present, of the recorded size, checksum matching, safetensors
     headers well formed and index entries plain names. Returns one message per problem (empty = good)."""
     folder = Path(folder)
     table = manifest["files"]
     problems = []
-    for name in sorted(names if names is not None else table):
+    for name in tqdm(sorted(names if names is not None else table), desc=f"Verifying {folder.name}", unit="file",
+                     disable=not show_progress):
         expected = table[name]
         path = folder / name
         if not path.is_file():
