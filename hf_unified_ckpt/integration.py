@@ -39,6 +39,7 @@ from .storage.files import FileRecord, record_file
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TRANSFORMERS_MAJOR = 5
+SUPPORTED_ENGINES = ("replicated", "deepspeed")
 _REQUIRED_METHODS = ("train", "_prepare_for_training", "_load_from_checkpoint", "_load_rng_state",
                      "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler")
 SCHEDULER_FILE, TRAINER_STATE_FILE, ARGS_FILE, SCALER_FILE = (
@@ -86,10 +87,10 @@ class UnifiedCheckpointMixin:
     def _uc_check_loadable(self, layout: Layout) -> None:
         engine = _engine_kind(self)
         if layout.kind == UNIFIED:  # committed: damage is reported file by file by verify_checkpoint
-            if engine != "replicated":
+            if engine not in SUPPORTED_ENGINES:
                 raise UnsupportedCheckpointError(
                     f"resuming a unified checkpoint under {engine} is not supported yet in this version; "
-                    "resume it on a single process or DDP.")
+                    f"resume it with one of {SUPPORTED_ENGINES}.")
             return
         if layout.kind == UNIFIED_INCOMPLETE:
             newest = newest_complete(layout.path.parent)
@@ -113,10 +114,10 @@ class UnifiedCheckpointMixin:
 
     def _uc_refuse_unsupported_engine(self) -> None:
         engine = _engine_kind(self)
-        if self.args.unified_checkpoint_options.enabled and engine != "replicated":
+        if self.args.unified_checkpoint_options.enabled and engine not in SUPPORTED_ENGINES:
             raise UnsupportedCheckpointError(
-                f"unified_checkpoint=True with {engine} is not supported yet in this version (single process and "
-                f"DDP are). Set unified_checkpoint=False to use {engine}'s own checkpoints.")
+                f"unified_checkpoint=True with {engine} is not supported yet in this version (supported: "
+                f"{SUPPORTED_ENGINES}). Set unified_checkpoint=False to use {engine}'s own checkpoints.")
 
     def _uc_resuming(self, checkpoint) -> _Resume | None:
         resume = getattr(self, "_uc_resume", None)
@@ -135,7 +136,7 @@ class UnifiedCheckpointMixin:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
         folder = resume.layout.path
-        load_checkpoint(folder, self._uc_engine(), resume.manifest, load_optimizer=True)
+        load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options)
         if self.lr_scheduler is not None and (folder / SCHEDULER_FILE).is_file():
             self.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
         self._load_scaler(str(folder))
@@ -177,6 +178,10 @@ class UnifiedCheckpointMixin:
                                protect=[self.state.best_model_checkpoint, output_dir])
 
     def _uc_engine(self):
+        if _engine_kind(self) == "deepspeed":
+            from .engines.deepspeed import DeepSpeedEngine
+
+            return DeepSpeedEngine(self.model_wrapped, _master_policy(self.args.unified_checkpoint_options))
         return ReplicatedEngine(self.model_wrapped, self.optimizer)
 
     def _uc_write_extras(self, folder: Path, engine) -> list[FileRecord]:
@@ -223,6 +228,12 @@ class UnifiedCheckpointMixin:
                 self.state.stateful_callbacks[name].append(cb_state)
             else:
                 self.state.stateful_callbacks[name] = cb_state
+
+
+def _master_policy(options) -> str:
+    if options.remove_master_weight:
+        return "remove"
+    return "as_model" if options.skip_save_model_weight else "save"
 
 
 def _engine_kind(trainer) -> str:

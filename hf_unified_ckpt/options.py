@@ -22,9 +22,6 @@ CONFIG_WORDS: dict[str, str] = {
 #: Words whose implementation has not landed yet: accepted by the parser, refused by `validate_supported`.
 NOT_SUPPORTED_YET: dict[str, str] = {
     "async_save": "asynchronous saving",
-    "skip_save_model_weight": "master-weight options (they need an engine with fp32 master weights: DeepSpeed)",
-    "master_weight_compatible": "master-weight options (they need an engine with fp32 master weights: DeepSpeed)",
-    "remove_master_weight": "master-weight options (they need an engine with fp32 master weights: DeepSpeed)",
 }
 
 QUANT_STAGES = ("O0", "O1", "O2")
@@ -146,10 +143,8 @@ def parse_options(
 def validate_supported(options: UnifiedCheckpointOptions, words: list[str]) -> None:
     """Refuse options that this version accepts in the format but does not implement yet."""
     pending = [w for w in words if w in NOT_SUPPORTED_YET]
-    if "enable_all_options" in words:
-        pending.append("enable_all_options")
     if pending:
-        what = sorted({NOT_SUPPORTED_YET.get(w, NOT_SUPPORTED_YET["skip_save_model_weight"]) for w in pending})
+        what = sorted({NOT_SUPPORTED_YET[w] for w in pending})
         raise UnsupportedOptionError(
             f"unified_checkpoint_config: {sorted(set(pending))} not supported yet in this version "
             f"({'; '.join(what)}). Remove the word(s) to save and resume without them."

@@ -76,15 +76,20 @@ def assign_owners(file_sizes: dict[str, int], writers: int) -> dict[str, int]:
 
 
 def plan_component(component: str, specs: list[TensorSpec], writers: int, max_shard_size: int,
-                   file_stem: str | None = None,
-                   min_parallel: int = MIN_PARALLEL_SHARD_BYTES) -> ComponentPlan:
+                   file_stem: str | None = None, min_parallel: int = MIN_PARALLEL_SHARD_BYTES,
+                   owners: dict[str, int] | None = None) -> ComponentPlan:
     """Split `specs` (in their order) into files named like HF shards (`<stem>-0000k-of-0000n.safetensors`,
-    or `<stem>.safetensors` for one file) and assign each file to a writer."""
+    or `<stem>.safetensors` for one file) and assign each file to a writer.
+
+    `owners` pins tensors to the rank that holds them (sharded engines); the others are spread to balance
+    bytes, then each rank's tensors are cut into files of at most `max_shard_size`."""
     stem = file_stem or component
     pattern = stem + "{suffix}.safetensors"
     by_name = {s.name: s for s in specs}
     if len(by_name) != len(specs):
         raise ValueError(f"{component}: duplicate tensor names in the plan.")
+    if owners:
+        return _plan_pinned(component, specs, writers, max_shard_size, pattern, owners)
     total = sum(s.nbytes for s in specs)
     split = split_state_dict_into_shards_factory(
         by_name, get_storage_size=lambda s: s.nbytes, filename_pattern=pattern,
@@ -95,3 +100,36 @@ def plan_component(component: str, specs: list[TensorSpec], writers: int, max_sh
         files = {pattern.format(suffix=""): []}
     sizes = {f: sum(by_name[n].nbytes for n in names) for f, names in files.items()}
     return ComponentPlan(component, pattern, files, assign_owners(sizes, writers), total, by_name)
+
+
+def _plan_pinned(component: str, specs: list[TensorSpec], writers: int, max_shard_size: int, pattern: str,
+                 owners: dict[str, int]) -> ComponentPlan:
+    load = [0] * writers
+    for s in specs:
+        if s.name in owners:
+            load[owners[s.name]] += s.nbytes
+    rank_of = {}
+    for s in specs:
+        if s.name in owners:
+            rank_of[s.name] = owners[s.name]
+        else:
+            rank_of[s.name] = min(range(writers), key=lambda r: (load[r], r))
+            load[rank_of[s.name]] += s.nbytes
+    chunks: list[tuple[int, list[str]]] = []
+    for rank in range(writers):
+        current, size = [], 0
+        for s in (s for s in specs if rank_of[s.name] == rank):
+            if current and size + s.nbytes > max_shard_size:
+                chunks.append((rank, current))
+                current, size = [], 0
+            current.append(s.name)
+            size += s.nbytes
+        if current:
+            chunks.append((rank, current))
+    if not chunks:
+        chunks = [(0, [])]
+    n = len(chunks)
+    names = [pattern.format(suffix="" if n == 1 else f"-{i + 1:05d}-of-{n:05d}") for i in range(n)]
+    return ComponentPlan(component, pattern, {f: c for f, (_, c) in zip(names, chunks)},
+                         {f: r for f, (r, _) in zip(names, chunks)}, sum(s.nbytes for s in specs),
+                         {s.name: s for s in specs})

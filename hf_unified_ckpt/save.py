@@ -46,10 +46,12 @@ class SaveRequest:
 
 
 def plan_save(engine: EngineAdapter, request: SaveRequest) -> dict[str, ComponentPlan]:
-    """The shard plan of every component (identical on all ranks)."""
-    components = [MODEL] + ([OPTIMIZER] if request.include_optimizer else [])
+    """The shard plan of every component, identical on all ranks. Collective (locality hints of sharded
+    engines): all ranks must call it."""
+    components = [c for c in engine.components() if request.include_optimizer or c != OPTIMIZER]
     return {c: plan_component(c, engine.specs(c), dist.world_size(), request.options.max_shard_size,
-                              file_stem=engine.file_stem(c)) for c in components}
+                              file_stem=engine.file_stem(c), owners=engine.preferred_owners(c))
+            for c in components}
 
 
 def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter) -> Path:
@@ -64,6 +66,7 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: E
         prepare_staging(staging)
     dist.barrier()
     plans = plan_save(engine, request)
+    engine.exchange(plans)  # collective: tensors not whole on their writer are assembled there
     outcome = _guarded(lambda: _write_share(engine, plans, staging, request) + write_extras(staging))
     reports = dist.all_gather_object(outcome)
     _raise_if_failed(reports, staging, final)

@@ -76,6 +76,25 @@ def reset_accelerate_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=False)
     for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
         os.environ.pop(var, None)
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    except ImportError:
+        return
+    unset_hf_deepspeed_config()
+
+
+def zero_config(stage: int, **extra) -> dict:
+    """A DeepSpeed config for the Trainer ("auto" values filled from TrainingArguments)."""
+    return {"zero_optimization": {"stage": stage, **extra}, "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"}}
+
+
+def disable_deepspeed_jit() -> None:
+    """Skip DeepSpeed's JIT compile of its shared-memory allreduce op (DESIGN.md section 5)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 1, optim: str = "adamw_torch",
@@ -97,19 +116,41 @@ def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 
 
 
 def final_state(trainer) -> dict[str, torch.Tensor]:
+    """Full model weights by name on every rank. Collective under ZeRO-3: all ranks call it."""
     from accelerate.utils import extract_model_from_parallel
 
     module = extract_model_from_parallel(trainer.model_wrapped)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def optimizer_state(trainer) -> dict[str, torch.Tensor]:
-    """Optimizer state keyed by parameter name (via the library's own flattening)."""
+    """Optimizer state (and fp32 master weights under DeepSpeed) keyed by name, as full tensors on every rank.
+    Collective under DeepSpeed: all ranks call it."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return _deepspeed_full_state(trainer)
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
 
     engine = ReplicatedEngine(trainer.model_wrapped, trainer.optimizer)
-    return {s.name: t.clone() for s, t in zip(engine.specs("optimizer"),
-                                               engine.tensors("optimizer", [s.name for s in engine.specs("optimizer")]).values())}
+    names = [s.name for s in engine.specs("optimizer")]
+    return {n: t.detach().clone() for n, t in engine.tensors("optimizer", names).items()}
+
+
+def _deepspeed_full_state(trainer) -> dict[str, torch.Tensor]:
+    """Independent of the library: DeepSpeed's own public accessors, for every trainable parameter."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in trainer.model_wrapped.module.named_parameters():
+        if p.requires_grad:
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+            out[f"{name}/master"] = safe_get_full_fp32_param(p).detach().cpu().clone()
+    return out
 
 
 def record(trainer, losses) -> dict:
@@ -119,7 +160,12 @@ def record(trainer, losses) -> dict:
 
 
 def run_spec(run: dict, world_size: int) -> dict:
-    """Execute one run described as a dict (the format the torchrun worker reads)."""
+    """Execute one run described as a dict (the format the torchrun worker reads). "zero": N runs DeepSpeed
+    ZeRO stage N."""
+    overrides = dict(run.get("overrides", {}))
+    if run.get("zero"):
+        disable_deepspeed_jit()
+        overrides["deepspeed"] = zero_config(run["zero"])
     trainer, losses = train(run["output_dir"], model_kind=run.get("model", "llama"), resume=run.get("resume"),
-                            world_size=world_size, optim=run.get("optim", "adamw_torch"), **run.get("overrides", {}))
+                            world_size=world_size, optim=run.get("optim", "adamw_torch"), **overrides)
     return record(trainer, losses)

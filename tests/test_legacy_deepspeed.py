@@ -42,10 +42,3 @@ def test_legacy_deepspeed_folder_without_deepspeed_is_refused_loudly(legacy_ds, 
     out = tmp_path if how == "path" else legacy_ds
     with pytest.raises(UnsupportedCheckpointError, match="legacy deepspeed checkpoint.*silently"):
         train(out, max_steps=4, resume=resume)
-
-
-def test_unified_checkpoint_under_deepspeed_is_refused_before_training(tmp_path):
-    proc = _ds(tmp_path, "unified")
-    assert proc.returncode != 0 and "DS-RUN-DONE" not in proc.stdout
-    assert "unified_checkpoint=True with deepspeed is not supported yet" in proc.stderr
-    assert not list(tmp_path.glob("checkpoint-*"))

@@ -31,11 +31,17 @@ def test_contradiction_is_an_error(config):
         parse_options(True, config)
 
 
-@pytest.mark.parametrize("config", ["async_save", "skip_save_model_weight", "master_weight_compatible",
-                                    "remove_master_weight", "enable_all_options"])
+@pytest.mark.parametrize("config", ["async_save"])
 def test_options_of_later_issues_are_refused_not_ignored(config):
     with pytest.raises(UnsupportedOptionError, match="not supported yet"):
         parse_options(True, config)
+
+
+def test_master_weight_words():
+    assert parse_options(True, "enable_all_options") == UnifiedCheckpointOptions(
+        enabled=True, skip_save_model_weight=True, master_weight_compatible=True)
+    assert parse_options(True, "remove_master_weight,master_weight_compatible") == UnifiedCheckpointOptions(
+        enabled=True, remove_master_weight=True, master_weight_compatible=True)
 
 
 def test_quant_stage_validation():

@@ -2,31 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from ..planning import TensorSpec
-from ..storage.safetensors_io import ComponentReader
 
-MODEL, OPTIMIZER = "model", "optimizer"
+MODEL, MASTER, OPTIMIZER = "model", "master_weights", "optimizer"
 
 
 class EngineAdapter(Protocol):
     """What the save and load algorithms need from an engine.
 
-    `specs` and `optimizer_metadata` are identical on every rank (plans are computed locally from them).
-    `tensors` may be a collective on sharded engines: then all ranks call it with the same arguments order.
+    `components`, `specs` and `optimizer_metadata` are identical on every rank, so every rank computes the
+    same plan. `preferred_owners` and `exchange` may be collectives on sharded engines (all ranks call them in
+    the same order); after `exchange`, `tensors` only reads what this rank holds.
     """
 
     engine: str
 
     def saved_by(self) -> dict: ...
 
+    def components(self) -> list[str]: ...
+
     def file_stem(self, component: str) -> str: ...
 
     def specs(self, component: str) -> list[TensorSpec]: ...
+
+    def preferred_owners(self, component: str) -> dict[str, int]: ...
+
+    def exchange(self, plans: Mapping) -> None: ...
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
 
@@ -34,6 +40,4 @@ class EngineAdapter(Protocol):
 
     def write_configs(self, folder) -> None: ...
 
-    def load_model(self, reader: ComponentReader) -> None: ...
-
-    def load_optimizer(self, reader: ComponentReader) -> None: ...
+    def load(self, sources) -> None: ...

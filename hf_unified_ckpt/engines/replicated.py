@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import dist
 from ..errors import UnsupportedCheckpointError
+from ..names import canonical_name
 from ..hf_model import alias_groups, is_peft_model, model_state_for_save, parameter_names, weights_stem, write_model_configs
 from ..optim_state import flatten_optimizer_state, unflatten_optimizer_state
 from ..planning import TensorSpec
@@ -34,8 +35,21 @@ class ReplicatedEngine:
         return {"engine": self.engine, "world_size": dist.world_size(), "zero_stage": None, "fsdp_version": None,
                 "param_dtypes": dtypes, "master_weights": False}
 
+    def needs_fp32_master(self) -> bool:
+        """fp32 trainable parameters need fp32 values on load."""
+        return any(p.requires_grad and p.dtype == torch.float32 for p in self.module.parameters())
+
+    def components(self) -> list[str]:
+        return [MODEL, OPTIMIZER]
+
     def file_stem(self, component: str) -> str:
         return weights_stem(self.module) if component == MODEL else component
+
+    def preferred_owners(self, component: str) -> dict[str, int]:
+        return {}  # every rank holds everything
+
+    def exchange(self, plans) -> None:
+        """Nothing to assemble: every rank holds every tensor."""
 
     def _optimizer_flat(self) -> tuple[dict, dict]:
         if self._optim is None:
@@ -71,10 +85,19 @@ class ReplicatedEngine:
         write_model_configs(self.module, folder)
 
     # ---- load -------------------------------------------------------------------------------------------
-    def load_model(self, reader: ComponentReader) -> None:
+    def load(self, sources) -> None:
+        """Load from `sources` (a `load.LoadSources`); local only."""
+        self.load_model(sources.model, sources.master)
+        if sources.optimizer is not None:
+            self.load_optimizer(sources.optimizer)
+
+    def load_model(self, reader: ComponentReader, master: ComponentReader | None = None) -> None:
+        """Weights from `reader`; fp32 trainable parameters from `master` (exact fp32 values) when given."""
         if is_peft_model(self.module):
             return self._load_adapter(reader)
-        targets = {k: v for k, v in self.module.state_dict().items()}
+        targets = {canonical_name(k): v for k, v in self.module.state_dict().items()}
+        fp32_trainable = {self._names[id(p)] for p in self.module.parameters() if p.requires_grad
+                          and p.dtype == torch.float32}
         aliases = alias_groups(targets)
         sources = {name: next((a for a in aliases[name] if a in reader), None) for name in targets}
         missing = sorted(n for n, s in sources.items() if s is None)
@@ -88,7 +111,9 @@ class ReplicatedEngine:
         _check_shapes(reader, {n: (tuple(t.shape), sources[n]) for n, t in targets.items()})
         with torch.no_grad():
             for name, target in targets.items():
-                target.copy_(reader.get(sources[name]))
+                src = master if master is not None and sources[name] in fp32_trainable and sources[name] in master \
+                    else reader
+                target.copy_(src.get(sources[name]))
 
     def _load_adapter(self, reader: ComponentReader) -> None:
         from peft import set_peft_model_state_dict

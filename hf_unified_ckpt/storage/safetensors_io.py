@@ -30,8 +30,17 @@ def _writable(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def write_shard(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
-    """Write one safetensors file with `{"format": "pt"}` metadata, fsync it and return its record."""
-    save_file({k: _writable(v) for k, v in tensors.items()}, str(path), metadata=dict(SAFETENSORS_METADATA))
+    """Write one safetensors file with `{"format": "pt"}` metadata, fsync it and return its record.
+    Tensors sharing storage (the same per-group scalar under several names) are written as copies."""
+    out, seen = {}, set()
+    for name, tensor in tensors.items():
+        tensor = _writable(tensor)
+        key = (tensor.untyped_storage().data_ptr(), tensor.numel() > 0)
+        if key in seen and tensor.numel() > 0:
+            tensor = tensor.clone()
+        seen.add((tensor.untyped_storage().data_ptr(), tensor.numel() > 0))
+        out[name] = tensor
+    save_file(out, str(path), metadata=dict(SAFETENSORS_METADATA))
     return record_file(path)
 
 

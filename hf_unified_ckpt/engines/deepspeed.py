@@ -1,0 +1,431 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 (fp32 and bf16).
+
+Reading and writing go through DeepSpeed's own accessors:
+
+- ZeRO-1/2 keep the low-precision (lp) parameters whole on every rank and partition the fp32 master weights
+  and optimizer state as contiguous fragments of a flat buffer. Each parameter's fragment is described by
+  DeepSpeed's own mapping object (`param._hp_mapping`, the one `safe_get_full_fp32_param` uses). A tensor
+  whose fragment lies whole on one rank is planned to be written by that rank and read there with no
+  communication; the few tensors that straddle a partition boundary are assembled with
+  `deepspeed.utils.safe_get_full_fp32_param` / `safe_get_full_optimizer_state`. On load, each rank reads only
+  the rows that cover its fragments.
+- ZeRO-3 partitions everything: full tensors are assembled with `safe_get_full_fp32_param`,
+  `safe_get_full_optimizer_state` and `deepspeed.zero.GatheredParameters`; on load each rank reads only its
+  partition's rows and stores them with `safe_set_local_fp32_param` / `safe_set_local_optimizer_state`.
+
+Per-group scalars of the base optimizer (Adam's `step`) are written once per parameter, as 0-d tensors, like
+every other engine writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .. import dist
+from ..errors import UnsupportedCheckpointError
+from ..hf_model import write_model_configs
+from ..names import canonical_name, optimizer_key, split_optimizer_key
+from ..optim_state import check_groups_match, decode_hparam, encode_hparam
+from ..planning import TensorSpec
+from ..storage.safetensors_io import ComponentReader
+from .base import MASTER, MODEL, OPTIMIZER
+
+logger = logging.getLogger(__name__)
+
+_PY_TYPES = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
+
+
+def read_flat_range(reader: ComponentReader, name: str, shape: Sequence[int], start: int, numel: int) -> torch.Tensor:
+    """Elements [start, start + numel) of the flattened tensor `name`, reading only the rows that cover them."""
+    if len(shape) == 0:
+        return reader.get(name).reshape(1)[start:start + numel]
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-(start + numel) // row)
+    rows = reader.get_slice(name)[first:last].reshape(-1)
+    return rows[start - first * row: start - first * row + numel]
+
+
+class DeepSpeedEngine:
+    """Adapter for a `deepspeed.DeepSpeedEngine` (ZeRO stage 1, 2 or 3) wrapping a transformers/PEFT model."""
+
+    def __init__(self, ds_engine, master_weights_policy: str = "save"):
+        self.ds = ds_engine
+        self.zero = ds_engine.optimizer
+        self.base = getattr(self.zero, "optimizer", None)
+        self.stage = int(ds_engine.zero_optimization_stage())
+        self.module: nn.Module = ds_engine.module
+        self.engine = f"deepspeed-zero{self.stage}"
+        if ds_engine.fp16_enabled():
+            raise UnsupportedCheckpointError(
+                "DeepSpeed fp16 (dynamic loss scaling) is not supported by unified checkpoints; use bf16 or fp32.")
+        if self.stage not in (1, 2, 3) or self.base is None:
+            raise UnsupportedCheckpointError(
+                f"unified checkpoints support DeepSpeed ZeRO stages 1, 2 and 3 with a torch optimizer; this engine "
+                f"runs stage {self.stage} with {type(self.zero).__name__}.")
+        self._named = self._collect_params()
+        self.lp_dtype = next(p.dtype for _, p in self._named)
+        self.has_master = self.lp_dtype != torch.float32
+        self.master_policy = master_weights_policy
+        self._by_name = dict(self._named)
+        self._name_of = {id(p): n for n, p in self._named}
+        self._groups = self._lp_groups()
+        self._group_index = {n: g for g, names in enumerate(self._groups) for n in names}
+        self._cache: dict[tuple[str, str], torch.Tensor] = {}
+        self._frag_sizes: dict[str, list[int]] | None = None
+        if self.stage != 3:
+            for g in range(len(self._groups)):
+                self._link_fragments(g)
+
+    # ---- parameters, names, groups -------------------------------------------------------------------
+    def _collect_params(self) -> list[tuple[str, nn.Parameter]]:
+        """(canonical name, parameter) once per parameter, named as save_pretrained keeps tied weights."""
+        tied_targets = set(getattr(self.module, "all_tied_weights_keys", {}) or {})
+        names: dict[int, list[str]] = {}
+        params: dict[int, nn.Parameter] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(canonical_name(name))
+            params[id(p)] = p
+        out = []
+        for pid, candidates in names.items():
+            kept = [n for n in candidates if n not in tied_targets] or candidates
+            out.append((kept[0], params[pid]))
+        return out
+
+    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self._named if p.requires_grad]
+
+    def _full_shape(self, p) -> tuple[int, ...]:
+        return tuple(p.ds_shape) if self.stage == 3 else tuple(p.shape)
+
+    def _lp_groups(self) -> list[list[str]]:
+        """Names of the lp parameters of each base-optimizer param group (DeepSpeed keeps the grouping in its
+        ZeRO optimizer: `bit16_groups` (ZeRO-1/2), `bf16_groups` (BF16 optimizer), `fp16_groups` with
+        `sub_group_to_group_id` (ZeRO-3))."""
+        name_of = {id(p): n for n, p in self._named}
+        if self.stage == 3:
+            groups: list[list[str]] = [[] for _ in self.base.param_groups]
+            for sub, params in enumerate(self.zero.fp16_groups):
+                groups[self.zero.sub_group_to_group_id[sub]].extend(name_of[id(p)] for p in params)
+            return groups
+        lp_groups = getattr(self.zero, "bit16_groups", None) or getattr(self.zero, "bf16_groups", None)
+        if lp_groups is None:
+            raise UnsupportedCheckpointError(f"cannot read the parameter groups of {type(self.zero).__name__}.")
+        return [[name_of[id(p)] for p in g] for g in lp_groups]
+
+    def _group_flats(self, g: int) -> list[torch.Tensor]:
+        """The flat fp32 partitions the base optimizer keeps state for, for group `g`."""
+        if self.stage == 3:
+            return [self.zero.fp32_partitioned_groups_flat[s] for s, gid in self.zero.sub_group_to_group_id.items()
+                    if gid == g]
+        return list(self.base.param_groups[g]["params"])
+
+    def _group_state(self, g: int) -> dict:
+        flats = self._group_flats(g)
+        return self.base.state.get(flats[0], {}) if flats else {}
+
+    def _state_keys(self) -> list[tuple[list[str], list[str]]]:
+        """Per group: (tensor state keys shaped like the flat partition, scalar state keys)."""
+        out = []
+        for g in range(len(self._groups)):
+            state, flat = self._group_state(g), (self._group_flats(g) or [None])[0]
+            tensors = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0
+                             and flat is not None and v.shape == flat.shape)
+            scalars = sorted(k for k, v in state.items() if k not in tensors)
+            out.append((tensors, scalars))
+        return out
+
+    # ---- EngineAdapter: description --------------------------------------------------------------------
+    def saved_by(self) -> dict:
+        return {"engine": "deepspeed", "world_size": dist.world_size(), "zero_stage": self.stage,
+                "fsdp_version": None, "param_dtypes": [str(self.lp_dtype).removeprefix("torch.")],
+                "master_weights": self.has_master and self.master_policy == "save",
+                "master_weights_dtype": "float32" if self.has_master else None}
+
+    def needs_fp32_master(self) -> bool:
+        """bf16 training keeps fp32 master weights; fp32 training loads them into the parameters."""
+        return any(p.requires_grad for _, p in self._named)
+
+    def components(self) -> list[str]:
+        return [MODEL, MASTER, OPTIMIZER] if self.has_master and self.master_policy == "save" else [MODEL, OPTIMIZER]
+
+    def file_stem(self, component: str) -> str:
+        return {MODEL: "model", MASTER: "master_weights", OPTIMIZER: "optimizer"}[component]
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        persistent = set(self.module.state_dict(keep_vars=True).keys())  # keys only: valid under ZeRO-3 too
+        return {canonical_name(n): b for n, b in self.module.named_buffers() if n in persistent}
+
+    def specs(self, component: str) -> list[TensorSpec]:
+        if component == MODEL:
+            dtype = torch.float32 if self.master_policy == "as_model" else None
+            return ([TensorSpec(n, self._full_shape(p), dtype or p.dtype) for n, p in self._named]
+                    + [TensorSpec.of(n, b) for n, b in self._buffers().items()])
+        if component == MASTER:
+            return [TensorSpec(n, self._full_shape(p), torch.float32) for n, p in self._trainable()]
+        return self._optimizer_specs()
+
+    def _optimizer_specs(self) -> list[TensorSpec]:
+        specs = []
+        keys = self._state_keys()
+        by_name = self._by_name
+        for g, names in enumerate(self._groups):
+            tensor_keys, scalar_keys = keys[g]
+            state = self._group_state(g)
+            for name in names:
+                shape = self._full_shape(by_name[name])
+                specs += [TensorSpec(optimizer_key(name, k), shape, torch.float32) for k in tensor_keys]
+                specs += [TensorSpec(optimizer_key(name, k), (), _scalar(state[k])[0].dtype) for k in scalar_keys]
+        return specs
+
+    def optimizer_metadata(self) -> dict:
+        groups = []
+        for g, names in enumerate(self._groups):
+            hp = {k: encode_hparam(k, v) for k, v in self.base.param_groups[g].items() if k != "params"}
+            groups.append({**hp, "params": list(names)})
+        state_types = {}
+        for g, (tensor_keys, scalar_keys) in enumerate(self._state_keys()):
+            state = self._group_state(g)
+            for k in scalar_keys:
+                kind = _scalar(state[k])[1]
+                if kind:
+                    state_types.update({optimizer_key(n, k): kind for n in self._groups[g]})
+        return {"param_groups": groups, "state_types": state_types}
+
+    # ---- where each tensor comes from ------------------------------------------------------------------
+    def _source(self, component: str, name: str) -> tuple:
+        """("lp", param) | ("buffer", tensor) | ("hp", param, state key or None) | ("scalar", group, key)."""
+        by_name = self._by_name
+        if component == MODEL:
+            if name not in by_name:
+                return ("buffer", self._buffers()[name])
+            p = by_name[name]
+            return ("hp", p, None) if self.master_policy == "as_model" and p.requires_grad else ("lp", p)
+        if component == MASTER:
+            return ("hp", by_name[name], None)
+        param_name, key = split_optimizer_key(name)
+        g = self._group_index[param_name]
+        if key in self._state_keys()[g][1]:
+            return ("scalar", g, key)
+        return ("hp", by_name[param_name], key)
+
+    def _fragment_sizes(self) -> dict[str, list[int]]:
+        """Per trainable parameter, the numel of its fp32 fragment on each rank (ZeRO-1/2).
+        Collective on first call: all ranks must call it."""
+        if self._frag_sizes is None:
+            local = {n: p._hp_mapping.lp_fragment_address.numel for n, p in self._trainable()
+                     if getattr(p, "_hp_mapping", None) is not None}
+            everyone = dist.all_gather_object(local)
+            self._frag_sizes = {n: [r.get(n, 0) for r in everyone] for n, _ in self._trainable()}
+        return self._frag_sizes
+
+    def _fragment_owner(self, param_name: str) -> int:
+        sizes = self._fragment_sizes()[param_name]
+        return max(range(len(sizes)), key=lambda r: (sizes[r], -r))
+
+    def _is_local_to_owner(self, source: tuple) -> bool:
+        kind = source[0]
+        if kind in ("buffer", "scalar"):
+            return True
+        if self.stage == 3:
+            return False
+        if kind == "lp":
+            return True
+        p = source[1]
+        return max(self._fragment_sizes()[self._name_of[id(p)]]) == p.numel()
+
+    # ---- planning hints and exchange ----------------------------------------------------------------------
+    def preferred_owners(self, component: str) -> dict[str, int]:
+        """ZeRO-1/2: a tensor read from fp32 fragments is written by the rank holding most of it (usually all).
+        Tensors absent from the result may be written by any rank. Collective: all ranks must call it."""
+        if self.stage == 3:
+            return {}
+        self._fragment_sizes()
+        owners = {}
+        for spec in self.specs(component):
+            source = self._source(component, spec.name)
+            if source[0] == "hp":
+                owners[spec.name] = self._fragment_owner(self._name_of[id(source[1])])
+            elif source[0] == "scalar":
+                owners[spec.name] = self._fragment_owner(split_optimizer_key(spec.name)[0])
+        return owners
+
+    def exchange(self, plans: Mapping) -> None:
+        """Assemble, on its writer, every tensor that is not whole on that writer. Collective: all ranks must
+        call it with identical plans (the order of the loop is the order of the collectives)."""
+        for component, plan in plans.items():
+            for file in plan.files:
+                for name in plan.files[file]:
+                    source = self._source(component, name)
+                    if self._is_local_to_owner(source):
+                        continue
+                    value = self._assemble(source)
+                    if dist.rank() == plan.owners[file]:
+                        self._cache[(component, name)] = value.detach().to("cpu", copy=True)
+
+    @staticmethod
+    def _assemble(source: tuple) -> torch.Tensor:
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        if source[0] == "lp":
+            with deepspeed.zero.GatheredParameters([source[1]]):
+                return source[1].data.clone()
+        _, p, key = source
+        return safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+
+    # ---- EngineAdapter: local tensors ---------------------------------------------------------------------
+    def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Tensors this rank writes (after `exchange`); local reads only."""
+        return {n: self._local_tensor(component, n) for n in names}
+
+    def _local_tensor(self, component: str, name: str) -> torch.Tensor:
+        cached = self._cache.pop((component, name), None)
+        if cached is not None:
+            return cached
+        source = self._source(component, name)
+        kind = source[0]
+        if kind == "buffer":
+            return source[1]
+        if kind == "lp":
+            return source[1].data
+        if kind == "scalar":
+            return _scalar(self._group_state(source[1])[source[2]])[0]
+        _, p, key = source
+        return p._hp_mapping.get_hp_fragment(key).view(p.shape)
+
+    def write_configs(self, folder) -> None:
+        write_model_configs(self.module, folder)
+
+    # ---- load: each rank reads only the rows it holds ------------------------------------------------------
+    def load(self, sources) -> None:
+        """Load from `sources` (a `load.LoadSources`). Local reads and writes only (no collectives)."""
+        model_specs = sources.model.specs()
+        missing = sorted((set(self._by_name) | set(self._buffers())) - set(model_specs))
+        if missing:
+            raise UnsupportedCheckpointError(f"the checkpoint has no weights for {missing[:5]}; build the same "
+                                             "architecture as the run that saved it.")
+        for name, p in self._named:
+            src = sources.master if (p.dtype == torch.float32 and p.requires_grad) else sources.model
+            self._load_lp(src, name, p)
+        with torch.no_grad():
+            for name, buf in self._buffers().items():
+                buf.copy_(sources.model.get(name))
+        for name, p in self._trainable():  # the fp32 partitions are separate copies even in fp32 training
+            self._load_hp(sources.master, name, p, None, name)
+        if sources.optimizer is not None:
+            self._load_optimizer(sources.optimizer)
+        self.ds.global_steps = sources.global_step
+        self.ds.global_samples = sources.global_step * self.ds.train_batch_size()
+
+    def _partition(self, p) -> tuple[int, int, int]:
+        """ZeRO-3: (padded partition size, first element, element count) of this rank's partition of `p`."""
+        size = p.ds_tensor.numel()
+        start = dist.rank() * size
+        return size, start, max(0, min(size, p.ds_numel - start))
+
+    def _load_lp(self, reader: ComponentReader, name: str, p) -> None:
+        with torch.no_grad():
+            if self.stage != 3:
+                p.data.copy_(reader.get(name))
+                return
+            _, start, count = self._partition(p)
+            if count:
+                p.ds_tensor.data[:count].copy_(read_flat_range(reader, name, p.ds_shape, start, count))
+
+    def _load_hp(self, reader: ComponentReader, name: str, p, key: str | None, key_in_file: str) -> None:
+        """Write this rank's fp32 fragment/partition of `p` (master weights when key is None, else state)."""
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+        shape = self._full_shape(p)
+        if self.stage != 3:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:
+                return
+            address = mapping.lp_fragment_address
+            values = read_flat_range(reader, key_in_file, shape, address.start, address.numel)
+            with torch.no_grad():
+                mapping.get_hp_fragment(key).copy_(values)
+            return
+        size, start, count = self._partition(p)
+        padded = torch.zeros(size, dtype=torch.float32)
+        if count:
+            padded[:count] = read_flat_range(reader, key_in_file, shape, start, count)
+        if key is None:
+            safe_set_local_fp32_param(p, padded)
+        else:
+            safe_set_local_optimizer_state(p, padded, key)
+
+    def _load_optimizer(self, reader: ComponentReader) -> None:
+        check_groups_match([g["params"] for g in reader.metadata["param_groups"]], self._groups)
+        state_types = reader.metadata.get("state_types", {})
+        specs = reader.specs()
+        for g, saved in enumerate(reader.metadata["param_groups"]):
+            self.base.param_groups[g].update({k: decode_hparam(v) for k, v in saved.items() if k != "params"})
+            tensor_keys, scalar_keys = _keys_of_group(self._groups[g], specs, self._by_name, self._full_shape)
+            self._init_group_state(g, tensor_keys)
+            for key in scalar_keys:
+                first = optimizer_key(self._groups[g][0], key)
+                value = reader.get(first)
+                kind = state_types.get(first)
+                value = {"bool": bool, "int": int, "float": float}[kind](value.item()) if kind else value
+                for flat in self._group_flats(g):
+                    self.base.state[flat][key] = value.clone() if torch.is_tensor(value) else value
+            for name in self._groups[g]:
+                for key in tensor_keys:
+                    self._load_hp(reader, name, self._by_name[name], key, optimizer_key(name, key))
+
+    def _init_group_state(self, g: int, tensor_keys: list[str]) -> None:
+        """Create the state tensors a fresh (never stepped) optimizer lacks, and link DeepSpeed's fragments."""
+        for flat in self._group_flats(g):
+            state = self.base.state[flat]
+            for key in tensor_keys:
+                if key not in state:
+                    state[key] = torch.zeros_like(flat)
+        if self.stage != 3:
+            self._link_fragments(g)
+
+    def _link_fragments(self, g: int) -> None:
+        """(Re)link each parameter's fragment to the optimizer state of group `g` with DeepSpeed's own
+        `lazy_init_hp_params_optimizer_state`. DeepSpeed 0.19 links state once, after the first group's first
+        step, so the fragments of later groups can miss keys the optimizer does have."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        flat = self._group_flats(g)[0]
+        keys = {k for k, v in self.base.state.get(flat, {}).items() if torch.is_tensor(v) and v.shape == flat.shape}
+        mappings = [m for n in self._groups[g] if (m := getattr(self._by_name[n], "_hp_mapping", None)) is not None]
+        if keys and any(m.optim_fragment is None or not keys <= set(m.optim_fragment) for m in mappings):
+            lazy_init_hp_params_optimizer_state([self._by_name[n] for n in self._groups[g]], flat, self.base.state)
+
+
+def _keys_of_group(names, specs, by_name, full_shape) -> tuple[list[str], list[str]]:
+    """State keys stored for a group's parameters: tensor keys shaped like the parameter, and 0-d scalars."""
+    tensor_keys, scalar_keys = set(), set()
+    for key, (shape, _) in specs.items():
+        param_name, state = split_optimizer_key(key)
+        if param_name not in names:
+            continue
+        if tuple(shape) == tuple(full_shape(by_name[param_name])) and len(shape) > 0:
+            tensor_keys.add(state)
+        elif len(shape) == 0:
+            scalar_keys.add(state)
+        else:
+            raise UnsupportedCheckpointError(
+                f"optimizer state {key!r} has shape {tuple(shape)}, neither the parameter's shape nor a scalar; "
+                "DeepSpeed keeps optimizer state per element (an optimizer with factored state, such as "
+                "Adafactor, cannot move into DeepSpeed).")
+    return sorted(tensor_keys), sorted(scalar_keys)
+
+
+def _scalar(value) -> tuple[torch.Tensor, str | None]:
+    """A per-group scalar state as a 0-d tensor, and its Python type name when it was not a tensor."""
+    if torch.is_tensor(value):
+        return value.detach().reshape(()).cpu(), None
+    if type(value) in _PY_TYPES:
+        name, dtype = _PY_TYPES[type(value)]
+        return torch.tensor(value, dtype=dtype), name
+    raise UnsupportedCheckpointError(f"optimizer state value of type {type(value).__name__} cannot be stored.")
