@@ -105,8 +105,11 @@ def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 
     import hf_unified_ckpt
 
     reset_accelerate_state()
+    model_dtype = overrides.pop("model_dtype", None)
     args = make_args(output_dir, world_size=world_size, optim=optim, **overrides)
     model = build_model(model_kind)
+    if model_dtype:
+        model = model.to(getattr(torch, model_dtype))
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset())
     if attach:
         hf_unified_ckpt.attach(trainer)
