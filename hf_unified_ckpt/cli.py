@@ -1,4 +1,4 @@
-"""`hf-unified-ckpt` command line: `info PATH [--json]` and `verify PATH`."""
+"""`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`, `convert LEGACY_DIR OUT_DIR`."""
 
 from __future__ import annotations
 
@@ -65,14 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     p_info.add_argument("--json", action="store_true", help="print one JSON object")
     p_verify = sub.add_parser("verify", help="exit 0 only if complete and every checksum matches")
     p_verify.add_argument("path")
+    p_convert = sub.add_parser("convert", help="turn a legacy DeepSpeed checkpoint folder into a unified one, "
+                                               "offline (no GPU, no process group), one shard in memory at a time")
+    p_convert.add_argument("legacy_dir")
+    p_convert.add_argument("out_dir", help="new folder to create (must not exist or be empty)")
+    p_convert.add_argument("--max-shard-size", default="1GB", help="largest file written (default 1GB)")
+    p_convert.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
+        if args.command == "convert":
+            from .convert import convert
+
+            out = convert(args.legacy_dir, args.out_dir, args.max_shard_size, show_progress=not args.quiet)
+            print(f"converted {args.legacy_dir} -> {out}")
+            return _verify(str(out))
         if args.command == "info":
             info = _info(args.path)
             print(json.dumps(info, sort_keys=True)) if args.json else _print_info(info)
             return 0
         return _verify(args.path)
-    except UnifiedCheckpointError as e:
+    except (UnifiedCheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

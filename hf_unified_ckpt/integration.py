@@ -29,7 +29,8 @@ from . import dist
 from .engines.replicated import ReplicatedEngine
 from .errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete, skipped_incomplete
-from .load import load_checkpoint, verify_checkpoint
+from .legacy.deepspeed import LegacyDeepSpeedCheckpoint
+from .load import LoadSources, load_checkpoint, verify_checkpoint
 from .retention import rotate_checkpoints
 from .rng import restore_rng_state, save_rng_state
 from .save import SaveRequest, save_checkpoint
@@ -48,8 +49,17 @@ SCHEDULER_FILE, TRAINER_STATE_FILE, ARGS_FILE, SCALER_FILE = (
 
 @dataclass(frozen=True)
 class _Resume:
+    """What `train` resolved: a verified unified folder (manifest) or a legacy folder read offline (legacy)."""
+
     layout: Layout
-    manifest: dict
+    manifest: dict | None = None
+    legacy: object | None = None
+
+    @property
+    def saved_world_size(self) -> int:
+        if self.legacy is not None:
+            return self.legacy.world_size
+        return int(self.manifest.get("saved_by", {}).get("world_size", 1))
 
 
 class UnifiedCheckpointMixin:
@@ -80,9 +90,24 @@ class UnifiedCheckpointMixin:
             layout = detect_layout(value)
         self._uc_check_loadable(layout)
         if layout.kind == UNIFIED:
-            self._uc_resume = _Resume(layout, verify_checkpoint(layout.path,
-                                                                 show_progress=not self.args.disable_tqdm))
+            self._uc_resume = _Resume(layout, manifest=verify_checkpoint(layout.path,
+                                                                          show_progress=not self.args.disable_tqdm))
+        elif layout.kind == DEEPSPEED:
+            legacy = LegacyDeepSpeedCheckpoint(layout.path)
+            if legacy.topology() != self._uc_deepspeed_topology():
+                self._uc_resume = _Resume(layout, legacy=legacy)  # resharded offline; native DeepSpeed refuses
+                if dist.rank() == 0:
+                    logger.info("%s was written by DeepSpeed %s; this run differs, so it is read offline and "
+                                   "resharded (the next save is unified).", layout.path, legacy.topology())
         return str(layout.path)
+
+    def _uc_deepspeed_topology(self) -> dict | None:
+        """World size, ZeRO stage and bf16 of this run when it uses DeepSpeed, else None."""
+        if _engine_kind(self) != "deepspeed":
+            return None
+        config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        return {"world_size": dist.world_size(), "zero_stage": int(config.get("zero_optimization", {}).get("stage", 0)),
+                "bf16": bool(self.args.bf16)}
 
     def _uc_check_loadable(self, layout: Layout) -> None:
         engine = _engine_kind(self)
@@ -100,7 +125,7 @@ class UnifiedCheckpointMixin:
                    "There is no complete checkpoint next to it.")
                 + " Resume from a complete one (resume_from_checkpoint=True picks it)."
             )
-        if layout.kind in (DEEPSPEED, FSDP) and (engine != layout.kind or self.args.unified_checkpoint):
+        if layout.kind == FSDP and engine != FSDP:
             raise UnsupportedCheckpointError(
                 f"{layout.path} is a legacy {layout.kind} checkpoint; this version of hf_unified_ckpt cannot "
                 f"load it into a {engine} run. (The plain Trainer would 'resume' it without its optimizer and "
@@ -136,19 +161,23 @@ class UnifiedCheckpointMixin:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
         folder = resume.layout.path
-        load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options)
+        if resume.legacy is not None:
+            legacy = resume.legacy
+            self._uc_engine().load(LoadSources(legacy.model_source(), legacy.master_source(),
+                                               legacy.optimizer_source(), legacy.global_step))
+        else:
+            load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options)
         if self.lr_scheduler is not None and (folder / SCHEDULER_FILE).is_file():
             self.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
         self._load_scaler(str(folder))
-        logger.info("Resumed from unified checkpoint %s (step %s)", folder, resume.manifest.get("global_step"))
+        logger.info("Resumed from %s checkpoint %s", resume.layout.kind, folder)
         return model, train_dataloader
 
     def _load_rng_state(self, checkpoint):
         resume = self._uc_resuming(checkpoint)
         if resume is None:
             return super()._load_rng_state(checkpoint)
-        saved_world = int(resume.manifest.get("saved_by", {}).get("world_size", 1))
-        lost = restore_rng_state(checkpoint, dist.rank(), saved_world, dist.world_size())
+        lost = restore_rng_state(checkpoint, dist.rank(), resume.saved_world_size, dist.world_size())
         if lost and dist.rank() == 0:
             logger.warning("Resuming from %s: %s", checkpoint, lost)
 

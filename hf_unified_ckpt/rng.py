@@ -41,6 +41,8 @@ def restore_rng_state(folder: str | Path, rank: int, saved_world_size: int, worl
     exactly (when the world size changed or the rank's file is absent), for the caller to warn about once."""
     folder = Path(folder)
     own = folder / rng_file_name(rank)
+    if saved_world_size == 1 and not own.is_file() and (folder / "rng_state.pth").is_file():
+        own = folder / "rng_state.pth"  # the plain Trainer's name on one process
     path = own if own.is_file() else folder / rng_file_name(0)
     lost = None
     if saved_world_size != world_size or not own.is_file():

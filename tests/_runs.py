@@ -147,6 +147,10 @@ def _deepspeed_full_state(trainer) -> dict[str, torch.Tensor]:
     """Independent of the library: DeepSpeed's own public accessors, for every trainable parameter."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    zero = trainer.model_wrapped.optimizer
+    if hasattr(zero, "_hp_optimizer_states_linked"):  # DeepSpeed 0.19 links only the first group after step 1
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
     out = {}
     for name, p in trainer.model_wrapped.module.named_parameters():
         if p.requires_grad:

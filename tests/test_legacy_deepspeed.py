@@ -1,44 +1,125 @@
-"""Real DeepSpeed (ZeRO-2, one process, CPU): a legacy `global_step*` folder is recognised, and what this
-version cannot load yet is refused loudly instead of the plain Trainer's silent partial resume."""
+"""Legacy DeepSpeed folders (`checkpoint-N/global_stepN/`, written by the plain Trainer without this plugin):
+detected; resumed through DeepSpeed itself where the topology matches; read offline and resharded where it
+does not (another world size, another stage, DDP, one process: what DeepSpeed refuses); the next save is
+unified; and `hf-unified-ckpt convert` turns them into unified folders equal to `zero_to_fp32`'s output.
+
+Real DeepSpeed, CPU, gloo. Tolerances as in test_deepspeed.py.
+"""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+import torch
 
-from _runs import train
+from _runs import run_spec
+from conftest import torchrun
 from hf_unified_ckpt.cli import main as cli
-from hf_unified_ckpt.errors import UnsupportedCheckpointError
+from hf_unified_ckpt.layout import detect_layout
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+LOSS_RTOL = STATE_ATOL = 1e-5
+LEGACY = {"attach": False, "unified_checkpoint": False}
+SAVERS = {"z2": {"zero": 2}, "z3": {"zero": 3}, "z2bf16": {"zero": 2, "overrides": {"bf16": True}}}
+CELLS = [  # (legacy saved by (2 ranks), resumed as, world size, how)
+    ("z2", "z2", 2, "native"), ("z2bf16", "z2bf16", 2, "native"),
+    ("z2", "z3", 2, "resharded"), ("z3", "z2", 2, "resharded"), ("z2", "ddp", 2, "resharded"),
+    ("z2", "z2", 3, "resharded"), ("z3", "z3", 3, "resharded"), ("z2", "z2", 1, "resharded"),
+    ("z2", "single", 1, "resharded"), ("z3", "single", 1, "resharded"),
+]
 
 
-def _ds(out, mode):
-    return subprocess.run([sys.executable, os.path.join(HERE, "ds_worker.py"), str(out), mode], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _tag(c):
+    return f"{c[0]}-to-{c[1]}-at{c[2]}"
+
+
+def _resume_spec(tmp, cell):
+    saved_by, kind, _, _ = cell
+    spec = dict(SAVERS.get(kind, {}))
+    spec.update(output_dir=str(tmp / _tag(cell)), result=str(tmp / f"{_tag(cell)}.pt"),
+                resume=str(tmp / saved_by / "checkpoint-3"))
+    return spec
 
 
 @pytest.fixture(scope="module")
-def legacy_ds(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds")
-    proc = _ds(out, "legacy")
-    assert proc.returncode == 0 and "DS-RUN-DONE" in proc.stdout, proc.stderr[-4000:]
-    return out
+def legacy(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("legacy_ds")
+    saves = []
+    for name, spec in SAVERS.items():
+        saves.append({**spec, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"),
+                      "overrides": {**spec.get("overrides", {}), **LEGACY}})
+    torchrun(2, saves + [_resume_spec(tmp, c) for c in CELLS if c[2] == 2], tmp)
+    torchrun(3, [_resume_spec(tmp, c) for c in CELLS if c[2] == 3], tmp)
+    torchrun(1, [_resume_spec(tmp, c) for c in CELLS if c[2] == 1 and c[1] != "single"], tmp)
+    out = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in SAVERS}
+    for c in CELLS:
+        out[_tag(c)] = (run_spec(_resume_spec(tmp, c), 1) if c[1] == "single"
+                        else torch.load(tmp / f"{_tag(c)}.pt", weights_only=False))
+    return tmp, out
 
 
-def test_legacy_deepspeed_folder_is_detected(legacy_ds, capsys):
-    assert (legacy_ds / "checkpoint-2" / "global_step2").is_dir()
-    assert cli(["info", "--json", str(legacy_ds / "checkpoint-2")]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert (info["kind"], info["complete"], info["global_step"]) == ("deepspeed", True, 2)
-    assert cli(["verify", str(legacy_ds / "checkpoint-2")]) == 1
+@pytest.mark.dist
+def test_legacy_folders_are_what_the_plain_trainer_writes(legacy, capsys):
+    tmp, _ = legacy
+    for name in SAVERS:
+        ckpt = tmp / name / "checkpoint-3"
+        assert (ckpt / "global_step3").is_dir() and not (ckpt / "unified_checkpoint.json").exists()
+        capsys.readouterr()
+        assert cli(["info", "--json", str(ckpt)]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert (info["kind"], info["complete"], info["global_step"]) == ("deepspeed", True, 3)
+        assert cli(["verify", str(ckpt)]) == 1
 
 
-@pytest.mark.parametrize("how", ["path", "resume=True"])
-def test_legacy_deepspeed_folder_without_deepspeed_is_refused_loudly(legacy_ds, tmp_path, how):
-    resume = str(legacy_ds / "checkpoint-2") if how == "path" else True
-    out = tmp_path if how == "path" else legacy_ds
-    with pytest.raises(UnsupportedCheckpointError, match="legacy deepspeed checkpoint.*silently"):
-        train(out, max_steps=4, resume=resume)
+@pytest.mark.dist
+@pytest.mark.parametrize("cell", CELLS, ids=_tag)
+def test_legacy_deepspeed_resumes_and_next_save_is_unified(legacy, cell):
+    tmp, out = legacy
+    saved_by, _, _, how = cell
+    resumed, base = out[_tag(cell)], out[saved_by]
+    exact = how == "native"
+    for step in (4, 5, 6):
+        a, b = resumed["losses"][step], base["losses"][step]
+        assert (a == b) if exact else abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
+    for key, ref in base["state"].items():
+        got = resumed["state"][key]
+        assert torch.equal(got, ref) if exact else torch.allclose(got.double(), ref.double(), rtol=0, atol=STATE_ATOL)
+    layout = detect_layout(tmp / _tag(cell) / "checkpoint-6")
+    assert layout.kind == "unified" and layout.complete
+
+
+@pytest.mark.parametrize("name", list(SAVERS))
+def test_convert_matches_zero_to_fp32_and_verifies(legacy, name, tmp_path, capsys):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    src = legacy[0] / name / "checkpoint-3"
+    out = tmp_path / "converted"
+    assert cli(["convert", str(src), str(out), "--max-shard-size", "20KB", "--quiet"]) == 0
+    assert cli(["verify", str(out)]) == 0
+    layout = detect_layout(out)
+    assert layout.kind == "unified" and layout.manifest["saved_by"]["converted_from"] == "deepspeed-legacy"
+    stem = "master_weights" if name == "z2bf16" else "model"
+    assert len(list(out.glob(f"{stem}-*.safetensors"))) > 1  # 20KB shards: bounded memory, many files
+    ours = {}
+    for f in out.glob(f"{stem}*.safetensors"):
+        ours.update(load_file(str(f)))
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    assert set(ours) == set(reference)
+    for key, value in reference.items():
+        assert torch.equal(ours[key], value), key
+    assert cli(["convert", str(src), str(out)]) == 1  # never overwrites
+    assert "not empty" in capsys.readouterr().err
+
+
+def test_converted_folder_resumes_on_one_process(legacy, tmp_path):
+    tmp, out = legacy
+    converted = tmp_path / "run" / "checkpoint-3"
+    assert cli(["convert", str(tmp / "z2" / "checkpoint-3"), str(converted), "--quiet"]) == 0
+    resumed = run_spec({"output_dir": str(tmp_path / "resumed"), "resume": str(converted)}, 1)
+    for step in (4, 5, 6):
+        assert abs(resumed["losses"][step] - out["z2"]["losses"][step]) <= LOSS_RTOL * abs(out["z2"]["losses"][step])
+
+
+def test_convert_refuses_what_it_cannot_read(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    assert cli(["convert", str(tmp_path / "x"), str(tmp_path / "y")]) == 1
+    assert "convert reads complete DeepSpeed folders" in capsys.readouterr().err

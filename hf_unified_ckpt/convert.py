@@ -1,0 +1,101 @@
+"""Offline conversion of a legacy checkpoint folder into a unified one: no process group, one shard of tensors
+in memory at a time (`max_shard_size`), written with the same save algorithm as training uses."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from .engines.base import MASTER, MODEL, OPTIMIZER
+from .errors import UnsupportedCheckpointError
+from .layout import DEEPSPEED, detect_layout
+from .legacy.deepspeed import LegacyDeepSpeedCheckpoint
+from .legacy.sources import TensorSource
+from .options import UnifiedCheckpointOptions, parse_size
+from .planning import TensorSpec
+from .save import SaveRequest, save_checkpoint
+from .storage.files import FileRecord, record_file
+
+logger = logging.getLogger(__name__)
+
+#: Files of a legacy folder that the conversion regenerates or drops (weights, DeepSpeed internals, scripts).
+_NOT_COPIED = {"latest", "zero_to_fp32.py", "zero_to_torch.py", "model.safetensors", "model.safetensors.index.json",
+               "pytorch_model.bin", "pytorch_model.bin.index.json"}
+
+
+class OfflineEngine:
+    """An `EngineAdapter` over tensor sources, for writing without a training engine (world size 1)."""
+
+    engine = "offline"
+
+    def __init__(self, sources: dict[str, TensorSource], saved_by: dict):
+        self.sources = sources
+        self._saved_by = saved_by
+
+    def saved_by(self) -> dict:
+        return dict(self._saved_by)
+
+    def components(self) -> list[str]:
+        return list(self.sources)
+
+    def file_stem(self, component: str) -> str:
+        return component
+
+    def specs(self, component: str) -> list[TensorSpec]:
+        source = self.sources[component]
+        return [TensorSpec(n, tuple(source.specs()[n][0]), source.dtype(n)) for n in source.keys()]
+
+    def preferred_owners(self, component: str) -> dict[str, int]:
+        return {}
+
+    def exchange(self, plans) -> None:
+        """Nothing to assemble: one process holds (lazily) everything."""
+
+    def tensors(self, component: str, names) -> dict:
+        return {n: self.sources[component].get(n) for n in names}
+
+    def optimizer_metadata(self) -> dict:
+        return self.sources[OPTIMIZER].metadata
+
+    def write_configs(self, folder) -> None:
+        """Configs are copied with the other non-tensor files."""
+
+
+def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "1GB",
+            show_progress: bool = True) -> Path:
+    """Convert `legacy_dir` (a DeepSpeed `checkpoint-N` folder) into a complete unified folder `out_dir`."""
+    legacy_dir, out_dir = Path(legacy_dir), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new folder (nothing was written).")
+    layout = detect_layout(legacy_dir)
+    if layout.kind != DEEPSPEED or not layout.complete:
+        raise UnsupportedCheckpointError(
+            f"{legacy_dir} is a {'complete' if layout.complete else 'incomplete'} '{layout.kind}' folder"
+            f"{': ' + layout.reason if layout.reason else ''}; convert reads complete DeepSpeed folders "
+            "(checkpoint-N with global_stepN/ ZeRO partitions).")
+    legacy = LegacyDeepSpeedCheckpoint(legacy_dir)
+    sources = {MODEL: legacy.model_source()}
+    if legacy.saved_by()["master_weights"]:
+        sources[MASTER] = legacy.master_source()
+    sources[OPTIMIZER] = legacy.optimizer_source()
+    engine = OfflineEngine(sources, legacy.saved_by())
+    options = UnifiedCheckpointOptions(enabled=True, max_shard_size=parse_size(max_shard_size))
+    step = layout.global_step if layout.global_step is not None else legacy.global_step
+    request = SaveRequest(out_dir, step, options, show_progress=show_progress)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty: the commit renames the staging folder into place
+    return save_checkpoint(engine, request, lambda folder: _copy_extras(legacy_dir, folder))
+
+
+def _copy_extras(legacy_dir: Path, folder: Path) -> list[FileRecord]:
+    records = []
+    for path in sorted(legacy_dir.iterdir()):
+        if not path.is_file() or path.name in _NOT_COPIED:
+            continue
+        name = "rng_state_0.pth" if path.name == "rng_state.pth" else path.name
+        shutil.copyfile(path, folder / name)
+        records.append(record_file(folder / name))
+    return records

@@ -1,0 +1,210 @@
+"""Read a legacy DeepSpeed folder (`checkpoint-N/global_stepN/` ZeRO partitions written by the Trainer) without
+a process group, one tensor at a time.
+
+The per-rank `*_optim_states.pt` / `*_model_states.pt` files are opened with `torch.load(mmap=True)`, so only
+the pages of the fragments a tensor needs are read. The layout rules are DeepSpeed's own (see its
+`utils/zero_to_fp32.py`): ZeRO-1/2 record each parameter's fragment per rank in `param_slice_mappings`;
+ZeRO-3 stores every parameter as `ceil(numel / world)` elements per rank, in `param_shapes` order.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..names import optimizer_key
+from ..optim_state import encode_hparam
+from .sources import TensorSource
+
+_RANK_RE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+def _load(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # pickle, zip and mmap errors alike
+        raise CorruptCheckpointError(f"legacy DeepSpeed file {path} cannot be read ({type(e).__name__}: {e}).") from e
+
+
+def step_folder(folder: Path) -> Path:
+    """The `global_stepN` folder of a checkpoint: the one `latest` names, or the only one."""
+    latest = folder / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if "/" in tag or tag in ("", ".", ".."):
+            raise CorruptCheckpointError(f"{latest} names {tag!r}, not a folder inside the checkpoint.")
+        if (folder / tag).is_dir():
+            return folder / tag
+    candidates = sorted(p for p in folder.glob("global_step*") if p.is_dir())
+    if len(candidates) != 1:
+        raise CorruptCheckpointError(f"{folder}: expected one global_step* folder (or a 'latest' file naming it), "
+                                     f"found {[p.name for p in candidates]}.")
+    return candidates[0]
+
+
+class LegacyDeepSpeedCheckpoint:
+    """Tensors of a legacy DeepSpeed checkpoint by parameter name: model, master weights, optimizer state."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.dir = step_folder(self.folder)
+        ranked = sorted((int(m.group(1)), p) for p in self.dir.iterdir() if (m := _RANK_RE.match(p.name)))
+        if not ranked or [r for r, _ in ranked] != list(range(len(ranked))):
+            raise CorruptCheckpointError(f"{self.dir}: the optimizer partitions of ranks 0..N-1 are not all there "
+                                         f"(found ranks {[r for r, _ in ranked]}).")
+        self.world_size = len(ranked)
+        self.optim = [_load(p)["optimizer_state_dict"] for _, p in ranked]
+        stage = int(getattr(self.optim[0]["zero_stage"], "value", self.optim[0]["zero_stage"]))
+        self.stage = stage
+        model_files = ([self.dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.world_size)]
+                       if stage == 3 else [self.dir / "mp_rank_00_model_states.pt"])
+        missing = [str(p) for p in model_files if not p.is_file()]
+        if missing:
+            raise CorruptCheckpointError(f"legacy DeepSpeed checkpoint {self.dir} lacks {missing}.")
+        self.models = [_load(p) for p in model_files]
+        config = self.models[0].get("ds_config") or {}
+        if (config.get("fp16") or {}).get("enabled"):
+            raise UnsupportedCheckpointError(f"{self.dir} was trained with DeepSpeed fp16; only fp32 and bf16 "
+                                             "checkpoints can be read.")
+        self.lp_dtype = torch.bfloat16 if (config.get("bf16") or {}).get("enabled") else torch.float32
+        self.global_step = int(self.models[0].get("global_steps") or 0)
+        self.param_shapes: list[OrderedDict] = self.models[0]["param_shapes"]
+        self.group_of = {n: g for g, shapes in enumerate(self.param_shapes) for n in shapes}
+        self.shape_of = {n: tuple(s) for shapes in self.param_shapes for n, s in shapes.items()}
+        self._z3_offsets = self._zero3_offsets() if stage == 3 else None
+
+    # ---- layout ------------------------------------------------------------------------------------------
+    def topology(self) -> dict:
+        return {"world_size": self.world_size, "zero_stage": self.stage,
+                "bf16": self.lp_dtype == torch.bfloat16}
+
+    def _base_state(self, r: int) -> dict:
+        return self.optim[r]["base_optimizer_state"] if self.stage != 3 else self.optim[r]["optimizer_state_dict"]
+
+    def _flats(self, r: int, key: str | None) -> list[torch.Tensor]:
+        """Rank r's flat fp32 partitions (per group, or per ZeRO-3 sub-group) of the master weights or a state."""
+        if key is None:
+            return self.optim[r]["single_partition_of_fp32_groups" if self.stage != 3 else "fp32_flat_groups"]
+        state = self._base_state(r)["state"]
+        return [state[i][key] for i in sorted(state)]
+
+    def _zero3_offsets(self) -> dict[str, tuple[int, int]]:
+        """ZeRO-3: (sub-group, offset) of each parameter's per-rank partition, walking params in order."""
+        sizes = [t.numel() for t in self._flats(0, None)]
+        out, sub, offset = {}, 0, 0
+        for name, shape in ((n, s) for shapes in self.param_shapes for n, s in shapes.items()):
+            part = math.ceil(math.prod(shape) / self.world_size)
+            if offset + part > sizes[sub]:
+                sub, offset = sub + 1, 0
+            out[name] = (sub, offset)
+            offset += part
+        return out
+
+    def fp32(self, name: str, key: str | None = None) -> torch.Tensor:
+        """Full fp32 master weight (key None) or optimizer state `key` of parameter `name`."""
+        shape = self.shape_of[name]
+        numel = math.prod(shape)
+        if self.stage == 3:
+            sub, offset = self._z3_offsets[name]
+            part = math.ceil(numel / self.world_size)
+            pieces = [self._flats(r, key)[sub].narrow(0, offset, part) for r in range(self.world_size)]
+            return torch.cat(pieces)[:numel].view(shape).clone()
+        g = self.group_of[name]
+        pieces = []
+        for r in range(self.world_size):
+            fragment = self.optim[r]["param_slice_mappings"][g].get(name)
+            if fragment is not None:
+                pieces.append(self._flats(r, key)[g].narrow(0, fragment.start, fragment.numel))
+        flat = torch.cat(pieces) if pieces else torch.empty(0)
+        if flat.numel() != numel:
+            raise CorruptCheckpointError(f"{self.dir}: the fragments of {name} hold {flat.numel()} elements, "
+                                         f"expected {numel}.")
+        return flat.view(shape).clone()
+
+    # ---- components ----------------------------------------------------------------------------------------
+    def _aliases(self) -> set[str]:
+        return set((self.models[0].get("shared_params") or {}).keys())
+
+    def _frozen(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(s) for n, s in (self.models[0].get("frozen_param_shapes") or {}).items()}
+
+    def _frozen_tensor(self, name: str) -> torch.Tensor:
+        shape = self._frozen()[name]
+        if self.stage != 3:
+            return self.models[0]["module"][name].clone()
+        pieces = [m["frozen_param_fragments"][name] for m in self.models]
+        return torch.cat(pieces)[:math.prod(shape)].view(shape).clone()
+
+    def model_source(self) -> TensorSource:
+        """Model weights in the training dtype, named as save_pretrained names them."""
+        module = self.models[0]["module"]
+        entries = {}
+        for name, shape in self.shape_of.items():
+            if self.stage != 3:
+                entries[name] = (shape, self.lp_dtype, lambda n=name: module[n].clone())
+            else:
+                entries[name] = (shape, self.lp_dtype, lambda n=name: self.fp32(n).to(self.lp_dtype))
+        for name, shape in self._frozen().items():
+            entries[name] = (shape, module[name].dtype if self.stage != 3 else self.lp_dtype,
+                             lambda n=name: self._frozen_tensor(n))
+        for name in self.models[0].get("buffer_names") or []:
+            entries[name] = (tuple(module[name].shape), module[name].dtype, lambda n=name: module[n].clone())
+        for alias in self._aliases():
+            entries.pop(alias, None)
+        return TensorSource(entries)
+
+    def master_source(self) -> TensorSource:
+        """fp32 master weights of the trainable parameters."""
+        return TensorSource({n: (s, torch.float32, lambda n=n: self.fp32(n)) for n, s in self.shape_of.items()})
+
+    def optimizer_source(self) -> TensorSource:
+        """Optimizer state keyed `<param>/<state>` plus the param-group metadata of the unified format."""
+        base = self._base_state(0)
+        entries, state_types = {}, {}
+        for g, shapes in enumerate(self.param_shapes):
+            state = base["state"].get(self._first_state_index(g), {})
+            for key, value in state.items():
+                for name, shape in shapes.items():
+                    k = optimizer_key(name, key)
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        entries[k] = (tuple(shape), torch.float32, lambda n=name, key=key: self.fp32(n, key))
+                    else:
+                        tensor, kind = _scalar(value)
+                        entries[k] = ((), tensor.dtype, lambda t=tensor: t.clone())
+                        if kind:
+                            state_types[k] = kind
+        groups = []
+        for g, saved in enumerate(base["param_groups"]):
+            hp = {k: encode_hparam(k, v) for k, v in saved.items() if k != "params"}
+            groups.append({**hp, "params": list(self.param_shapes[g])})
+        return TensorSource(entries, {"param_groups": groups, "state_types": state_types})
+
+    def _first_state_index(self, g: int) -> int:
+        """Index of the base-optimizer state entry that holds group g's scalars (ZeRO-3: its first sub-group)."""
+        if self.stage != 3:
+            return g
+        first = next(iter(self.param_shapes[g]))
+        return self._z3_offsets[first][0]
+
+    def saved_by(self) -> dict:
+        return {"engine": "deepspeed", "world_size": self.world_size, "zero_stage": self.stage, "fsdp_version": None,
+                "param_dtypes": [str(self.lp_dtype).removeprefix("torch.")],
+                "master_weights": self.lp_dtype != torch.float32,
+                "master_weights_dtype": "float32" if self.lp_dtype != torch.float32 else None,
+                "converted_from": "deepspeed-legacy"}
+
+
+def _scalar(value) -> tuple[torch.Tensor, str | None]:
+    if torch.is_tensor(value):
+        return value.reshape(()), None
+    kinds = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
+    if type(value) not in kinds:
+        raise UnsupportedCheckpointError(f"optimizer state value of type {type(value).__name__} cannot be stored.")
+    kind, dtype = kinds[type(value)]
+    return torch.tensor(value, dtype=dtype), kind
+
