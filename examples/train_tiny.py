@@ -3,7 +3,8 @@
 This is an ordinary Trainer script; the two lines marked `# <- hf_unified_ckpt` are all the plugin needs.
 
     python examples/train_tiny.py --config configs/tiny_llama.yaml [--any_training_arg value ...]
-    torchrun --standalone --nproc_per_node 2 examples/train_tiny.py --config configs/tiny_llama.yaml
+    torchrun --standalone --nproc_per_node 2 examples/train_tiny.py --config configs/tiny_llama.yaml \
+        --ddp_backend gloo [--deepspeed configs/ds_zero2.json]
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def parse(argv: list[str]):
 
 def main(argv: list[str]) -> None:
     script, args = parse(argv)
+    if args.deepspeed:  # CPU demo: gloo does the collectives; skip JIT-compiling DeepSpeed's shared-memory op
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=CountingDataset(), processing_class=tokenizer())
     attach(trainer)  # <- hf_unified_ckpt (one line)
     resume = args.resume_from_checkpoint

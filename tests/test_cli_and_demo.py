@@ -55,17 +55,17 @@ def test_console_script_and_module_entry_points(tmp_path):
 
 @pytest.mark.dist
 def test_make_demo_script(tmp_path):
-    """What `make demo` runs: DDP-2 train, resume on 1 process, loss curve continues, from_pretrained works."""
+    """What `make demo` runs: ZeRO-2 x 2 train, resume on 1 process, loss curve continues, from_pretrained works."""
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), str(tmp_path / "demo")],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss curve after resume continues exactly" in proc.stdout
     assert "generated:" in proc.stdout
-    for ckpt in ("ddp2/checkpoint-10", "resumed_1proc/checkpoint-30"):
+    for ckpt in ("zero2_2proc/checkpoint-10", "resumed_1proc/checkpoint-30"):
         out = subprocess.run([sys.executable, "-m", "hf_unified_ckpt", "info", "--json", str(tmp_path / "demo" / ckpt)],
                              capture_output=True, text=True, check=True).stdout
         info = json.loads(out)
         assert info["kind"] == "unified" and info["complete"] is True
     assert json.loads(subprocess.run([sys.executable, "-m", "hf_unified_ckpt", "info", "--json",
-                                      str(tmp_path / "demo" / "ddp2" / "checkpoint-10")], capture_output=True,
+                                      str(tmp_path / "demo" / "zero2_2proc" / "checkpoint-10")], capture_output=True,
                                      text=True).stdout)["saved_by"]["world_size"] == 2
