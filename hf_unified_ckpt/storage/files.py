@@ -46,6 +46,41 @@ def file_crc32(path: str | os.PathLike) -> str:
     return f"{crc:08x}"
 
 
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks)."""
+    def times(matrix: list[int], vector: int) -> int:
+        out, i = 0, 0
+        while vector:
+            if vector & 1:
+                out ^= matrix[i]
+            vector >>= 1
+            i += 1
+        return out
+
+    def square(matrix: list[int]) -> list[int]:
+        return [times(matrix, matrix[n]) for n in range(32)]
+
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = square(odd)
+    odd = square(even)
+    while True:
+        even = square(odd)
+        if len2 & 1:
+            crc1 = times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = square(even)
+        if len2 & 1:
+            crc1 = times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
 def fsync_file(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
+import zlib
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -13,35 +16,74 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CorruptCheckpointError
-from .files import FileRecord, check_plain_name, read_json, record_file, write_json
+from .files import FileRecord, check_plain_name, crc32_combine, file_crc32, fsync_file, read_json, write_json
 
 SAFETENSORS_METADATA = {"format": "pt"}
 _MAX_HEADER = 100 * 2**20
 
 
 def _writable(tensor: torch.Tensor) -> torch.Tensor:
-    """safetensors refuses views that share storage; copy those (and non-contiguous ones) only."""
+    """A CPU, contiguous tensor; views into larger buffers (ZeRO fragments) are written without a copy."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-        tensor = tensor.contiguous().clone()
-    return tensor
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
 def write_shard(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
     """Write one safetensors file with `{"format": "pt"}` metadata, fsync it and return its record.
-    Tensors sharing storage (the same per-group scalar under several names) are written as copies."""
+
+    `save_file` then `fsync` run in a helper thread (both release the GIL). Once the bytes are in the page cache,
+    this thread computes the CRC-32 of the tensor bytes from memory, in the order safetensors lays them out,
+    while the helper waits for the disk; the header's CRC is combined after. If the layout is not the predicted
+    one, the file is read back instead. Tensors sharing storage (one per-group scalar under several names) are
+    written as copies."""
+    path = Path(path)
     out, seen = {}, set()
     for name, tensor in tensors.items():
         tensor = _writable(tensor)
-        key = (tensor.untyped_storage().data_ptr(), tensor.numel() > 0)
-        if key in seen and tensor.numel() > 0:
+        if tensor.nbytes and (tensor.data_ptr(), tensor.nbytes) in seen:
             tensor = tensor.clone()
-        seen.add((tensor.untyped_storage().data_ptr(), tensor.numel() > 0))
+        seen.add((tensor.data_ptr(), tensor.nbytes))
         out[name] = tensor
-    save_file(out, str(path), metadata=dict(SAFETENSORS_METADATA))
-    return record_file(path)
+    order = sorted(out, key=lambda n: (-out[n].element_size(), n))  # safetensors' layout: wide dtypes first
+    in_page_cache = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        durable = pool.submit(_save_and_fsync, out, path, in_page_cache)
+        while not in_page_cache.wait(0.05):
+            if durable.done():  # save_file failed: surface its error
+                durable.result()
+        data_crc = 0
+        for name in order:
+            data_crc = zlib.crc32(_bytes_of(out[name]), data_crc)
+        durable.result()
+    return FileRecord(path.name, path.stat().st_size, _file_crc(path, out, order, data_crc))
+
+
+def _save_and_fsync(tensors: dict[str, torch.Tensor], path: Path, in_page_cache: threading.Event) -> None:
+    save_file(tensors, str(path), metadata=dict(SAFETENSORS_METADATA))
+    in_page_cache.set()
+    fsync_file(path)
+
+
+def _bytes_of(tensor: torch.Tensor):
+    return tensor.reshape(-1).view(torch.uint8).numpy() if tensor.nbytes else b""
+
+
+def _file_crc(path: Path, tensors: dict[str, torch.Tensor], order: list[str], data_crc: int) -> str:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header_bytes = f.read(n)
+    header = json.loads(header_bytes)
+    offsets = [tuple(header[name]["data_offsets"]) for name in order]
+    expected, start = [], 0
+    for name in order:
+        expected.append((start, start + tensors[name].nbytes))
+        start += tensors[name].nbytes
+    if offsets != expected or path.stat().st_size != 8 + n + start:
+        return file_crc32(path)
+    head_crc = zlib.crc32(header_bytes, zlib.crc32(struct.pack("<Q", n)))
+    return f"{crc32_combine(head_crc, data_crc, start):08x}"
 
 
 def index_name(file_stem: str) -> str:

@@ -1,0 +1,276 @@
+"""Save/resume benchmark: unified checkpoint vs the plain Trainer's native DeepSpeed checkpoint.
+
+    python bench/bench_save.py [--reps 5] [--dtype fp32|bf16] [--out DIR]
+
+Launches `torchrun --nproc_per_node 2` (DeepSpeed ZeRO-2, CPU, gloo) on a ~103M-parameter Llama-style model
+and, in the same launch, alternates per repetition: our unified save, the native `Trainer._save_checkpoint`
+(weights file + `global_step*`, then fsync of every file it wrote, so both are timed to durable), and a raw
+sequential write + fsync of as many bytes as our save wrote. Then measures resume: the native DeepSpeed load at
+the same topology (2 ranks) and ours at a changed world size (a second launch with 1 rank). Prints medians and
+ratios with the absolute figures beside them:
+
+  (a) unified save time / native save time            target <= 0.5
+  (b) unified bytes on disk / native bytes            target <= 0.61
+  (c) unified write throughput / raw write throughput target >= 0.8
+  (d) peak extra RSS during save / largest rank share target <= 1.25
+  (e) unified resume at 1 rank / native resume at 2   target <= 1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples this process's RSS every 2 ms while active; `extra` is the peak above the starting value."""
+
+    def __enter__(self):
+        self.start, self.peak, self._stop = rss_bytes(), rss_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.extra = max(0, self.peak - self.start)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def fsync_tree(path: Path, rank: int, world: int) -> None:
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    for p in files[rank::world]:
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def raw_write(path: Path, nbytes: int) -> None:
+    block = os.urandom(64 * 2**20)
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            n = min(left, len(block))
+            f.write(memoryview(block)[:n])
+            left -= n
+        os.fsync(f.fileno())
+
+
+def build_trainer(out: Path, dtype: str, world: int):
+    import deepspeed
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    import hf_unified_ckpt
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=11,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    data = torch.randint(0, 16000, (64, 16))
+    dataset = [{"input_ids": x, "labels": x} for x in data]
+    ds_config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                 "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}
+    args = hf_unified_ckpt.UnifiedCheckpointArguments(
+        output_dir=str(out), max_steps=1, per_device_train_batch_size=4 // world, save_strategy="no",
+        use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, deepspeed=ds_config,
+        bf16=(dtype == "bf16"), unified_checkpoint=True, logging_steps=1000)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    hf_unified_ckpt.attach(trainer)
+    trainer.train()
+    return trainer
+
+
+def timed(fn) -> tuple[float, int]:
+    """(seconds, extra RSS bytes) of fn() on this rank, between barriers."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        seconds = time.perf_counter() - start
+    return seconds, rss.extra
+
+
+def max_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def save_worker(out: Path, reps: int, dtype: str) -> None:
+    """Runs under torchrun with 2 ranks: alternates ours / native / raw, then times the native resume."""
+    import torch.distributed as dist
+    from transformers import Trainer
+    from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+    from hf_unified_ckpt.storage.manifest import read_manifest
+
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = build_trainer(out / "train", dtype, world)  # initialises the process group
+    rank = dist.get_rank()
+    model = trainer.model_wrapped
+    results = {"ours": [], "native": [], "raw": [], "ours_rss": [], "ours_bytes": 0, "native_bytes": 0,
+               "largest_share": 0}
+
+    def save(kind: str, rep: int) -> Path:
+        trainer.args.output_dir = str(out / f"{kind}-{rep}")
+        folder = out / f"{kind}-{rep}" / "checkpoint-1"
+        if kind == "ours":
+            seconds, extra = timed(lambda: trainer._save_checkpoint(model, None))
+            results["ours_rss"].append(max_over_ranks(extra))
+        else:
+            def native():
+                Trainer._save_checkpoint(trainer, model, None)
+                dist.barrier()
+                fsync_tree(folder, rank, world)
+            seconds, _ = timed(native)
+        results[kind].append(max_over_ranks(seconds))
+        return folder
+
+    keep = {}
+    for rep in range(reps):
+        for kind in (("ours", "native") if rep % 2 == 0 else ("native", "ours")):
+            folder = save(kind, rep)
+            if rank == 0:
+                results[f"{kind}_bytes"] = folder_bytes(folder)
+                if kind == "ours":
+                    manifest = read_manifest(folder)
+                    results["largest_share"] = _largest_share(manifest, world)
+            dist.barrier()
+            if rep == reps - 1:
+                keep[kind] = folder
+            elif rank == 0:
+                shutil.rmtree(folder.parent)
+        share = int(results["ours_bytes"] / world) if rank == 0 else 0
+        share = int(max_over_ranks(share))
+        raw_path = out / f"raw-{rank}"
+        seconds, _ = timed(lambda: raw_write(raw_path, share))
+        results["raw"].append(max_over_ranks(seconds))
+        raw_path.unlink()
+    native_resume = []
+    for _ in range(reps):
+        seconds, _ = timed(lambda: deepspeed_load_checkpoint(model, str(keep["native"])))
+        native_resume.append(max_over_ranks(seconds))
+    results["native_resume"] = native_resume
+    results["ours_folder"] = str(keep["ours"])
+    if rank == 0:
+        (out / "save_results.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _largest_share(manifest: dict, world: int) -> int:
+    """Bytes the busiest rank wrote: the plan gives each rank whole files; approximate by balancing files."""
+    sizes = sorted((rec["size"] for name, rec in manifest["files"].items() if name.endswith(".safetensors")),
+                   reverse=True)
+    loads = [0] * world
+    for s in sizes:
+        loads[loads.index(min(loads))] += s
+    return max(loads)
+
+
+def resume_worker(out: Path, reps: int, dtype: str) -> None:
+    """Runs under torchrun with 1 rank: times our verify + load of the 2-rank unified folder."""
+    import torch.distributed as dist
+
+    from hf_unified_ckpt.integration import _master_policy
+    from hf_unified_ckpt.engines.deepspeed import DeepSpeedEngine
+    from hf_unified_ckpt.load import load_checkpoint, verify_checkpoint
+
+    results = json.loads((out / "save_results.json").read_text())
+    trainer = build_trainer(out / "train1", dtype, 1)
+    folder = Path(results["ours_folder"])
+    options = trainer.args.unified_checkpoint_options
+    times = []
+    for _ in range(reps):
+        def load():
+            manifest = verify_checkpoint(folder)
+            load_checkpoint(folder, DeepSpeedEngine(trainer.model_wrapped, _master_policy(options)), manifest, options)
+        times.append(timed(load)[0])
+    results["ours_resume_1rank"] = times
+    (out / "save_results.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def report(out: Path, dtype: str) -> None:
+    r = json.loads((out / "save_results.json").read_text())
+    med = {k: statistics.median(r[k]) for k in ("ours", "native", "raw", "ours_rss", "native_resume",
+                                                 "ours_resume_1rank")}
+    gb = 1e9
+    ours_tp = r["ours_bytes"] / med["ours"] / gb
+    raw_tp = r["ours_bytes"] / med["raw"] / gb
+    print(f"\nDeepSpeed ZeRO-2, 2 ranks, ~103M Llama, {dtype}, medians of {len(r['ours'])} alternating repetitions")
+    print(f"(a) save time       ours/native  = {med['ours'] / med['native']:.2f}   "
+          f"({med['ours']:.2f} s vs {med['native']:.2f} s, both to durable storage)          target <= 0.5")
+    print(f"(b) bytes on disk   ours/native  = {r['ours_bytes'] / r['native_bytes']:.2f}   "
+          f"({r['ours_bytes'] / gb:.2f} GB vs {r['native_bytes'] / gb:.2f} GB)                      target <= 0.61")
+    print(f"(c) write speed     ours/raw     = {ours_tp / raw_tp:.2f}   "
+          f"({ours_tp:.2f} GB/s vs raw write+fsync of the same bytes {raw_tp:.2f} GB/s)   target >= 0.8")
+    print(f"(d) peak extra RSS  / rank share = {med['ours_rss'] / r['largest_share']:.2f}   "
+          f"({med['ours_rss'] / 2**20:.0f} MiB vs largest rank's share {r['largest_share'] / 2**20:.0f} MiB) "
+          f"target <= 1.25")
+    print(f"(e) resume          ours@1/native@2 = {med['ours_resume_1rank'] / med['native_resume']:.2f}   "
+          f"({med['ours_resume_1rank']:.2f} s incl. checksums vs {med['native_resume']:.2f} s)   target <= 1.0")
+    print(f"raw figures: {json.dumps({k: [round(x, 3) for x in r[k]] for k in med})}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
+    parser.add_argument("--worker", choices=["save", "resume"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = Path(args.out or f"/tmp/hf_unified_ckpt_bench_{os.getpid()}")
+    if args.worker == "save":
+        return save_worker(out, args.reps, args.dtype)
+    if args.worker == "resume":
+        return resume_worker(out, args.reps, args.dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    try:
+        for nproc, worker in ((2, "save"), (1, "resume")):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", args.dtype,
+                   "--out", str(out)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"benchmark {worker} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        report(out, args.dtype)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
