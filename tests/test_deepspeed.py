@@ -124,6 +124,10 @@ def test_deepspeed_checkpoint_is_unified_and_loads_with_from_pretrained(ds_matri
     assert {k: v.dtype for k, v in loaded.state_dict().items() if k in final} == {k: v.dtype for k, v in final.items()}
     for key, value in final.items():
         assert torch.equal(loaded.state_dict()[key], value), key
+    trained = AutoModelForCausalLM.from_config(loaded.config, dtype=loaded.dtype)
+    trained.load_state_dict(final)  # the weights the DeepSpeed run ended with, gathered from its shards
     loaded.eval()
+    trained.eval()
     with torch.no_grad():
-        assert torch.isfinite(loaded(TokenDataset(2, seed=3).data).logits).all()
+        tokens = TokenDataset(2, seed=3).data
+        assert torch.equal(loaded(tokens).logits, trained(tokens).logits)

@@ -143,3 +143,13 @@ def test_lora_checkpoint_loads_with_peft_from_pretrained(tmp_path):
     assert "model.safetensors" not in {p.name for p in ckpt.iterdir()}
     loaded = PeftModel.from_pretrained(build_model("llama"), ckpt)
     assert torch.equal(_logits(loaded), _logits(trainer.model))
+
+
+def test_legacy_fsdp_folder_without_fsdp_is_refused_loudly(tmp_path):
+    """Layout by file names, as accelerate writes it (a real FSDP fixture comes with the FSDP engine)."""
+    legacy = tmp_path / "checkpoint-2"
+    (legacy / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (legacy / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"x")
+    (legacy / "trainer_state.json").write_text('{"global_step": 2}')
+    with pytest.raises(UnsupportedCheckpointError, match="legacy fsdp checkpoint.*silently"):
+        train(tmp_path / "b", max_steps=3, resume=str(legacy))

@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import dist
 from ..errors import UnsupportedCheckpointError
-from ..hf_model import write_model_configs
+from ..hf_model import is_peft_model, write_model_configs
 from ..names import canonical_name, optimizer_key, split_optimizer_key
 from ..optim_state import check_groups_match, decode_hparam, encode_hparam
 from ..planning import TensorSpec
@@ -60,6 +60,10 @@ class DeepSpeedEngine:
         self.stage = int(ds_engine.zero_optimization_stage())
         self.module: nn.Module = ds_engine.module
         self.engine = f"deepspeed-zero{self.stage}"
+        if is_peft_model(ds_engine.module):
+            raise UnsupportedCheckpointError(
+                "unified checkpoints of PEFT/LoRA models under DeepSpeed are not supported yet (single process and "
+                "DDP are). Set unified_checkpoint=False, or train the adapter with DDP.")
         if ds_engine.fp16_enabled():
             raise UnsupportedCheckpointError(
                 "DeepSpeed fp16 (dynamic loss scaling) is not supported by unified checkpoints; use bf16 or fp32.")
