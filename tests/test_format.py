@@ -189,3 +189,27 @@ def test_mismatched_param_groups_name_the_parameters():
     tensors, meta = flatten_optimizer_state(opt.state_dict(), dict(enumerate(["a", "b", "c", "d"])))
     with pytest.raises(ValueError, match=r"\['e'\]"):
         unflatten_optimizer_state(list(tensors), tensors.__getitem__, meta, [["a", "b", "c", "e"]])
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 1 << 16])
+def test_crc32_combine_matches_zlib(n):
+    import os
+    import zlib
+
+    from hf_unified_ckpt.storage.files import crc32_combine
+
+    a, b = os.urandom(333), os.urandom(n)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_write_shard_checksum_equals_reading_the_file(tmp_path):
+    from hf_unified_ckpt.storage.files import file_crc32
+    from hf_unified_ckpt.storage.safetensors_io import write_shard
+
+    flat = torch.arange(40, dtype=torch.float32)
+    tensors = {"b": flat[:12].view(3, 4), "a": torch.randn(5).to(torch.bfloat16), "c": torch.tensor(2.0, dtype=torch.float64),
+               "d": flat[12:], "step": torch.tensor(3.0), "step2": None, "e": torch.zeros(0)}
+    tensors["step2"] = tensors["step"]  # one scalar under two names: written as two copies
+    record = write_shard(tmp_path / "x.safetensors", tensors)
+    assert record.crc32 == file_crc32(tmp_path / "x.safetensors")
+    assert record.size == (tmp_path / "x.safetensors").stat().st_size

@@ -60,24 +60,15 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     def square(matrix: list[int]) -> list[int]:
         return [times(matrix, matrix[n]) for n in range(32)]
 
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = square(odd)
-    odd = square(even)
-    while True:
-        even = square(odd)
+    operator = [0xEDB88320] + [1 << n for n in range(31)]  # appends one zero bit
+    for _ in range(3):
+        operator = square(operator)  # one zero byte
+    while len2 > 0:
         if len2 & 1:
-            crc1 = times(even, crc1)
+            crc1 = times(operator, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = square(even)
-        if len2 & 1:
-            crc1 = times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            operator = square(operator)
     return crc1 ^ crc2
 
 
