@@ -40,7 +40,7 @@ from .storage.files import FileRecord, record_file
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TRANSFORMERS_MAJOR = 5
-SUPPORTED_ENGINES = ("replicated", "deepspeed")
+SUPPORTED_ENGINES = ("replicated", "deepspeed", "fsdp")
 _REQUIRED_METHODS = ("train", "_prepare_for_training", "_load_from_checkpoint", "_load_rng_state",
                      "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler")
 SCHEDULER_FILE, TRAINER_STATE_FILE, ARGS_FILE, SCALER_FILE = (
@@ -207,10 +207,15 @@ class UnifiedCheckpointMixin:
                                protect=[self.state.best_model_checkpoint, output_dir])
 
     def _uc_engine(self):
-        if _engine_kind(self) == "deepspeed":
+        kind = _engine_kind(self)
+        if kind == "deepspeed":
             from .engines.deepspeed import DeepSpeedEngine
 
             return DeepSpeedEngine(self.model_wrapped, _master_policy(self.args.unified_checkpoint_options))
+        if kind == "fsdp":
+            from .engines.fsdp import FSDPEngine
+
+            return FSDPEngine(self.model_wrapped, self.optimizer)
         return ReplicatedEngine(self.model_wrapped, self.optimizer)
 
     def _uc_write_extras(self, folder: Path, engine) -> list[FileRecord]:

@@ -118,11 +118,37 @@ def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 
     return trainer, losses
 
 
+def assert_sharded(trainer) -> None:
+    """FSDP really sharded the model: DTensor parameters (FSDP2) or FlatParameters (FSDP1), not DDP."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    model = trainer.model_wrapped
+    params = list(model.parameters())
+    world = torch.distributed.get_world_size()
+    if isinstance(model, FullyShardedDataParallel):
+        handles = [m._handle for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle is not None]
+        from torch.distributed.fsdp._flat_param import FlatParameter
+
+        assert handles and all(isinstance(h.flat_param, FlatParameter) for h in handles), "no FlatParameters"
+        full = sum(h.flat_param._unpadded_unsharded_size.numel() for h in handles)
+        assert sum(p.numel() for p in params) < full or world == 1
+    else:
+        assert params and all(isinstance(p, DTensor) for p in params), f"not sharded: {type(model).__name__}"
+        local = sum(p.to_local().numel() for p in params)
+        assert local < sum(p.numel() for p in params) or world == 1
+
+
 def final_state(trainer) -> dict[str, torch.Tensor]:
     """Full model weights by name on every rank. Collective under ZeRO-3: all ranks call it."""
     from accelerate.utils import extract_model_from_parallel
 
     module = extract_model_from_parallel(trainer.model_wrapped)
+    if getattr(trainer, "is_fsdp_enabled", False):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(trainer.model_wrapped, options=StateDictOptions(full_state_dict=False))
+        return {k: _full(v).detach().clone() for k, v in sd.items()}
     if getattr(trainer, "is_deepspeed_enabled", False):
         import deepspeed
 
@@ -131,11 +157,35 @@ def final_state(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def _gather_sharded(t) -> torch.Tensor:
+    """A ShardedTensor (FSDP1) gathered on every rank; plain tensors as they are. Collective."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if not isinstance(t, ShardedTensor):
+        return t
+    out = torch.empty(tuple(t.size()), dtype=t.dtype) if torch.distributed.get_rank() == 0 else None
+    t.gather(dst=0, out=out)
+    box = [out]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _full(t) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else _gather_sharded(t)
+
+
 def optimizer_state(trainer) -> dict[str, torch.Tensor]:
     """Optimizer state (and fp32 master weights under DeepSpeed) keyed by name, as full tensors on every rank.
     Collective under DeepSpeed: all ranks call it."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         return _deepspeed_full_state(trainer)
+    if getattr(trainer, "is_fsdp_enabled", False):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(trainer.model_wrapped, trainer.optimizer,
+                                       options=StateDictOptions(full_state_dict=False))
+        return {f"{name}/{key}": _full(value).detach().clone() for name, per in osd["state"].items()
+                for key, value in per.items() if key != "step"}
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
 
     engine = ReplicatedEngine(trainer.model_wrapped, trainer.optimizer)
@@ -173,6 +223,54 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("zero"):
         disable_deepspeed_jit()
         overrides["deepspeed"] = zero_config(run["zero"])
+    if run.get("fsdp"):
+        overrides.update(fsdp_args(run["fsdp"]))
+        with fsdp_on_cpu():
+            trainer, losses = train(run["output_dir"], model_kind=run.get("model", "llama"), resume=run.get("resume"),
+                                    world_size=world_size, optim=run.get("optim", "adamw_torch"), **overrides)
+        assert_sharded(trainer)
+        return record(trainer, losses)
     trainer, losses = train(run["output_dir"], model_kind=run.get("model", "llama"), resume=run.get("resume"),
                             world_size=world_size, optim=run.get("optim", "adamw_torch"), **overrides)
     return record(trainer, losses)
+
+
+def fsdp_args(version: int = 2) -> dict:
+    """TrainingArguments for FSDP through the Trainer (full shard, one unit per decoder layer)."""
+    config = {"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+              "state_dict_type": "SHARDED_STATE_DICT"}
+    if version == 2:
+        config["reshard_after_forward"] = True
+    else:
+        config["sync_module_states"] = False  # needs an accelerator device; every rank builds the same model
+    return {"fsdp": "full_shard auto_wrap", "fsdp_config": config}
+
+
+class fsdp_on_cpu:
+    """Test-only shim: accelerate applies FSDP only on GPU device types and silently wraps the model in DDP on
+    CPU. While active, an AcceleratorState built with an FSDP plugin keeps it (distributed type FSDP, device
+    cpu). Tests that use it assert the parameters really are sharded, so a silent fallback fails them."""
+
+    def __enter__(self):
+        from accelerate.state import AcceleratorState, PartialState
+        from accelerate.utils import DistributedType
+
+        self._original = original = AcceleratorState.__init__
+
+        def init(state, *args, fsdp_plugin=None, **kwargs):
+            original(state, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+            if fsdp_plugin is not None and state.distributed_type != DistributedType.FSDP:
+                state.distributed_type = DistributedType.FSDP
+                PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+                PartialState._shared_state["device"] = state.device = torch.device("cpu")
+                if state._mixed_precision != "no":
+                    fsdp_plugin.set_mixed_precision(state._mixed_precision)
+                state.fsdp_plugin = fsdp_plugin
+
+        AcceleratorState.__init__ = init
+        return self
+
+    def __exit__(self, *exc):
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState.__init__ = self._original
