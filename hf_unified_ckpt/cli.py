@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p_info.add_argument("--json", action="store_true", help="print one JSON object")
     p_verify = sub.add_parser("verify", help="exit 0 only if complete and every checksum matches")
     p_verify.add_argument("path")
-    p_convert = sub.add_parser("convert", help="turn a legacy DeepSpeed checkpoint folder into a unified one, "
+    p_convert = sub.add_parser("convert", help="turn a legacy DeepSpeed or FSDP checkpoint folder into a unified one, "
                                                "offline (no GPU, no process group), one shard in memory at a time")
     p_convert.add_argument("legacy_dir")
     p_convert.add_argument("out_dir", help="new folder to create (must not exist or be empty)")

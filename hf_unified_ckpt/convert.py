@@ -1,4 +1,4 @@
-"""Offline conversion of a legacy checkpoint folder into a unified one: no process group, one shard of tensors
+"""Offline conversion of a legacy checkpoint folder (DeepSpeed or FSDP) into a unified one: no process group, one shard of tensors
 in memory at a time (`max_shard_size`), written with the same save algorithm as training uses."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 from .engines.base import MASTER, MODEL, OPTIMIZER
 from .errors import UnsupportedCheckpointError
-from .layout import DEEPSPEED, detect_layout
-from .legacy.deepspeed import LegacyDeepSpeedCheckpoint
+from .layout import DEEPSPEED, FSDP, detect_layout
+from .legacy import open_legacy
 from .legacy.sources import TensorSource
 from .options import UnifiedCheckpointOptions, parse_size
 from .planning import TensorSpec
@@ -20,9 +20,9 @@ from .storage.files import FileRecord, record_file
 
 logger = logging.getLogger(__name__)
 
-#: Files of a legacy folder that the conversion regenerates or drops (weights, DeepSpeed internals, scripts).
+#: Files of a legacy folder that the conversion regenerates or drops (weights, engine internals, scripts).
 _NOT_COPIED = {"latest", "zero_to_fp32.py", "zero_to_torch.py", "model.safetensors", "model.safetensors.index.json",
-               "pytorch_model.bin", "pytorch_model.bin.index.json"}
+               "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model_fsdp.bin", "optimizer.bin"}
 
 
 class OfflineEngine:
@@ -70,12 +70,13 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new folder (nothing was written).")
     layout = detect_layout(legacy_dir)
-    if layout.kind != DEEPSPEED or not layout.complete:
+    if layout.kind not in (DEEPSPEED, FSDP) or not layout.complete:
         raise UnsupportedCheckpointError(
             f"{legacy_dir} is a {'complete' if layout.complete else 'incomplete'} '{layout.kind}' folder"
             f"{': ' + layout.reason if layout.reason else ''}; convert reads complete DeepSpeed folders "
-            "(checkpoint-N with global_stepN/ ZeRO partitions).")
-    legacy = LegacyDeepSpeedCheckpoint(legacy_dir)
+            "(checkpoint-N with global_stepN/ ZeRO partitions) and FSDP folders (pytorch_model_fsdp_0/ + "
+            "optimizer_0/, or pytorch_model_fsdp.bin + optimizer.bin).")
+    legacy = open_legacy(layout)
     sources = {MODEL: legacy.model_source()}
     if legacy.saved_by()["master_weights"]:
         sources[MASTER] = legacy.master_source()
@@ -87,7 +88,12 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if out_dir.exists():
         out_dir.rmdir()  # empty: the commit renames the staging folder into place
-    return save_checkpoint(engine, request, lambda folder: _copy_extras(legacy_dir, folder))
+    out = save_checkpoint(engine, request, lambda folder: _copy_extras(legacy_dir, folder))
+    if not (out / "config.json").is_file():
+        logger.warning("%s has no config.json (the Trainer's sharded FSDP save does not write one): the converted "
+                       "folder resumes training, but from_pretrained needs a config.json copied next to it.",
+                       legacy_dir)
+    return out
 
 
 def _copy_extras(legacy_dir: Path, folder: Path) -> list[FileRecord]:

@@ -29,7 +29,7 @@ from . import dist
 from .engines.replicated import ReplicatedEngine
 from .errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete, skipped_incomplete
-from .legacy.deepspeed import LegacyDeepSpeedCheckpoint
+from .legacy import open_legacy
 from .load import LoadSources, load_checkpoint, verify_checkpoint
 from .retention import rotate_checkpoints
 from .rng import restore_rng_state, save_rng_state
@@ -92,8 +92,10 @@ class UnifiedCheckpointMixin:
         if layout.kind == UNIFIED:
             self._uc_resume = _Resume(layout, manifest=verify_checkpoint(layout.path,
                                                                           show_progress=not self.args.disable_tqdm))
+        elif layout.kind == FSDP:  # always read offline: works from and into every engine and world size
+            self._uc_resume = _Resume(layout, legacy=open_legacy(layout))
         elif layout.kind == DEEPSPEED:
-            legacy = LegacyDeepSpeedCheckpoint(layout.path)
+            legacy = open_legacy(layout)
             if legacy.topology() != self._uc_deepspeed_topology():
                 self._uc_resume = _Resume(layout, legacy=legacy)  # resharded offline; native DeepSpeed refuses
                 if dist.rank() == 0:
@@ -125,12 +127,6 @@ class UnifiedCheckpointMixin:
                    "There is no complete checkpoint next to it.")
                 + " Resume from a complete one (resume_from_checkpoint=True picks it)."
             )
-        if layout.kind == FSDP and engine != FSDP:
-            raise UnsupportedCheckpointError(
-                f"{layout.path} is a legacy {layout.kind} checkpoint; this version of hf_unified_ckpt cannot "
-                f"load it into a {engine} run. (The plain Trainer would 'resume' it without its optimizer and "
-                "LR schedule, silently.) Resume it with the engine and world size that wrote it and "
-                "unified_checkpoint=False.")
         if layout.kind in (HF_TRAINER, DEEPSPEED, FSDP):
             if not layout.complete:
                 raise IncompleteCheckpointError(f"{layout.path} ({layout.kind}) is incomplete: {layout.reason}.")

@@ -224,7 +224,7 @@ def run_spec(run: dict, world_size: int) -> dict:
         disable_deepspeed_jit()
         overrides["deepspeed"] = zero_config(run["zero"])
     if run.get("fsdp"):
-        overrides.update(fsdp_args(run["fsdp"]))
+        overrides.update(fsdp_args(run["fsdp"], run.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")))
         with fsdp_on_cpu():
             trainer, losses = train(run["output_dir"], model_kind=run.get("model", "llama"), resume=run.get("resume"),
                                     world_size=world_size, optim=run.get("optim", "adamw_torch"), **overrides)
@@ -235,10 +235,10 @@ def run_spec(run: dict, world_size: int) -> dict:
     return record(trainer, losses)
 
 
-def fsdp_args(version: int = 2) -> dict:
+def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT") -> dict:
     """TrainingArguments for FSDP through the Trainer (full shard, one unit per decoder layer)."""
     config = {"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-              "state_dict_type": "SHARDED_STATE_DICT"}
+              "state_dict_type": state_dict_type}
     if version == 2:
         config["reshard_after_forward"] = True
     else:

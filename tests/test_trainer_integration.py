@@ -145,11 +145,14 @@ def test_lora_checkpoint_loads_with_peft_from_pretrained(tmp_path):
     assert torch.equal(_logits(loaded), _logits(trainer.model))
 
 
-def test_legacy_fsdp_folder_without_fsdp_is_refused_loudly(tmp_path):
-    """Layout by file names, as accelerate writes it (a real FSDP fixture comes with the FSDP engine)."""
+def test_damaged_legacy_fsdp_folder_is_a_clear_error(tmp_path):
+    """A folder that looks like accelerate's sharded FSDP save but holds no readable DCP data."""
+    from hf_unified_ckpt.errors import CorruptCheckpointError
+
     legacy = tmp_path / "checkpoint-2"
-    (legacy / "pytorch_model_fsdp_0").mkdir(parents=True)
-    (legacy / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"x")
+    for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
+        (legacy / sub).mkdir(parents=True)
+        (legacy / sub / "__0_0.distcp").write_bytes(b"x")
     (legacy / "trainer_state.json").write_text('{"global_step": 2}')
-    with pytest.raises(UnsupportedCheckpointError, match="legacy fsdp checkpoint.*silently"):
+    with pytest.raises(CorruptCheckpointError, match="pytorch_model_fsdp_0 is not a readable"):
         train(tmp_path / "b", max_steps=3, resume=str(legacy))

@@ -1,0 +1,170 @@
+"""Read a legacy FSDP folder written by the Trainer/accelerate without this plugin, one tensor at a time and
+without a process group:
+
+- sharded (`pytorch_model_fsdp_0/` + `optimizer_0/`, torch.distributed.checkpoint format, from FSDP1 or FSDP2):
+  each tensor is read with `torch.distributed.checkpoint.load(..., no_dist=True)` into a tensor of its full
+  shape; DCP's metadata gives names, shapes and dtypes; param groups come from the pickled entries;
+- full (`pytorch_model_fsdp.bin` + `optimizer.bin`, what FSDP2 writes with FULL_STATE_DICT): opened with
+  `torch.load(mmap=True)`, so only the pages a tensor needs are read.
+
+FSDP keeps its parameters in fp32 (mixed precision casts only for compute), so the model weights are also
+the master weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..names import canonical_name, optimizer_key
+from ..optim_state import encode_hparam
+from .sources import TensorSource
+
+MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+MODEL_BIN, OPTIM_BIN = "pytorch_model_fsdp.bin", "optimizer.bin"
+_PY = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
+
+
+class _DCPFolder:
+    """Tensor-by-tensor reads of one DCP folder."""
+
+    def __init__(self, path: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = path
+        try:
+            self.metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path} is not a readable torch.distributed.checkpoint folder ({e}).") from e
+        self.ranks = len(list(path.glob("__*_0.distcp")))
+
+    def tensor_keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        return {k: (tuple(m.size), m.properties.dtype) for k, m in self.metadata.items()
+                if isinstance(m, TensorStorageMetadata)}
+
+    def load(self, keys_to_templates: dict) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        dcp.load(keys_to_templates, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+        return keys_to_templates
+
+    def tensor(self, key: str) -> torch.Tensor:
+        shape, dtype = self.tensor_keys()[key]
+        return self.load({key: torch.empty(shape, dtype=dtype)})[key]
+
+
+class LegacyFSDPCheckpoint:
+    """Tensors of a legacy FSDP checkpoint by parameter name."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if (self.folder / MODEL_DIR).is_dir():
+            self.kind = "sharded"
+            if not (self.folder / OPTIM_DIR).is_dir():
+                raise CorruptCheckpointError(f"{self.folder} has {MODEL_DIR}/ but no {OPTIM_DIR}/.")
+            self._model, self._optim = _DCPFolder(self.folder / MODEL_DIR), _DCPFolder(self.folder / OPTIM_DIR)
+            self.world_size = self._model.ranks
+        elif (self.folder / MODEL_BIN).is_file() and (self.folder / OPTIM_BIN).is_file():
+            self.kind = "full"
+            self._model_sd = _torch_load(self.folder / MODEL_BIN)
+            self._optim_sd = _torch_load(self.folder / OPTIM_BIN)
+            self.world_size = max(1, len(list(self.folder.glob("rng_state_*.pth"))))
+        else:
+            raise UnsupportedCheckpointError(
+                f"{self.folder}: expected {MODEL_DIR}/ + {OPTIM_DIR}/ (sharded) or {MODEL_BIN} + {OPTIM_BIN} (full).")
+        self.global_step = _step(self.folder)
+
+    def topology(self) -> dict:
+        return {"world_size": self.world_size, "fsdp": True}
+
+    def saved_by(self) -> dict:
+        dtypes = sorted({str(d).removeprefix("torch.") for _, (_, d, _) in self._model_entries().items()})
+        return {"engine": "fsdp", "world_size": self.world_size, "zero_stage": None, "fsdp_version": None,
+                "param_dtypes": dtypes, "master_weights": False, "converted_from": f"fsdp-legacy-{self.kind}"}
+
+    # ---- model --------------------------------------------------------------------------------------------
+    def _model_entries(self) -> dict:
+        if self.kind == "full":
+            return {canonical_name(k): (tuple(v.shape), v.dtype, lambda k=k: self._model_sd[k].clone())
+                    for k, v in self._model_sd.items()}
+        return {canonical_name(k.removeprefix("model.")): (shape, dtype, lambda k=k: self._model.tensor(k))
+                for k, (shape, dtype) in self._model.tensor_keys().items()}
+
+    def model_source(self) -> TensorSource:
+        return TensorSource(self._model_entries())
+
+    def master_source(self) -> TensorSource:
+        return self.model_source()
+
+    # ---- optimizer ---------------------------------------------------------------------------------------
+    def optimizer_source(self) -> TensorSource:
+        groups = self._param_groups()
+        names = [n for g in groups for n in g["params"]]
+        entries, state_types = {}, {}
+        if self.kind == "full":
+            for name, per in self._optim_sd["state"].items():
+                for key, value in per.items():
+                    self._add(entries, state_types, optimizer_key(canonical_name(name), key), value,
+                              lambda n=name, k=key: self._optim_sd["state"][n][k])
+        else:
+            prefix = "optimizer.state."
+            by_length = sorted(names, key=len, reverse=True)
+            for k, (shape, dtype) in self._optim.tensor_keys().items():
+                rest = k[len(prefix):]
+                name = next((n for n in by_length if rest.startswith(n + ".")), None)
+                if not k.startswith(prefix) or name is None:
+                    continue
+                key = optimizer_key(name, rest[len(name) + 1:])
+                entries[key] = (shape, dtype, lambda k=k: self._optim.tensor(k))
+        hp = [{**{k: encode_hparam(k, v) for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+              for g in groups]
+        return TensorSource(entries, {"param_groups": hp, "state_types": state_types})
+
+    @staticmethod
+    def _add(entries, state_types, key, value, loader) -> None:
+        if torch.is_tensor(value):
+            entries[key] = (tuple(value.shape), value.dtype, lambda: loader().clone())
+        elif value is None:
+            state_types[key] = "none"
+        elif type(value) in _PY:
+            kind, dtype = _PY[type(value)]
+            entries[key] = ((), dtype, lambda v=value, d=dtype: torch.tensor(v, dtype=d))
+            state_types[key] = kind
+        else:
+            raise UnsupportedCheckpointError(f"optimizer state {key!r} of type {type(value).__name__} cannot be read.")
+
+    def _param_groups(self) -> list[dict]:
+        if self.kind == "full":
+            return [{**g, "params": [canonical_name(p) for p in g["params"]]} for g in self._optim_sd["param_groups"]]
+        entries = {k: None for k in self._optim.metadata if k.startswith("optimizer.param_groups.")}
+        loaded = self._optim.load(entries)
+        groups: dict[int, dict] = {}
+        for key, value in loaded.items():
+            match = re.fullmatch(r"optimizer\.param_groups\.(\d+)\.(.+)", key)
+            if match:
+                groups.setdefault(int(match.group(1)), {})[match.group(2)] = value
+        out = [groups[i] for i in sorted(groups)]
+        for g in out:
+            g["params"] = [canonical_name(p) for p in g["params"]]
+        return out
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise CorruptCheckpointError(f"legacy FSDP file {path} cannot be read ({type(e).__name__}: {e}).") from e
+
+
+def _step(folder: Path) -> int:
+    try:
+        return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError):
+        return 0
