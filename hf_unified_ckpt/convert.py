@@ -50,7 +50,7 @@ class OfflineEngine:
     def preferred_owners(self, component: str) -> dict[str, int]:
         return {}
 
-    def exchange(self, plans) -> None:
+    def exchange(self, component: str, names, owner: int) -> None:
         """Nothing to assemble: one process holds (lazily) everything."""
 
     def tensors(self, component: str, names) -> dict:

@@ -1,7 +1,8 @@
 """The save algorithm, the same with and without a process group.
 
 1. rank 0 creates the staging folder `.checkpoint-N.incomplete`;
-2. every rank computes the same shard plan and writes the files it owns, plus its own extras (RNG state...);
+2. every rank computes the same shard plan; file by file, sharded engines assemble each tensor on the rank that
+   writes it, and that rank's writer thread writes the file; then every rank writes its extras (RNG state...);
 3. every rank reports its file records (or its error) to all;
 4. rank 0 writes the index files and the manifest (last), then renames the staging folder to `checkpoint-N`.
 Any failure on any rank aborts the save on every rank: the staging folder is removed and nothing is committed.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +68,6 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: E
         prepare_staging(staging)
     dist.barrier()
     plans = plan_save(engine, request)
-    engine.exchange(plans)  # collective: tensors not whole on their writer are assembled there
     outcome = _guarded(lambda: _write_share(engine, plans, staging, request) + write_extras(staging))
     reports = dist.all_gather_object(outcome)
     _raise_if_failed(reports, staging, final)
@@ -101,13 +102,21 @@ def _raise_if_failed(reports, staging: Path, final: Path) -> None:
 
 def _write_share(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path,
                  request: SaveRequest) -> list[FileRecord]:
-    mine = [(c, f) for c, plan in plans.items() for f in plan.files_for(dist.rank())]
+    """Walk every file of the plan in the same order on all ranks: assemble its tensors on its writer
+    (`engine.exchange`, a collective on sharded engines), and hand the files this rank owns to a writer thread,
+    so writing one file overlaps assembling the next. Collective: all ranks must call it."""
+    everything = [(c, f) for c, plan in plans.items() for f in plan.files]
     show = request.show_progress and dist.rank() == 0
-    records = []
-    for component, file in tqdm(mine, desc=f"Saving {request.final_dir.name}", unit="file", disable=not show):
-        tensors = engine.tensors(component, plans[component].files[file])
-        records.append(write_shard(staging / file, tensors))
-    return records
+    futures = []
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        for component, file in tqdm(everything, desc=f"Saving {request.final_dir.name}", unit="file",
+                                    disable=not show):
+            names, owner = plans[component].files[file], plans[component].owners[file]
+            engine.exchange(component, names, owner)
+            if owner == dist.rank():
+                futures.append(writer.submit(lambda c=component, f=file, n=names:
+                                             write_shard(staging / f, engine.tensors(c, n))))
+        return [f.result() for f in futures]
 
 
 def _finalize(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path, final: Path,

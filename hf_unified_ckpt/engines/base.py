@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -16,8 +16,9 @@ class EngineAdapter(Protocol):
     """What the save and load algorithms need from an engine.
 
     `components`, `specs` and `optimizer_metadata` are identical on every rank, so every rank computes the
-    same plan. `preferred_owners` and `exchange` may be collectives on sharded engines (all ranks call them in
-    the same order); after `exchange`, `tensors` only reads what this rank holds.
+    same plan. `preferred_owners` and `exchange` (which assembles one file's tensors on the rank `owner` that
+    writes it) may be collectives on sharded engines: all ranks call them in the same order. After `exchange`,
+    `tensors` only reads what this rank holds, and may run in a writer thread.
     """
 
     engine: str
@@ -32,7 +33,7 @@ class EngineAdapter(Protocol):
 
     def preferred_owners(self, component: str) -> dict[str, int]: ...
 
-    def exchange(self, plans: Mapping) -> None: ...
+    def exchange(self, component: str, names: Sequence[str], owner: int) -> None: ...
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
 

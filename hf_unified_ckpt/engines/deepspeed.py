@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -258,18 +258,16 @@ class DeepSpeedEngine:
                 owners[spec.name] = self._fragment_owner(split_optimizer_key(spec.name)[0])
         return owners
 
-    def exchange(self, plans: Mapping) -> None:
-        """Assemble, on its writer, every tensor that is not whole on that writer. Collective: all ranks must
-        call it with identical plans (the order of the loop is the order of the collectives)."""
-        for component, plan in plans.items():
-            for file in plan.files:
-                for name in plan.files[file]:
-                    source = self._source(component, name)
-                    if self._is_local_to_owner(source):
-                        continue
-                    value = self._assemble(source)
-                    if dist.rank() == plan.owners[file]:
-                        self._cache[(component, name)] = value.detach().to("cpu", copy=True)
+    def exchange(self, component: str, names: Sequence[str], owner: int) -> None:
+        """Assemble on `owner` the tensors of one file that are not whole there. Collective: all ranks must call
+        it, in the same order (the loop order is the order of the collectives)."""
+        for name in names:
+            source = self._source(component, name)
+            if self._is_local_to_owner(source):
+                continue
+            value = self._assemble(source)
+            if dist.rank() == owner:
+                self._cache[(component, name)] = value.detach().to("cpu", copy=True)
 
     @staticmethod
     def _assemble(source: tuple) -> torch.Tensor:

@@ -10,7 +10,7 @@ then hands the state dicts back with `set_model_state_dict` / `set_optimizer_sta
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -54,13 +54,31 @@ def local_chunks(t) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor
 def _full_on(t, owner: int) -> torch.Tensor | None:
     """The whole tensor on rank `owner` (None elsewhere). Collective: all ranks must call it."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import Shard
 
     if isinstance(t, ShardedTensor):
         out = torch.empty(tuple(t.size()), dtype=t.dtype) if dist.rank() == owner else None
         t.gather(dst=owner, out=out)
         return out
-    full = t.full_tensor()
+    if t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),) and t.device_mesh.size() == dist.world_size():
+        return _gather_rows(t, owner)
+    full = t.full_tensor()  # other layouts: DTensor's own all-gather
     return full if dist.rank() == owner else None
+
+
+def _gather_rows(t, owner: int) -> torch.Tensor | None:
+    """Gather a dim-0-sharded DTensor (torch.chunk layout, as FSDP2 shards) to `owner` only: each rank pads its
+    rows to the largest chunk so gloo's equal-size gather applies. Collective: all ranks must call it."""
+    import torch.distributed as tdist
+
+    rows, world = t.shape[0], dist.world_size()
+    chunk = -(-rows // world)
+    local = t.to_local()
+    padded = torch.zeros((chunk, *t.shape[1:]), dtype=local.dtype)
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in range(world)] if dist.rank() == owner else None
+    tdist.gather(padded, pieces, dst=owner)
+    return torch.cat(pieces)[:rows] if pieces is not None else None
 
 
 class FSDPEngine:
@@ -151,18 +169,15 @@ class FSDPEngine:
     def preferred_owners(self, component: str) -> dict[str, int]:
         return {}
 
-    def exchange(self, plans: Mapping) -> None:
-        """Assemble every sharded tensor on the rank that writes it. Collective: all ranks must call it with
-        identical plans (the loop order is the order of the collectives)."""
-        for component, plan in plans.items():
-            source = self._model_state() if component == MODEL else self._optim_tensors()
-            for file in plan.files:
-                for name in plan.files[file]:
-                    value = source[name]
-                    if _is_sharded(value):
-                        full = _full_on(value, plan.owners[file])
-                        if full is not None:
-                            self._cache[(component, name)] = full.detach().cpu()
+    def exchange(self, component: str, names: Sequence[str], owner: int) -> None:
+        """Assemble on `owner` every sharded tensor of one file. Collective: all ranks must call it, in the same
+        order (the loop order is the order of the collectives)."""
+        source = self._model_state() if component == MODEL else self._optim_tensors()
+        for name in names:
+            if _is_sharded(source[name]):
+                full = _full_on(source[name], owner)
+                if full is not None:
+                    self._cache[(component, name)] = full.detach().cpu()
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Tensors this rank writes (after `exchange`); local reads only."""

@@ -48,7 +48,7 @@ class ReplicatedEngine:
     def preferred_owners(self, component: str) -> dict[str, int]:
         return {}  # every rank holds everything
 
-    def exchange(self, plans) -> None:
+    def exchange(self, component: str, names, owner: int) -> None:
         """Nothing to assemble: every rank holds every tensor."""
 
     def _optimizer_flat(self) -> tuple[dict, dict]:
