@@ -54,7 +54,7 @@ def main(out: Path) -> None:
 def compare(out: Path) -> None:
     full = json.loads((out / "zero2_losses.json").read_text())
     resumed = json.loads((out / "resumed_losses.json").read_text())
-    print(f"\n step   ZeRO-2 x 2     resumed on 1   rel. diff")
+    print("\n step   ZeRO-2 x 2     resumed on 1   rel. diff")
     worst = 0.0
     for step in range(RESUME_AT + 1, 31):
         a, b = full[str(step)], resumed[str(step)]

@@ -10,7 +10,6 @@ This is an ordinary Trainer script; the two lines marked `# <- hf_unified_ckpt` 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 

@@ -7,7 +7,6 @@ The global batch (6) is kept constant across world sizes 1, 2 and 3.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset

@@ -81,6 +81,8 @@ class DeepSpeedEngine:
         self._group_index = {n: g for g, names in enumerate(self._groups) for n in names}
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
         self._frag_sizes: dict[str, list[int]] | None = None
+        self._keys: list[tuple[list[str], list[str]]] | None = None
+        self._buffer_map: dict[str, torch.Tensor] | None = None
         if self.stage != 3:
             for g in range(len(self._groups)):
                 self._link_fragments(g)
@@ -110,16 +112,15 @@ class DeepSpeedEngine:
         """Names of the lp parameters of each base-optimizer param group (DeepSpeed keeps the grouping in its
         ZeRO optimizer: `bit16_groups` (ZeRO-1/2), `bf16_groups` (BF16 optimizer), `fp16_groups` with
         `sub_group_to_group_id` (ZeRO-3))."""
-        name_of = {id(p): n for n, p in self._named}
         if self.stage == 3:
             groups: list[list[str]] = [[] for _ in self.base.param_groups]
             for sub, params in enumerate(self.zero.fp16_groups):
-                groups[self.zero.sub_group_to_group_id[sub]].extend(name_of[id(p)] for p in params)
+                groups[self.zero.sub_group_to_group_id[sub]].extend(self._name_of[id(p)] for p in params)
             return groups
         lp_groups = getattr(self.zero, "bit16_groups", None) or getattr(self.zero, "bf16_groups", None)
         if lp_groups is None:
             raise UnsupportedCheckpointError(f"cannot read the parameter groups of {type(self.zero).__name__}.")
-        return [[name_of[id(p)] for p in g] for g in lp_groups]
+        return [[self._name_of[id(p)] for p in g] for g in lp_groups]
 
     def _group_flats(self, g: int) -> list[torch.Tensor]:
         """The flat fp32 partitions the base optimizer keeps state for, for group `g`."""
@@ -133,7 +134,13 @@ class DeepSpeedEngine:
         return self.base.state.get(flats[0], {}) if flats else {}
 
     def _state_keys(self) -> list[tuple[list[str], list[str]]]:
-        """Per group: (tensor state keys shaped like the flat partition, scalar state keys)."""
+        """Per group: (tensor state keys shaped like the flat partition, scalar state keys). Cached: an adapter
+        serves one save or one load."""
+        if self._keys is None:
+            self._keys = self._read_state_keys()
+        return self._keys
+
+    def _read_state_keys(self) -> list[tuple[list[str], list[str]]]:
         out = []
         for g in range(len(self._groups)):
             state, flat = self._group_state(g), (self._group_flats(g) or [None])[0]
@@ -161,8 +168,11 @@ class DeepSpeedEngine:
         return {MODEL: "model", MASTER: "master_weights", OPTIMIZER: "optimizer"}[component]
 
     def _buffers(self) -> dict[str, torch.Tensor]:
-        persistent = set(self.module.state_dict(keep_vars=True).keys())  # keys only: valid under ZeRO-3 too
-        return {canonical_name(n): b for n, b in self.module.named_buffers() if n in persistent}
+        """Persistent buffers by canonical name (state_dict keys are valid under ZeRO-3 too)."""
+        if self._buffer_map is None:
+            persistent = set(self.module.state_dict(keep_vars=True).keys())
+            self._buffer_map = {canonical_name(n): b for n, b in self.module.named_buffers() if n in persistent}
+        return self._buffer_map
 
     def specs(self, component: str) -> list[TensorSpec]:
         if component == MODEL:
@@ -192,7 +202,7 @@ class DeepSpeedEngine:
             hp = {k: encode_hparam(k, v) for k, v in self.base.param_groups[g].items() if k != "params"}
             groups.append({**hp, "params": list(names)})
         state_types = {}
-        for g, (tensor_keys, scalar_keys) in enumerate(self._state_keys()):
+        for g, (_, scalar_keys) in enumerate(self._state_keys()):
             state = self._group_state(g)
             for k in scalar_keys:
                 kind = _scalar(state[k])[1]
@@ -383,6 +393,7 @@ class DeepSpeedEngine:
 
     def _init_group_state(self, g: int, tensor_keys: list[str]) -> None:
         """Create the state tensors a fresh (never stepped) optimizer lacks, and link DeepSpeed's fragments."""
+        self._keys = None
         for flat in self._group_flats(g):
             state = self.base.state[flat]
             for key in tensor_keys:
