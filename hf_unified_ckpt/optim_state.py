@@ -16,6 +16,24 @@ import torch
 from .names import optimizer_key, split_optimizer_key
 
 _PY_SCALARS = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
+_PY_TYPES = {"bool": bool, "int": int, "float": float}
+
+
+def encode_scalar(value, key: str = "") -> tuple[torch.Tensor, str | None]:
+    """A per-parameter (or per-group) scalar as a 0-d tensor, with its Python type name when it was not a
+    tensor (recorded in `state_types` so `decode_scalar` returns the same type)."""
+    if torch.is_tensor(value):
+        return value.detach().reshape(()).cpu(), None
+    if type(value) in _PY_SCALARS:
+        type_name, dtype = _PY_SCALARS[type(value)]
+        return torch.tensor(value, dtype=dtype), type_name
+    raise TypeError(f"optimizer state {key!r} is a {type(value).__name__}; the unified format stores tensors, "
+                    "Python numbers and None only.")
+
+
+def decode_scalar(tensor: torch.Tensor, kind: str | None):
+    """Inverse of `encode_scalar`."""
+    return _PY_TYPES[kind](tensor.item()) if kind else tensor
 
 
 def encode_hparam(key: str, value):
@@ -68,15 +86,8 @@ def flatten_optimizer_state(
                 tensors[key] = value
             elif value is None:
                 state_types[key] = "none"
-            elif type(value) in _PY_SCALARS:
-                type_name, dtype = _PY_SCALARS[type(value)]
-                tensors[key] = torch.tensor(value, dtype=dtype)
-                state_types[key] = type_name
             else:
-                raise TypeError(
-                    f"optimizer state {key!r} is a {type(value).__name__}; the unified format stores tensors, "
-                    "Python numbers and None only."
-                )
+                tensors[key], state_types[key] = encode_scalar(value, key)
     groups = []
     for group in state_dict["param_groups"]:
         encoded = {k: encode_hparam(k, v) for k, v in group.items() if k != "params"}
@@ -125,12 +136,7 @@ def unflatten_optimizer_state(
         if name not in name_to_index:
             raise ValueError(f"optimizer state {key!r} belongs to no parameter of the current optimizer.")
         kind = state_types.get(key)
-        if kind == "none":
-            value = None
-        elif kind in ("bool", "int", "float"):
-            value = {"bool": bool, "int": int, "float": float}[kind](get_tensor(key).item())
-        else:
-            value = get_tensor(key)
+        value = None if kind == "none" else decode_scalar(get_tensor(key), kind)
         state.setdefault(name_to_index[name], {})[state_name] = value
     groups = []
     for saved_group, names in zip(metadata["param_groups"], current_groups):

@@ -30,14 +30,12 @@ from .. import dist
 from ..errors import UnsupportedCheckpointError
 from ..hf_model import is_peft_model, write_model_configs
 from ..names import canonical_name, optimizer_key, split_optimizer_key
-from ..optim_state import check_groups_match, decode_hparam, encode_hparam
+from ..optim_state import check_groups_match, decode_hparam, decode_scalar, encode_hparam, encode_scalar
 from ..planning import TensorSpec
 from ..storage.safetensors_io import ComponentReader
 from .base import MASTER, MODEL, OPTIMIZER
 
 logger = logging.getLogger(__name__)
-
-_PY_TYPES = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
 
 
 def read_flat_range(reader: ComponentReader, name: str, shape: Sequence[int], start: int, numel: int) -> torch.Tensor:
@@ -193,7 +191,7 @@ class DeepSpeedEngine:
             for name in names:
                 shape = self._full_shape(by_name[name])
                 specs += [TensorSpec(optimizer_key(name, k), shape, torch.float32) for k in tensor_keys]
-                specs += [TensorSpec(optimizer_key(name, k), (), _scalar(state[k])[0].dtype) for k in scalar_keys]
+                specs += [TensorSpec(optimizer_key(name, k), (), encode_scalar(state[k])[0].dtype) for k in scalar_keys]
         return specs
 
     def optimizer_metadata(self) -> dict:
@@ -205,7 +203,7 @@ class DeepSpeedEngine:
         for g, (_, scalar_keys) in enumerate(self._state_keys()):
             state = self._group_state(g)
             for k in scalar_keys:
-                kind = _scalar(state[k])[1]
+                kind = encode_scalar(state[k])[1]
                 if kind:
                     state_types.update({optimizer_key(n, k): kind for n in self._groups[g]})
         return {"param_groups": groups, "state_types": state_types}
@@ -306,7 +304,7 @@ class DeepSpeedEngine:
         if kind == "lp":
             return source[1].data
         if kind == "scalar":
-            return _scalar(self._group_state(source[1])[source[2]])[0]
+            return encode_scalar(self._group_state(source[1])[source[2]])[0]
         _, p, key = source
         return p._hp_mapping.get_hp_fragment(key).view(p.shape)
 
@@ -382,9 +380,7 @@ class DeepSpeedEngine:
             self._init_group_state(g, tensor_keys)
             for key in scalar_keys:
                 first = optimizer_key(self._groups[g][0], key)
-                value = reader.get(first)
-                kind = state_types.get(first)
-                value = {"bool": bool, "int": int, "float": float}[kind](value.item()) if kind else value
+                value = decode_scalar(reader.get(first), state_types.get(first))
                 for flat in self._group_flats(g):
                     self.base.state[flat][key] = value.clone() if torch.is_tensor(value) else value
             for name in self._groups[g]:
@@ -433,12 +429,3 @@ def _keys_of_group(names, specs, by_name, full_shape) -> tuple[list[str], list[s
                 "Adafactor, cannot move into DeepSpeed).")
     return sorted(tensor_keys), sorted(scalar_keys)
 
-
-def _scalar(value) -> tuple[torch.Tensor, str | None]:
-    """A per-group scalar state as a 0-d tensor, and its Python type name when it was not a tensor."""
-    if torch.is_tensor(value):
-        return value.detach().reshape(()).cpu(), None
-    if type(value) in _PY_TYPES:
-        name, dtype = _PY_TYPES[type(value)]
-        return torch.tensor(value, dtype=dtype), name
-    raise UnsupportedCheckpointError(f"optimizer state value of type {type(value).__name__} cannot be stored.")

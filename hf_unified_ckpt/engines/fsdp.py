@@ -19,11 +19,9 @@ from .. import dist
 from ..errors import UnsupportedCheckpointError
 from ..hf_model import is_peft_model, write_model_configs
 from ..names import canonical_name, optimizer_key, split_optimizer_key
-from ..optim_state import check_groups_match, decode_hparam, encode_hparam
+from ..optim_state import check_groups_match, decode_hparam, decode_scalar, encode_hparam, encode_scalar
 from ..planning import TensorSpec
 from .base import MODEL, OPTIMIZER
-
-_PY_TYPES = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
 
 
 def _is_sharded(t) -> bool:
@@ -152,7 +150,7 @@ class FSDPEngine:
             if torch.is_tensor(value) or _is_sharded(value):
                 specs.append(TensorSpec(key, _global_shape(value), value.dtype))
             elif value is not None:
-                specs.append(TensorSpec(key, (), _scalar(value)[0].dtype))
+                specs.append(TensorSpec(key, (), encode_scalar(value)[0].dtype))
         return specs
 
     def optimizer_metadata(self) -> dict:
@@ -163,7 +161,7 @@ class FSDPEngine:
             if value is None:
                 state_types[key] = "none"
             elif not (torch.is_tensor(value) or _is_sharded(value)):
-                state_types[key] = _scalar(value)[1]
+                state_types[key] = encode_scalar(value)[1]
         return {"param_groups": groups, "state_types": state_types}
 
     def preferred_owners(self, component: str) -> dict[str, int]:
@@ -186,7 +184,7 @@ class FSDPEngine:
         for name in names:
             cached = self._cache.pop((component, name), None)
             value = source[name]
-            out[name] = cached if cached is not None else (value if torch.is_tensor(value) else _scalar(value)[0])
+            out[name] = cached if cached is not None else (value if torch.is_tensor(value) else encode_scalar(value)[0])
         return out
 
     def write_configs(self, folder) -> None:
@@ -234,7 +232,7 @@ class FSDPEngine:
             if kind == "none":
                 osd["state"][name][state] = None
             elif kind in ("bool", "int", "float"):
-                osd["state"][name][state] = {"bool": bool, "int": int, "float": float}[kind](reader.get(key).item())
+                osd["state"][name][state] = decode_scalar(reader.get(key), kind)
             elif current is not None and (_is_sharded(current) or current.dim() > 0):
                 with torch.no_grad():
                     _fill(current, reader, key)
@@ -262,11 +260,3 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return _unwrap(inner) if isinstance(inner, nn.Module) and type(model).__name__ == "FullyShardedDataParallel" \
         else model
 
-
-def _scalar(value) -> tuple[torch.Tensor, str | None]:
-    if torch.is_tensor(value):
-        return value.detach().reshape(()).cpu(), None
-    if type(value) in _PY_TYPES:
-        name, dtype = _PY_TYPES[type(value)]
-        return torch.tensor(value, dtype=dtype), name
-    raise UnsupportedCheckpointError(f"optimizer state value of type {type(value).__name__} cannot be stored.")

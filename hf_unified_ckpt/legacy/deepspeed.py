@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..names import optimizer_key
-from ..optim_state import encode_hparam
+from ..optim_state import encode_hparam, encode_scalar
 from .sources import TensorSource
 
 _RANK_RE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -174,7 +174,7 @@ class LegacyDeepSpeedCheckpoint:
                     if torch.is_tensor(value) and value.dim() > 0:
                         entries[k] = (tuple(shape), torch.float32, lambda n=name, key=key: self.fp32(n, key))
                     else:
-                        tensor, kind = _scalar(value)
+                        tensor, kind = encode_scalar(value, k)
                         entries[k] = ((), tensor.dtype, lambda t=tensor: t.clone())
                         if kind:
                             state_types[k] = kind
@@ -198,13 +198,4 @@ class LegacyDeepSpeedCheckpoint:
                 "master_weights_dtype": "float32" if self.lp_dtype != torch.float32 else None,
                 "converted_from": "deepspeed-legacy"}
 
-
-def _scalar(value) -> tuple[torch.Tensor, str | None]:
-    if torch.is_tensor(value):
-        return value.reshape(()), None
-    kinds = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
-    if type(value) not in kinds:
-        raise UnsupportedCheckpointError(f"optimizer state value of type {type(value).__name__} cannot be stored.")
-    kind, dtype = kinds[type(value)]
-    return torch.tensor(value, dtype=dtype), kind
 

@@ -21,12 +21,11 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..names import canonical_name, optimizer_key
-from ..optim_state import encode_hparam
+from ..optim_state import encode_hparam, encode_scalar
 from .sources import TensorSource
 
 MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"
 MODEL_BIN, OPTIM_BIN = "pytorch_model_fsdp.bin", "optimizer.bin"
-_PY = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
 
 
 class _DCPFolder:
@@ -133,12 +132,9 @@ class LegacyFSDPCheckpoint:
             entries[key] = (tuple(value.shape), value.dtype, lambda: loader().clone())
         elif value is None:
             state_types[key] = "none"
-        elif type(value) in _PY:
-            kind, dtype = _PY[type(value)]
-            entries[key] = ((), dtype, lambda v=value, d=dtype: torch.tensor(v, dtype=d))
-            state_types[key] = kind
         else:
-            raise UnsupportedCheckpointError(f"optimizer state {key!r} of type {type(value).__name__} cannot be read.")
+            tensor, state_types[key] = encode_scalar(value, key)
+            entries[key] = ((), tensor.dtype, lambda t=tensor: t.clone())
 
     def _param_groups(self) -> list[dict]:
         if self.kind == "full":
