@@ -23,19 +23,25 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_gather_object(obj) -> list:
-    """Collective: all ranks must call it. Returns every rank's `obj`, indexed by rank."""
+def all_gather_object(obj, group=None) -> list:
+    """Collective (on `group`, default: all ranks): all its ranks must call it. Returns every rank's `obj`."""
     if not is_distributed():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    """Collective: all ranks must call it. Returns rank `src`'s `obj` on every rank."""
+def broadcast_object(obj, src: int = 0, group=None):
+    """Collective (on `group`, default: all ranks): all its ranks must call it. Returns rank `src`'s `obj`."""
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def new_gloo_group():
+    """A second group over all ranks, for collectives of a background thread (never interleaved with the
+    training thread's collectives on the default group). Collective: all ranks must call it."""
+    return dist.new_group(backend="gloo") if is_distributed() else None

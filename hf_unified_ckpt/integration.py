@@ -14,6 +14,7 @@ adds a `UnifiedCheckpointCallback`. Nothing is patched globally. The mixin overr
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import dist
+from .async_save import AsyncSaver
 from .engines.replicated import ReplicatedEngine
 from .errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete, skipped_incomplete
@@ -134,6 +136,9 @@ class UnifiedCheckpointMixin:
         raise UnsupportedCheckpointError(f"{layout.path} is not a checkpoint this library knows: {layout.reason}.")
 
     def _uc_refuse_unsupported_engine(self) -> None:
+        if self.args.unified_checkpoint_options.async_save and self.args.push_to_hub:
+            raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
+                                             "before the background save commits. Drop one of them.")
         engine = _engine_kind(self)
         if self.args.unified_checkpoint_options.enabled and engine not in SUPPORTED_ENGINES:
             raise UnsupportedCheckpointError(
@@ -187,6 +192,8 @@ class UnifiedCheckpointMixin:
             self.store_flos()
         run_dir = Path(self._get_output_dir(trial=trial))
         output_dir = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        saver = _saver(self)
+        saver.wait()  # one save in flight: the previous one commits (or raises) before this one starts
         self._uc_track_best(run_dir)
         self._uc_export_callback_states()
         if dist.rank() == 0:
@@ -195,12 +202,21 @@ class UnifiedCheckpointMixin:
                               include_optimizer=not self.args.save_only_model,
                               show_progress=not self.args.disable_tqdm)
         engine = self._uc_engine()
-        save_checkpoint(engine, request, lambda folder: self._uc_write_extras(folder, engine))
+        best = self.state.best_model_checkpoint
+
+        def rotate():
+            if self.args.should_save:
+                rotate_checkpoints(run_dir, self.args.save_total_limit, protect=[best, output_dir])
+
+        extras = lambda folder: self._uc_write_extras(folder, engine)  # noqa: E731
+        if options.async_save:
+            saver.start(engine, request, extras, after_commit=rotate,
+                        wait_before_step=_engine_kind(self) == "deepspeed")
+            return
+        save_checkpoint(engine, request, extras)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
-        if self.args.should_save:
-            rotate_checkpoints(run_dir, self.args.save_total_limit,
-                               protect=[self.state.best_model_checkpoint, output_dir])
+        rotate()
 
     def _uc_engine(self):
         kind = _engine_kind(self)
@@ -280,10 +296,26 @@ class UnifiedCheckpointCallback(TrainerCallback):
 
     def __init__(self):
         self.attached = False
+        self.saver: AsyncSaver | None = None
 
     @classmethod
     def attach(cls, trainer):
         return attach(trainer)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        """DeepSpeed updates weights inside backward: there the whole next step waits for the snapshot."""
+        if self.saver is not None and self.saver.wait_before_step:
+            self.saver.wait_for_snapshot()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """An in-flight async save copies live weights and optimizer state: the step waits for that copy."""
+        if self.saver is not None:
+            self.saver.wait_for_snapshot()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """The end of training waits for the in-flight async save and raises its error."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.attached:
@@ -317,7 +349,15 @@ def attach(trainer):
         callback = UnifiedCheckpointCallback()
         trainer.add_callback(callback)
     callback.attached = True
+    if callback.saver is None:
+        callback.saver = AsyncSaver()
+        atexit.register(callback.saver.close)
     return trainer
+
+
+def _saver(trainer) -> AsyncSaver:
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, UnifiedCheckpointCallback))
+    return callback.saver
 
 
 def _check_transformers(trainer) -> None:

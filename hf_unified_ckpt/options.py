@@ -20,9 +20,7 @@ CONFIG_WORDS: dict[str, str] = {
 }
 
 #: Words whose implementation has not landed yet: accepted by the parser, refused by `validate_supported`.
-NOT_SUPPORTED_YET: dict[str, str] = {
-    "async_save": "asynchronous saving",
-}
+NOT_SUPPORTED_YET: dict[str, str] = {}
 
 QUANT_STAGES = ("O0", "O1", "O2")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -36,7 +34,8 @@ class UnifiedCheckpointOptions:
 
     Attributes:
         enabled: write unified checkpoints (`unified_checkpoint=True`).
-        async_save: write in the background (not supported yet).
+        async_save: write in the background; training waits only for assembling the tensors and, before its
+            next optimizer step, for copying them into reused host buffers.
         skip_save_model_weight: save master weights in place of the model weights when they exist.
         master_weight_compatible: rebuild missing master weights from model weights on load.
         remove_master_weight: never save master weights.

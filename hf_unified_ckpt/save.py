@@ -63,24 +63,42 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: E
     rank if any rank failed, leaving no `checkpoint-N` behind (an existing complete one stays untouched).
     """
     final = Path(request.final_dir)
-    staging = staging_dir(final)
-    if dist.rank() == 0:
-        prepare_staging(staging)
-    dist.barrier()
+    staging = open_staging(final)
     plans = plan_save(engine, request)
-    outcome = _guarded(lambda: _write_share(engine, plans, staging, request) + write_extras(staging))
-    reports = dist.all_gather_object(outcome)
-    _raise_if_failed(reports, staging, final)
-    status = None
-    if dist.rank() == 0:
-        records = [r for ok, payload in reports for r in payload]
-        status = _guarded(lambda: _finalize(engine, plans, staging, final, request, records))
-    status = dist.broadcast_object(status)
-    _raise_if_failed([status], staging, final)
+    outcome = guarded(lambda: _write_share(engine, plans, staging, request) + write_extras(staging))
+    raise_if_failed(conclude(engine, plans, staging, request, outcome), staging, final)
     return final
 
 
-def _guarded(fn) -> tuple[bool, object]:
+def open_staging(final: Path) -> Path:
+    """Rank 0 creates the empty staging folder of `final`; a failure (read-only or full disk) is raised on every
+    rank before anything is written. Collective: all ranks must call it."""
+    staging = staging_dir(final)
+    status = guarded(lambda: prepare_staging(staging)) if dist.rank() == 0 else None
+    raise_if_failed([dist.broadcast_object(status)], staging, final)
+    return staging
+
+
+def conclude(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path, request: SaveRequest,
+             outcome: tuple[bool, object], group=None, after_commit: Callable[[], None] | None = None) -> list:
+    """Share every rank's outcome; if all wrote their files, rank 0 writes the indexes and the manifest and
+    commits. Returns the reports every rank then checks with `raise_if_failed` (the same on all ranks).
+
+    Collective (on `group`): all its ranks must call it."""
+    reports = dist.all_gather_object(outcome, group=group)
+    if any(not ok for ok, _ in reports):
+        return reports
+    status = None
+    if dist.rank() == 0:
+        records = [r for _, payload in reports for r in payload]
+        status = guarded(lambda: _finalize(engine, plans, staging, request.final_dir, request, records))
+        if status[0] and after_commit is not None:
+            after_commit()
+    return [dist.broadcast_object(status, group=group)]
+
+
+def guarded(fn) -> tuple[bool, object]:
+    """(True, fn()) or (False, a description of the exception naming this rank)."""
     try:
         return True, fn()
     except Exception as e:  # reported to every rank, re-raised there
@@ -88,11 +106,11 @@ def _guarded(fn) -> tuple[bool, object]:
         return False, f"rank {dist.rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
 
 
-def _raise_if_failed(reports, staging: Path, final: Path) -> None:
+def raise_if_failed(reports, staging: Path, final: Path) -> None:
     failures = [payload for ok, payload in reports if not ok]
     if not failures:
         return
-    if dist.rank() == 0:
+    if dist.rank() == 0 and staging.exists():
         shutil.rmtree(staging, ignore_errors=True)
     raise UnifiedCheckpointError(
         f"saving {final} failed; nothing was committed and earlier checkpoints are untouched.\n"

@@ -30,3 +30,19 @@ def torchrun(nproc: int, runs: list[dict], workdir: Path, timeout: int = 900, ex
 @pytest.fixture
 def quiet_env(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+_FAULTS: dict[str, bool] = {}
+
+
+def record_fault(name: str, survived: bool) -> None:
+    """Fault-injection tests report here; the run ends with a summary line of faults tried and survived."""
+    _FAULTS[name] = survived
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FAULTS:
+        survived = sum(_FAULTS.values())
+        terminalreporter.write_line(f"fault injection: {len(_FAULTS)} faults tried, {survived} survived"
+                                    + ("" if survived == len(_FAULTS) else
+                                       f" (not survived: {sorted(k for k, v in _FAULTS.items() if not v)})"))

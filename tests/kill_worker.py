@@ -6,6 +6,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import hf_unified_ckpt.async_save as async_save  # noqa: E402
 import hf_unified_ckpt.integration as integration  # noqa: E402
 import hf_unified_ckpt.retention as retention  # noqa: E402
 import hf_unified_ckpt.save as save  # noqa: E402
@@ -50,6 +51,18 @@ def rotation_killer(real_rmtree):
     return rmtree
 
 
+def async_points() -> dict:
+    """The same kill points inside the background writer of an async save."""
+    def patch(name, wrapper):
+        return lambda: setattr(async_save, name, wrapper(getattr(async_save, name)))
+    return {
+        "async-between-shards": patch("write_shard", lambda f: during_second_save(f, 3)),
+        "async-mid-file": patch("write_shard", lambda f: during_second_save(f, 2, before=half_file_then_die)),
+        "async-before-manifest": lambda: setattr(save, "write_manifest", during_second_save(save.write_manifest)),
+        "async-before-rename": lambda: setattr(save, "commit", during_second_save(save.commit)),
+    }
+
+
 def count_saves(fn):
     def wrapper(*args, **kwargs):
         state["saves"] += 1
@@ -70,11 +83,16 @@ POINTS = {
 }
 
 
+ASYNC_POINTS = async_points()
+
 if __name__ == "__main__":
     run_dir, point = sys.argv[1], sys.argv[2]
-    POINTS[point]()
+    {**POINTS, **ASYNC_POINTS}[point]()
     integration.save_checkpoint = count_saves(integration.save_checkpoint)
+    async_save.AsyncSaver.start = count_saves(async_save.AsyncSaver.start)
     limit = 1 if point == "during-rotation" else None
-    train(run_dir, max_steps=9, save_steps=3, save_total_limit=limit, unified_checkpoint_max_shard_size="40KB")
+    config = "async_save" if point.startswith("async-") else ""
+    train(run_dir, max_steps=9, save_steps=3, save_total_limit=limit, unified_checkpoint_max_shard_size="40KB",
+          unified_checkpoint_config=config)
     print("training finished without being killed", flush=True)
     sys.exit(3)

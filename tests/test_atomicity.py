@@ -13,7 +13,8 @@ import hf_unified_ckpt.save as save_module
 from _runs import final_state, train
 from hf_unified_ckpt.errors import UnifiedCheckpointError
 from hf_unified_ckpt.layout import detect_layout, newest_complete
-from kill_worker import KILLED, POINTS
+from conftest import record_fault
+from kill_worker import ASYNC_POINTS, KILLED, POINTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,8 +26,10 @@ def uninterrupted(tmp_path_factory):
     return losses, final_state(trainer)
 
 
-@pytest.mark.parametrize("point", list(POINTS))
+@pytest.mark.parametrize("point", list(POINTS) + list(ASYNC_POINTS))
 def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, uninterrupted, caplog):
+    """kill (os._exit: no clean-up runs, as with SIGKILL) at `point` of the step-6 save, sync or async."""
+    record_fault(point, survived=False)
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "kill_worker.py"), str(run), point],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -46,9 +49,11 @@ def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, uninte
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # leftovers were cleaned at the next save
     if point == "during-rotation":
         assert not (run / "checkpoint-3").exists()  # never a half-deleted checkpoint-3
+    record_fault(point, survived=True)
 
 
 def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch):
+    record_fault("ENOSPC (sync)", survived=False)
     real = save_module.write_shard
     written = []
 
@@ -65,3 +70,4 @@ def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch)
     assert "No space left on device" in str(e.value) and "checkpoint-6" in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]  # no staging folder left either
     assert newest_complete(tmp_path).global_step == 3
+    record_fault("ENOSPC (sync)", survived=True)

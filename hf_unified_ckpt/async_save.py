@@ -1,0 +1,140 @@
+"""`async_save`: the save algorithm of `save.py` with the slow parts moved off the training thread.
+
+On the training thread (what training waits for): the staging folder, the plan, the assembly of sharded tensors
+on their writers (collectives on the default group), and the small non-tensor files (RNG, trainer state...).
+A background thread then copies this rank's tensors into host buffers that are reused from save to save, writes
+the files, and concludes the save with the same collectives as a synchronous save, on a second gloo group so
+they never interleave with training's. The copy reads live parameters and optimizer state, which only the next
+optimizer step changes: `wait_for_snapshot` (called from the `on_pre_optimizer_step` callback) blocks that step
+until the copy is done, so the copy overlaps the next forward and backward passes. DeepSpeed steps inside
+`backward`, so there the next step waits from its start (`on_step_begin`).
+
+One save is in flight at a time: the next save, the end of training and `wait()` wait for it, and its error is
+raised there, on every rank (the outcome is shared by a collective). A failed save is never committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from . import dist
+from .engines.base import EngineAdapter
+from .errors import UnifiedCheckpointError
+from .save import ExtrasWriter, SaveRequest, conclude, guarded, open_staging, plan_save, raise_if_failed
+from .storage.safetensors_io import write_shard
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncSaver:
+    """Owns the background save of one training job (one instance per Trainer)."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._snapshot_done = threading.Event()
+        self._snapshot_done.set()
+        self._result: tuple[list, Path, Path] | None = None
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._group = None
+        self.wait_before_step = False
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def host_buffer_bytes(self) -> int:
+        """Host memory held by the reused snapshot buffers (the extra memory async_save costs)."""
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def start(self, engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter,
+              after_commit=None, wait_before_step: bool = False) -> Path:
+        """Begin a save and return once the rest can run in the background. Waits for (and raises the error
+        of) the previous save first. `wait_before_step`: the engine updates weights inside backward (DeepSpeed),
+        so the next training step, not just its optimizer step, waits for the snapshot. Collective: all ranks
+        must call it."""
+        self.wait()
+        self.wait_before_step = wait_before_step
+        if self._group is None:
+            self._group = _background_group()
+        final = Path(request.final_dir)
+        staging = open_staging(final)
+        plans = plan_save(engine, request)
+        mine = []
+        for component, plan in plans.items():
+            for file, names in plan.files.items():
+                engine.exchange(component, names, plan.owners[file])
+                if plan.owners[file] == dist.rank():
+                    mine.append((component, file, names))
+        extras = guarded(lambda: write_extras(staging))
+        self._snapshot_done.clear()
+        self._thread = threading.Thread(target=self._run, name=f"hf_unified_ckpt-save-{final.name}",
+                                        args=(engine, plans, mine, extras, staging, request, after_commit))
+        self._thread.start()
+        return final
+
+    def _run(self, engine, plans, mine, extras, staging: Path, request: SaveRequest, after_commit) -> None:
+        try:
+            snapshot = guarded(lambda: self._snapshot(engine, mine))
+        finally:
+            self._snapshot_done.set()
+        outcome = snapshot if not snapshot[0] else extras if not extras[0] else guarded(
+            lambda: [write_shard(staging / file, tensors) for file, tensors in snapshot[1]] + extras[1])
+        try:
+            reports = conclude(engine, plans, staging, request, outcome, group=self._group,
+                               after_commit=after_commit)
+        except Exception as e:  # a collective failed (another rank died): report it as this save's failure
+            reports = [(False, f"rank {dist.rank()}: {type(e).__name__}: {e}")]
+        self._result = (reports, staging, Path(request.final_dir))
+
+    def _snapshot(self, engine, mine) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        files = []
+        for component, file, names in mine:
+            tensors = {}
+            for name, tensor in engine.tensors(component, names).items():
+                buffer = self._buffers.get((component, name))
+                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                    buffer = self._buffers[(component, name)] = torch.empty(tensor.shape, dtype=tensor.dtype)
+                buffer.copy_(tensor.detach())
+                tensors[name] = buffer
+            files.append((file, tensors))
+        return files
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the in-flight save has copied what it writes (call before the optimizer changes it)."""
+        self._snapshot_done.wait()
+
+    def wait(self) -> None:
+        """Wait for the in-flight save; raise its error (on every rank). Call on all ranks."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        reports, staging, final = self._result
+        self._result = None
+        raise_if_failed(reports, staging, final)
+        logger.info("Background save of %s committed.", final)
+
+    def close(self) -> None:
+        """Wait for the in-flight save without raising (interpreter exit); its error is logged."""
+        try:
+            self.wait()
+        except UnifiedCheckpointError as e:
+            logger.error("%s", e)
+
+
+_GROUPS: dict[object, object] = {}
+
+
+def _background_group():
+    """One background gloo group per process group (created once: later savers in the same process reuse it).
+    Collective on first call: all ranks must call it."""
+    import torch.distributed as tdist
+
+    key = tdist.group.WORLD if dist.is_distributed() else None
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_gloo_group()
+    return _GROUPS[key]

@@ -1,0 +1,98 @@
+"""async_save: training waits only for the in-memory snapshot; the files are written in the background; one save
+in flight; the end of training waits for it; its errors surface loudly at the next save or at the end; a failed
+background save is never committed. Resume from async checkpoints is exact (same topology) on every engine."""
+
+import errno
+
+import pytest
+import torch
+
+import hf_unified_ckpt.async_save as async_module
+import hf_unified_ckpt.save as save_module
+from _runs import final_state, run_spec, train
+from conftest import record_fault, torchrun
+from hf_unified_ckpt.errors import UnifiedCheckpointError
+from hf_unified_ckpt.layout import detect_layout, newest_complete
+
+ASYNC = {"unified_checkpoint_config": "async_save", "unified_checkpoint_max_shard_size": "40KB"}
+
+
+def test_async_checkpoints_are_complete_and_resume_exactly(tmp_path):
+    trainer, base = train(tmp_path / "a", max_steps=6, save_steps=3, **ASYNC)
+    assert detect_layout(tmp_path / "a" / "checkpoint-3").complete and detect_layout(tmp_path / "a" / "checkpoint-6").complete
+    resumed, losses = train(tmp_path / "b", max_steps=6, resume=str(tmp_path / "a" / "checkpoint-3"), **ASYNC)
+    assert [losses[s] for s in (4, 5, 6)] == [base[s] for s in (4, 5, 6)]
+    a, b = final_state(trainer), final_state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _fail_writes_of(step: int, monkeypatch):
+    real = async_module.write_shard
+
+    def write_shard(path, tensors):
+        if f".checkpoint-{step}." in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, tensors)
+
+    monkeypatch.setattr(async_module, "write_shard", write_shard)
+
+
+@pytest.mark.parametrize("failing_step,surfaces_at", [(6, "end of training"), (3, "the next save")])
+def test_background_error_surfaces_and_nothing_is_committed(tmp_path, monkeypatch, failing_step, surfaces_at):
+    record_fault(f"ENOSPC (async, surfaces at {surfaces_at})", survived=False)
+    _fail_writes_of(failing_step, monkeypatch)
+    with pytest.raises(UnifiedCheckpointError, match="No space left on device.*") as e:
+        train(tmp_path, max_steps=6, save_steps=3, **ASYNC)
+    assert f"checkpoint-{failing_step}" in str(e.value) and "nothing was committed" in str(e.value)
+    assert not (tmp_path / f"checkpoint-{failing_step}").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # staging removed
+    if failing_step == 6:
+        assert newest_complete(tmp_path).global_step == 3  # the previous checkpoint is intact
+    record_fault(f"ENOSPC (async, surfaces at {surfaces_at})", survived=True)
+
+
+@pytest.mark.parametrize("config", ["", "async_save"])
+def test_read_only_output_folder_is_a_clear_error(tmp_path, monkeypatch, config):
+    """As root, chmod cannot make a folder read-only here; the failure is injected where the folder is created."""
+    record_fault(f"read-only output folder ({config or 'sync'})", survived=False)
+    real = save_module.prepare_staging
+
+    def prepare_staging(staging):
+        if "checkpoint-6" in staging.name:
+            raise OSError(errno.EROFS, "Read-only file system", str(staging))
+        return real(staging)
+
+    monkeypatch.setattr(save_module, "prepare_staging", prepare_staging)
+    with pytest.raises(UnifiedCheckpointError, match="Read-only file system"):
+        train(tmp_path, max_steps=6, save_steps=3, unified_checkpoint_config=config)
+    assert newest_complete(tmp_path).global_step == 3 and not (tmp_path / "checkpoint-6").exists()
+    record_fault(f"read-only output folder ({config or 'sync'})", survived=True)
+
+
+def test_snapshot_buffers_are_reused(tmp_path):
+    trainer, _ = train(tmp_path, max_steps=6, save_steps=2, **ASYNC)
+    saver = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "saver")).saver
+    held = saver.host_buffer_bytes()
+    assert held > 0 and not saver.in_flight
+    ids = {id(b) for b in saver._buffers.values()}
+    assert len(ids) == len(saver._buffers)  # one buffer per tensor, kept across the three saves
+
+
+@pytest.mark.dist
+def test_async_resume_is_exact_on_every_engine(tmp_path):
+    engines = {"ddp": {}, "z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}}
+    runs = []
+    for name, spec in engines.items():
+        runs.append({**spec, "overrides": ASYNC, "output_dir": str(tmp_path / name), "result": str(tmp_path / f"{name}.pt")})
+        runs.append({**spec, "overrides": ASYNC, "output_dir": str(tmp_path / f"{name}-r"),
+                     "resume": str(tmp_path / name / "checkpoint-3"), "result": str(tmp_path / f"{name}-r.pt")})
+    torchrun(2, runs, tmp_path)
+    for name in engines:
+        base = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        resumed = torch.load(tmp_path / f"{name}-r.pt", weights_only=False)
+        assert [resumed["losses"][s] for s in (4, 5, 6)] == [base["losses"][s] for s in (4, 5, 6)], name
+        assert all(torch.equal(resumed["state"][k], v) for k, v in base["state"].items()), name
+        assert detect_layout(tmp_path / name / "checkpoint-6").complete
+    single = run_spec({"output_dir": str(tmp_path / "z3-single"), "resume": str(tmp_path / "z3" / "checkpoint-3")}, 1)
+    base = torch.load(tmp_path / "z3.pt", weights_only=False)
+    assert all(abs(single["losses"][s] - base["losses"][s]) <= 1e-5 * abs(base["losses"][s]) for s in (4, 5, 6))
