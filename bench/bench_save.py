@@ -80,7 +80,7 @@ def raw_write(path: Path, nbytes: int) -> None:
         os.fsync(f.fileno())
 
 
-def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2"):
+def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", config: str = ""):
     import contextlib
 
     import deepspeed
@@ -106,7 +106,7 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2"):
     args = hf_unified_ckpt.UnifiedCheckpointArguments(
         output_dir=str(out), max_steps=1, per_device_train_batch_size=4 // world, save_strategy="no",
         use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, bf16=(dtype == "bf16"),
-        unified_checkpoint=True, logging_steps=1000, **engine_args)
+        unified_checkpoint=True, unified_checkpoint_config=config, logging_steps=1000, **engine_args)
     with fsdp_on_cpu() if engine == "fsdp2" else contextlib.nullcontext():
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
     hf_unified_ckpt.attach(trainer)
@@ -198,6 +198,50 @@ def save_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
     dist.destroy_process_group()
 
 
+def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
+    """Runs under torchrun with 2 ranks: training-blocked time of an async save (the `_save_checkpoint` call
+    plus the wait for the snapshot before the next step) vs a synchronous save, alternating."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    sync = build_trainer(out / "sync", dtype, world, engine)
+    asyn = build_trainer(out / "async", dtype, world, engine, config="async_save")
+    saver = next(c for c in asyn.callback_handler.callbacks if hasattr(c, "saver")).saver
+    results = {"sync": [], "async_blocked": [], "async_total": []}
+    for rep in range(reps):
+        for kind in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+            trainer = sync if kind == "sync" else asyn
+            trainer.args.output_dir = str(out / f"{kind}-{rep}")
+            if kind == "sync":
+                results["sync"].append(max_over_ranks(timed(lambda: trainer._save_checkpoint(trainer.model_wrapped,
+                                                                                            None))[0]))
+                continue
+            dist.barrier()
+            start = time.perf_counter()
+            trainer._save_checkpoint(trainer.model_wrapped, None)
+            saver.wait_for_snapshot()
+            blocked = time.perf_counter() - start
+            saver.wait()
+            total = time.perf_counter() - start
+            results["async_blocked"].append(max_over_ranks(blocked))
+            results["async_total"].append(max_over_ranks(total))
+        if dist.get_rank() == 0:
+            for kind in ("sync", "async"):
+                shutil.rmtree(out / f"{kind}-{rep}", ignore_errors=True)
+    results["host_buffer_bytes"] = max_over_ranks(saver.host_buffer_bytes())
+    if dist.get_rank() == 0:
+        med = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
+        print(f"async_save, {engine} x 2, ~103M Llama, {dtype}, medians of {reps}:")
+        print(f"(a) training-blocked time / sync save time = {med['async_blocked'] / med['sync']:.3f}   "
+              f"({med['async_blocked'] * 1000:.0f} ms vs {med['sync'] * 1000:.0f} ms; background total "
+              f"{med['async_total'] * 1000:.0f} ms)   target <= 0.05")
+        print(f"(c) extra host memory of async save: {results['host_buffer_bytes'] / 2**20:.0f} MiB per rank "
+              "(reused snapshot buffers)")
+        print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in results.items() if isinstance(v, list)})}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _largest_share(manifest: dict, world: int) -> int:
     """Bytes the busiest rank wrote: the plan gives each rank whole files; approximate by balancing files."""
     sizes = sorted((rec["size"] for name, rec in manifest["files"].items() if name.endswith(".safetensors")),
@@ -261,17 +305,23 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--engine", choices=["zero2", "fsdp2"], default="zero2")
     parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
-    parser.add_argument("--worker", choices=["save", "resume"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["save", "resume", "async"], help=argparse.SUPPRESS)
+    parser.add_argument("--async-save", action="store_true",
+                        help="measure async_save: training-blocked time vs a synchronous save")
     args = parser.parse_args()
     out = Path(args.out or f"/tmp/hf_unified_ckpt_bench_{os.getpid()}")
     if args.worker == "save":
         return save_worker(out, args.reps, args.dtype, args.engine)
     if args.worker == "resume":
         return resume_worker(out, args.reps, args.dtype)
+    if args.worker == "async":
+        return async_worker(out, args.reps, args.dtype, args.engine)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     try:
         launches = ((2, "save"), (1, "resume")) if args.engine == "zero2" else ((2, "save"),)
+        if args.async_save:
+            launches = ((2, "async"),)
         for nproc, worker in launches:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", args.dtype,
@@ -279,7 +329,10 @@ def main() -> None:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"benchmark {worker} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        report(out, args.dtype, args.engine)
+            if worker == "async":
+                print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))
+        if not args.async_save:
+            report(out, args.dtype, args.engine)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 

@@ -31,10 +31,10 @@ def test_contradiction_is_an_error(config):
         parse_options(True, config)
 
 
-@pytest.mark.parametrize("config", ["async_save"])
-def test_options_of_later_issues_are_refused_not_ignored(config):
-    with pytest.raises(UnsupportedOptionError, match="not supported yet"):
-        parse_options(True, config)
+def test_async_save_word():
+    assert parse_options(True, "async_save").async_save
+    assert parse_options(True, "async_save, enable_all_options") == UnifiedCheckpointOptions(
+        enabled=True, async_save=True, skip_save_model_weight=True, master_weight_compatible=True)
 
 
 def test_master_weight_words():
