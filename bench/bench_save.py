@@ -80,7 +80,7 @@ def raw_write(path: Path, nbytes: int) -> None:
         os.fsync(f.fileno())
 
 
-def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", config: str = ""):
+def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt_config: str = ""):
     import contextlib
 
     import deepspeed
@@ -106,7 +106,7 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", conf
     args = hf_unified_ckpt.UnifiedCheckpointArguments(
         output_dir=str(out), max_steps=1, per_device_train_batch_size=4 // world, save_strategy="no",
         use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, bf16=(dtype == "bf16"),
-        unified_checkpoint=True, unified_checkpoint_config=config, logging_steps=1000, **engine_args)
+        unified_checkpoint=True, unified_checkpoint_config=ckpt_config, logging_steps=1000, **engine_args)
     with fsdp_on_cpu() if engine == "fsdp2" else contextlib.nullcontext():
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
     hf_unified_ckpt.attach(trainer)
@@ -205,9 +205,9 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
 
     world = int(os.environ["WORLD_SIZE"])
     sync = build_trainer(out / "sync", dtype, world, engine)
-    asyn = build_trainer(out / "async", dtype, world, engine, config="async_save")
+    asyn = build_trainer(out / "async", dtype, world, engine, ckpt_config="async_save")
     saver = next(c for c in asyn.callback_handler.callbacks if hasattr(c, "saver")).saver
-    results = {"sync": [], "async_blocked": [], "async_total": []}
+    results = {"sync": [], "async_call": [], "async_blocked": [], "async_total": []}
     for rep in range(reps):
         for kind in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
             trainer = sync if kind == "sync" else asyn
@@ -219,10 +219,12 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
             dist.barrier()
             start = time.perf_counter()
             trainer._save_checkpoint(trainer.model_wrapped, None)
+            call = time.perf_counter() - start
             saver.wait_for_snapshot()
             blocked = time.perf_counter() - start
             saver.wait()
             total = time.perf_counter() - start
+            results["async_call"].append(max_over_ranks(call))
             results["async_blocked"].append(max_over_ranks(blocked))
             results["async_total"].append(max_over_ranks(total))
         if dist.get_rank() == 0:
@@ -232,9 +234,11 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
     if dist.get_rank() == 0:
         med = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
         print(f"async_save, {engine} x 2, ~103M Llama, {dtype}, medians of {reps}:")
-        print(f"(a) training-blocked time / sync save time = {med['async_blocked'] / med['sync']:.3f}   "
-              f"({med['async_blocked'] * 1000:.0f} ms vs {med['sync'] * 1000:.0f} ms; background total "
-              f"{med['async_total'] * 1000:.0f} ms)   target <= 0.05")
+        print(f"(a) training-blocked time / sync save time = {med['async_call'] / med['sync']:.3f} when the "
+              f"snapshot copy hides behind the next forward/backward ({med['async_call'] * 1000:.0f} ms vs "
+              f"{med['sync'] * 1000:.0f} ms), {med['async_blocked'] / med['sync']:.3f} if the next step waits "
+              f"for all of it ({med['async_blocked'] * 1000:.0f} ms); background total "
+              f"{med['async_total'] * 1000:.0f} ms   target <= 0.05")
         print(f"(c) extra host memory of async save: {results['host_buffer_bytes'] / 2**20:.0f} MiB per rank "
               "(reused snapshot buffers)")
         print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in results.items() if isinstance(v, list)})}")

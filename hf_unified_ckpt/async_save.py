@@ -1,7 +1,8 @@
 """`async_save`: the save algorithm of `save.py` with the slow parts moved off the training thread.
 
 On the training thread (what training waits for): the staging folder, the plan, the assembly of sharded tensors
-on their writers (collectives on the default group), and the small non-tensor files (RNG, trainer state...).
+on their writers (collectives on the default group), and an in-memory capture of the small non-tensor state
+(RNG, trainer state, scheduler), which the background thread writes with the tensors.
 A background thread then copies this rank's tensors into host buffers that are reused from save to save, writes
 the files, and concludes the save with the same collectives as a synchronous save, on a second gloo group so
 they never interleave with training's. The copy reads live parameters and optimizer state, which only the next
@@ -62,30 +63,28 @@ class AsyncSaver:
             self._group = _background_group()
         final = Path(request.final_dir)
         staging = open_staging(final)
-        plans = plan_save(engine, request)
+        plan = plan_save(engine, request)
         mine = []
-        for component, plan in plans.items():
-            for file, names in plan.files.items():
-                engine.exchange(component, names, plan.owners[file])
-                if plan.owners[file] == dist.rank():
+        for component, cplan in plan.components.items():
+            for file, names in cplan.files.items():
+                engine.exchange(component, names, cplan.owners[file])
+                if cplan.owners[file] == dist.rank():
                     mine.append((component, file, names))
-        extras = guarded(lambda: write_extras(staging))
         self._snapshot_done.clear()
         self._thread = threading.Thread(target=self._run, name=f"hf_unified_ckpt-save-{final.name}",
-                                        args=(engine, plans, mine, extras, staging, request, after_commit))
+                                        args=(engine, plan, mine, write_extras, staging, request, after_commit))
         self._thread.start()
         return final
 
-    def _run(self, engine, plans, mine, extras, staging: Path, request: SaveRequest, after_commit) -> None:
+    def _run(self, engine, plan, mine, write_extras, staging: Path, request: SaveRequest, after_commit) -> None:
         try:
             snapshot = guarded(lambda: self._snapshot(engine, mine))
         finally:
             self._snapshot_done.set()
-        outcome = snapshot if not snapshot[0] else extras if not extras[0] else guarded(
-            lambda: [write_shard(staging / file, tensors) for file, tensors in snapshot[1]] + extras[1])
+        outcome = snapshot if not snapshot[0] else guarded(
+            lambda: [write_shard(staging / file, tensors) for file, tensors in snapshot[1]] + write_extras(staging))
         try:
-            reports = conclude(engine, plans, staging, request, outcome, group=self._group,
-                               after_commit=after_commit)
+            reports = conclude(plan, staging, request, outcome, group=self._group, after_commit=after_commit)
         except Exception as e:  # a collective failed (another rank died): report it as this save's failure
             reports = [(False, f"rank {dist.rank()}: {type(e).__name__}: {e}")]
         self._result = (reports, staging, Path(request.final_dir))

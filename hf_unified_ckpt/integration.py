@@ -15,6 +15,7 @@ adds a `UnifiedCheckpointCallback`. Nothing is patched globally. The mixin overr
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
 import shutil
@@ -34,7 +35,7 @@ from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, La
 from .legacy import open_legacy
 from .load import LoadSources, load_checkpoint, verify_checkpoint
 from .retention import rotate_checkpoints
-from .rng import restore_rng_state, save_rng_state
+from .rng import capture_rng_state, restore_rng_state, rng_file_name
 from .save import SaveRequest, save_checkpoint
 from .storage.commit import remove_stale
 from .storage.files import FileRecord, record_file
@@ -208,7 +209,7 @@ class UnifiedCheckpointMixin:
             if self.args.should_save:
                 rotate_checkpoints(run_dir, self.args.save_total_limit, protect=[best, output_dir])
 
-        extras = lambda folder: self._uc_write_extras(folder, engine)  # noqa: E731
+        extras = self._uc_extras(engine)
         if options.async_save:
             saver.start(engine, request, extras, after_commit=rotate,
                         wait_before_step=_engine_kind(self) == "deepspeed")
@@ -230,31 +231,37 @@ class UnifiedCheckpointMixin:
             return FSDPEngine(self.model_wrapped, self.optimizer)
         return ReplicatedEngine(self.model_wrapped, self.optimizer)
 
-    def _uc_write_extras(self, folder: Path, engine) -> list[FileRecord]:
-        """This rank's non-tensor files: its RNG state; on the saving rank also configs, tokenizer, training
-        args, scheduler, scaler and trainer state. Written into a private subfolder, then moved in."""
-        private = folder / f".extras-rank{dist.rank()}"
-        private.mkdir()
-        if not self.args.save_only_model:
-            save_rng_state(private, dist.rank())
-        if dist.rank() == 0:
-            engine.write_configs(private)
-            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(str(private))
-            torch.save(self.args, private / ARGS_FILE)
-            if not self.args.save_only_model:
-                if self.lr_scheduler is not None:
-                    torch.save(self.lr_scheduler.state_dict(), private / SCHEDULER_FILE)
-                scaler = getattr(self.accelerator, "scaler", None)
-                if scaler is not None:
-                    torch.save(scaler.state_dict(), private / SCALER_FILE)
-            self.state.save_to_json(str(private / TRAINER_STATE_FILE))
-        records = []
-        for name in sorted(os.listdir(private)):
-            os.replace(private / name, folder / name)
-            records.append(record_file(folder / name))
-        shutil.rmtree(private)
-        return records
+    def _uc_extras(self, engine):
+        """Capture now what this rank's non-tensor files hold (its RNG state; on the saving rank also the
+        trainer state, scheduler and scaler) and return the writer of those files plus configs, tokenizer and
+        training args. The writer may run later, in the background: it writes into a private subfolder, then
+        moves the files in."""
+        full = not self.args.save_only_model
+        rng = capture_rng_state() if full else None
+        rank0 = dist.rank() == 0
+        state = copy.deepcopy(self.state) if rank0 else None
+        scheduler = copy.deepcopy(self.lr_scheduler.state_dict()) if rank0 and full and self.lr_scheduler else None
+        scaler = getattr(self.accelerator, "scaler", None)
+        scaler = copy.deepcopy(scaler.state_dict()) if rank0 and full and scaler is not None else None
+
+        def write(folder: Path) -> list[FileRecord]:
+            private = folder / f".extras-rank{dist.rank()}"
+            private.mkdir()
+            if rng is not None:
+                torch.save(rng, private / rng_file_name(dist.rank()))
+            if rank0:
+                engine.write_configs(private)
+                if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                    self.processing_class.save_pretrained(str(private))
+                torch.save(self.args, private / ARGS_FILE)
+                for obj, name in ((scheduler, SCHEDULER_FILE), (scaler, SCALER_FILE)):
+                    if obj is not None:
+                        torch.save(obj, private / name)
+                state.save_to_json(str(private / TRAINER_STATE_FILE))
+            return _move_in(private, folder)
+
+        return write
+
 
     def _uc_track_best(self, run_dir: Path) -> None:
         """Same bookkeeping as the native `_save_checkpoint` for `best_model_checkpoint`."""
@@ -368,3 +375,13 @@ def _check_transformers(trainer) -> None:
             f"hf_unified_ckpt {__import__('hf_unified_ckpt').__version__} supports transformers "
             f"{SUPPORTED_TRANSFORMERS_MAJOR}.x (found {transformers.__version__}"
             + (f", Trainer lacks {missing}" if missing else "") + ").")
+
+
+def _move_in(private: Path, folder: Path) -> list[FileRecord]:
+    """Move the files of a private subfolder into `folder` and return their records."""
+    records = []
+    for name in sorted(os.listdir(private)):
+        os.replace(private / name, folder / name)
+        records.append(record_file(folder / name))
+    shutil.rmtree(private)
+    return records

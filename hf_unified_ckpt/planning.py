@@ -44,6 +44,8 @@ class ComponentPlan:
     owners: dict[str, int]  # file name -> writing rank
     total_size: int
     specs: dict[str, TensorSpec] = field(repr=False, default_factory=dict)
+    file_stem: str = ""
+    index_metadata: dict = field(repr=False, default_factory=dict)  # extra keys of the index file
 
     @property
     def weight_map(self) -> dict[str, str]:
@@ -89,7 +91,7 @@ def plan_component(component: str, specs: list[TensorSpec], writers: int, max_sh
     if len(by_name) != len(specs):
         raise ValueError(f"{component}: duplicate tensor names in the plan.")
     if owners:
-        return _plan_pinned(component, specs, writers, max_shard_size, pattern, owners)
+        return _plan_pinned(component, specs, writers, max_shard_size, pattern, owners, stem)
     total = sum(s.nbytes for s in specs)
     split = split_state_dict_into_shards_factory(
         by_name, get_storage_size=lambda s: s.nbytes, filename_pattern=pattern,
@@ -99,11 +101,11 @@ def plan_component(component: str, specs: list[TensorSpec], writers: int, max_sh
     if not files:  # a component with no tensors still gets one (empty) file, so it is self-describing
         files = {pattern.format(suffix=""): []}
     sizes = {f: sum(by_name[n].nbytes for n in names) for f, names in files.items()}
-    return ComponentPlan(component, pattern, files, assign_owners(sizes, writers), total, by_name)
+    return ComponentPlan(component, pattern, files, assign_owners(sizes, writers), total, by_name, stem)
 
 
 def _plan_pinned(component: str, specs: list[TensorSpec], writers: int, max_shard_size: int, pattern: str,
-                 owners: dict[str, int]) -> ComponentPlan:
+                 owners: dict[str, int], stem: str) -> ComponentPlan:
     load = [0] * writers
     for s in specs:
         if s.name in owners:
@@ -132,4 +134,4 @@ def _plan_pinned(component: str, specs: list[TensorSpec], writers: int, max_shar
     names = [pattern.format(suffix="" if n == 1 else f"-{i + 1:05d}-of-{n:05d}") for i in range(n)]
     return ComponentPlan(component, pattern, {f: c for f, (_, c) in zip(names, chunks)},
                          {f: r for f, (r, _) in zip(names, chunks)}, sum(s.nbytes for s in specs),
-                         {s.name: s for s in specs})
+                         {s.name: s for s in specs}, stem)

@@ -24,12 +24,6 @@ def capture_rng_state() -> dict:
     return state
 
 
-def save_rng_state(folder: str | Path, rank: int) -> Path:
-    path = Path(folder) / rng_file_name(rank)
-    torch.save(capture_rng_state(), path)
-    return path
-
-
 def _numpy_safe_globals():
     np_core = getattr(np, "_core", None) or np.core
     return torch.serialization.safe_globals(

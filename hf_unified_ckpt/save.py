@@ -10,6 +10,8 @@ Any failure on any rank aborts the save on every rank: the staging folder is rem
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import shutil
 import traceback
@@ -47,13 +49,28 @@ class SaveRequest:
     show_progress: bool = True
 
 
-def plan_save(engine: EngineAdapter, request: SaveRequest) -> dict[str, ComponentPlan]:
-    """The shard plan of every component, identical on all ranks. Collective (locality hints of sharded
-    engines): all ranks must call it."""
+@dataclass(frozen=True)
+class SavePlan:
+    """Everything the save writes besides tensor bytes, fixed when the save starts (an async save finishes
+    while training goes on, so nothing may be read from the live engine later): the shard plan of every
+    component, the optimizer's param-group metadata, and how the checkpoint was saved."""
+
+    components: dict[str, ComponentPlan]
+    saved_by: dict
+
+
+def plan_save(engine: EngineAdapter, request: SaveRequest) -> SavePlan:
+    """The save plan, identical on all ranks. Collective (locality hints of sharded engines): all ranks must
+    call it."""
     components = [c for c in engine.components() if request.include_optimizer or c != OPTIMIZER]
-    return {c: plan_component(c, engine.specs(c), dist.world_size(), request.options.max_shard_size,
+    plans = {}
+    for c in components:
+        plan = plan_component(c, engine.specs(c), dist.world_size(), request.options.max_shard_size,
                               file_stem=engine.file_stem(c), owners=engine.preferred_owners(c))
-            for c in components}
+        if c == OPTIMIZER:
+            plan = dataclasses.replace(plan, index_metadata=copy.deepcopy(engine.optimizer_metadata()))
+        plans[c] = plan
+    return SavePlan(plans, copy.deepcopy(engine.saved_by()))
 
 
 def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter) -> Path:
@@ -64,9 +81,9 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: E
     """
     final = Path(request.final_dir)
     staging = open_staging(final)
-    plans = plan_save(engine, request)
-    outcome = guarded(lambda: _write_share(engine, plans, staging, request) + write_extras(staging))
-    raise_if_failed(conclude(engine, plans, staging, request, outcome), staging, final)
+    plan = plan_save(engine, request)
+    outcome = guarded(lambda: _write_share(engine, plan.components, staging, request) + write_extras(staging))
+    raise_if_failed(conclude(plan, staging, request, outcome), staging, final)
     return final
 
 
@@ -79,8 +96,8 @@ def open_staging(final: Path) -> Path:
     return staging
 
 
-def conclude(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path, request: SaveRequest,
-             outcome: tuple[bool, object], group=None, after_commit: Callable[[], None] | None = None) -> list:
+def conclude(plan: SavePlan, staging: Path, request: SaveRequest, outcome: tuple[bool, object], group=None,
+             after_commit: Callable[[], None] | None = None) -> list:
     """Share every rank's outcome; if all wrote their files, rank 0 writes the indexes and the manifest and
     commits. Returns the reports every rank then checks with `raise_if_failed` (the same on all ranks).
 
@@ -91,7 +108,7 @@ def conclude(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Pa
     status = None
     if dist.rank() == 0:
         records = [r for _, payload in reports for r in payload]
-        status = guarded(lambda: _finalize(engine, plans, staging, request.final_dir, request, records))
+        status = guarded(lambda: _finalize(plan, staging, request.final_dir, request, records))
         if status[0] and after_commit is not None:
             after_commit()
     return [dist.broadcast_object(status, group=group)]
@@ -137,18 +154,18 @@ def _write_share(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging
         return [f.result() for f in futures]
 
 
-def _finalize(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path, final: Path,
-              request: SaveRequest, records: list[FileRecord]) -> None:
+def _finalize(plan: SavePlan, staging: Path, final: Path, request: SaveRequest,
+              records: list[FileRecord]) -> None:
     entries = {}
-    for component, plan in plans.items():
-        stem = engine.file_stem(component)
+    for component, cplan in plan.components.items():
         index = None
-        if component != MODEL or plan.is_sharded:
-            extra = engine.optimizer_metadata() if component == OPTIMIZER else {}
-            records.append(write_index(staging, stem, plan.weight_map, plan.total_size, extra))
-            index = index_name(stem)
-        entries[component] = ComponentEntry(stem, tuple(plan.files), index, len(plan.weight_map), plan.total_size)
-    manifest = build_manifest(request.global_step, engine.saved_by(), request.options.as_manifest_dict(),
+        if component != MODEL or cplan.is_sharded:
+            records.append(write_index(staging, cplan.file_stem, cplan.weight_map, cplan.total_size,
+                                       cplan.index_metadata))
+            index = index_name(cplan.file_stem)
+        entries[component] = ComponentEntry(cplan.file_stem, tuple(cplan.files), index, len(cplan.weight_map),
+                                            cplan.total_size)
+    manifest = build_manifest(request.global_step, plan.saved_by, request.options.as_manifest_dict(),
                               entries, records)
     write_manifest(staging, manifest)
     commit(staging, final)

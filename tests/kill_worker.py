@@ -74,7 +74,7 @@ POINTS = {
     "before-first-shard": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 1)),
     "between-shards": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 3)),
     "mid-file": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 2, before=half_file_then_die)),
-    "before-rng": lambda: setattr(integration, "save_rng_state", during_second_save(integration.save_rng_state)),
+    "before-extras": lambda: setattr(integration, "_move_in", during_second_save(integration._move_in)),
     "before-index": lambda: setattr(save, "write_index", during_second_save(save.write_index, 1)),
     "between-indexes": lambda: setattr(save, "write_index", during_second_save(save.write_index, 2)),
     "before-manifest": lambda: setattr(save, "write_manifest", during_second_save(save.write_manifest)),
