@@ -43,7 +43,6 @@ from .storage.files import FileRecord, record_file
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TRANSFORMERS_MAJOR = 5
-SUPPORTED_ENGINES = ("replicated", "deepspeed", "fsdp")
 _REQUIRED_METHODS = ("train", "_prepare_for_training", "_load_from_checkpoint", "_load_rng_state",
                      "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler")
 SCHEDULER_FILE, TRAINER_STATE_FILE, ARGS_FILE, SCALER_FILE = (
@@ -72,7 +71,7 @@ class UnifiedCheckpointMixin:
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """`Trainer.train`, with the resume folder resolved and verified first. Collective: all ranks call it."""
         self._uc_resume = None
-        self._uc_refuse_unsupported_engine()
+        self._uc_refuse_unsupported()
         path = self._uc_resolve(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=path, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                              **kwargs)
@@ -103,7 +102,7 @@ class UnifiedCheckpointMixin:
                 self._uc_resume = _Resume(layout, legacy=legacy)  # resharded offline; native DeepSpeed refuses
                 if dist.rank() == 0:
                     logger.info("%s was written by DeepSpeed %s; this run differs, so it is read offline and "
-                                   "resharded (the next save is unified).", layout.path, legacy.topology())
+                                "resharded (the next save is unified).", layout.path, legacy.topology())
         return str(layout.path)
 
     def _uc_deepspeed_topology(self) -> dict | None:
@@ -115,12 +114,7 @@ class UnifiedCheckpointMixin:
                 "bf16": bool(self.args.bf16)}
 
     def _uc_check_loadable(self, layout: Layout) -> None:
-        engine = _engine_kind(self)
         if layout.kind == UNIFIED:  # committed: damage is reported file by file by verify_checkpoint
-            if engine not in SUPPORTED_ENGINES:
-                raise UnsupportedCheckpointError(
-                    f"resuming a unified checkpoint under {engine} is not supported yet in this version; "
-                    f"resume it with one of {SUPPORTED_ENGINES}.")
             return
         if layout.kind == UNIFIED_INCOMPLETE:
             newest = newest_complete(layout.path.parent)
@@ -136,15 +130,10 @@ class UnifiedCheckpointMixin:
             return
         raise UnsupportedCheckpointError(f"{layout.path} is not a checkpoint this library knows: {layout.reason}.")
 
-    def _uc_refuse_unsupported_engine(self) -> None:
+    def _uc_refuse_unsupported(self) -> None:
         if self.args.unified_checkpoint_options.async_save and self.args.push_to_hub:
             raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
                                              "before the background save commits. Drop one of them.")
-        engine = _engine_kind(self)
-        if self.args.unified_checkpoint_options.enabled and engine not in SUPPORTED_ENGINES:
-            raise UnsupportedCheckpointError(
-                f"unified_checkpoint=True with {engine} is not supported yet in this version (supported: "
-                f"{SUPPORTED_ENGINES}). Set unified_checkpoint=False to use {engine}'s own checkpoints.")
 
     def _uc_resuming(self, checkpoint) -> _Resume | None:
         resume = getattr(self, "_uc_resume", None)
