@@ -273,3 +273,15 @@ class fsdp_on_cpu:
         from accelerate.state import AcceleratorState
 
         AcceleratorState.__init__ = self._original
+
+
+def assert_resumed_matches(resumed: dict, baseline: dict, steps, exact: bool, loss_rtol: float, state_atol: float):
+    """A resumed run against the uninterrupted one: losses at `steps` and final weights, `==` when `exact`,
+    else within the stated tolerances (relative on losses, absolute on weights)."""
+    for step in steps:
+        a, b = resumed["losses"][step], baseline["losses"][step]
+        assert (a == b) if exact else abs(a - b) <= loss_rtol * abs(b), (step, a, b)
+    for key, ref in baseline["state"].items():
+        got = resumed["state"][key]
+        assert torch.equal(got, ref) if exact else torch.allclose(got.double(), ref.double(), rtol=0,
+                                                                  atol=state_atol), key

@@ -6,7 +6,7 @@ silent fallback to DDP fails. Tolerances as in test_resume_equivalence.py (fp32 
 import pytest
 import torch
 
-from _runs import run_spec
+from _runs import assert_resumed_matches, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -62,12 +62,7 @@ def fsdp_runs(tmp_path_factory):
 
 
 def _compare(resumed, base, steps, exact):
-    for step in steps:
-        a, b = resumed["losses"][step], base["losses"][step]
-        assert (a == b) if exact else abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
-    for key, ref in base["state"].items():
-        got = resumed["state"][key]
-        assert torch.equal(got, ref) if exact else torch.allclose(got.double(), ref.double(), rtol=0, atol=STATE_ATOL), key
+    assert_resumed_matches(resumed, base, steps, exact, LOSS_RTOL, STATE_ATOL)
 
 
 @pytest.mark.dist

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from _runs import run_spec
+from _runs import assert_resumed_matches, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.cli import main as cli
 from hf_unified_ckpt.layout import detect_layout
@@ -63,12 +63,7 @@ def test_legacy_fsdp_resumes_elsewhere_and_next_save_is_unified(legacy, cell):
     tmp, out = legacy
     resumed, base = out[_tag(cell)], out[cell[0]]
     exact = cell[2] == 2 and cell[1] == "f2"
-    for step in (4, 5, 6):
-        a, b = resumed["losses"][step], base["losses"][step]
-        assert (a == b) if exact else abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
-    for key, ref in base["state"].items():
-        got = resumed["state"][key]
-        assert torch.equal(got, ref) if exact else torch.allclose(got.double(), ref.double(), rtol=0, atol=STATE_ATOL)
+    assert_resumed_matches(resumed, base, (4, 5, 6), exact, LOSS_RTOL, STATE_ATOL)
     layout = detect_layout(tmp / _tag(cell) / "checkpoint-6")
     assert layout.kind == "unified" and layout.complete
 
