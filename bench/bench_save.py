@@ -80,7 +80,8 @@ def raw_write(path: Path, nbytes: int) -> None:
         os.fsync(f.fileno())
 
 
-def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt_config: str = ""):
+def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt_config: str = "",
+                  max_steps: int = 1, save_steps: int | None = None, train: bool = True):
     import contextlib
 
     import deepspeed
@@ -104,13 +105,15 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt
                  "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}
     engine_args = {"deepspeed": ds_config} if engine == "zero2" else fsdp_args(2)
     args = hf_unified_ckpt.UnifiedCheckpointArguments(
-        output_dir=str(out), max_steps=1, per_device_train_batch_size=4 // world, save_strategy="no",
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4 // world,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, bf16=(dtype == "bf16"),
         unified_checkpoint=True, unified_checkpoint_config=ckpt_config, logging_steps=1000, **engine_args)
     with fsdp_on_cpu() if engine == "fsdp2" else contextlib.nullcontext():
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
     hf_unified_ckpt.attach(trainer)
-    trainer.train()
+    if train:
+        trainer.train()
     return trainer
 
 
@@ -246,6 +249,41 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
     dist.destroy_process_group()
 
 
+def throughput_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
+    """Runs under torchrun with 2 ranks: wall time of 20 training steps with an async save every 5 steps, with
+    a synchronous save every 5 steps, and without saves, alternating (the end of training waits for the last
+    save)."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    world = int(os.environ["WORLD_SIZE"])
+    times = {"no_saves": [], "async_saves": [], "sync_saves": []}
+    kinds = ("no_saves", "async_saves", "sync_saves")
+    for rep in range(reps):
+        for kind in (kinds if rep % 2 == 0 else kinds[::-1]):
+            AcceleratorState._reset_state(reset_partial_state=False)
+            os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+            unset_hf_deepspeed_config()
+            trainer = build_trainer(out / f"{kind}-{rep}", dtype, world, engine, train=False, max_steps=20,
+                                    ckpt_config="async_save" if kind == "async_saves" else "",
+                                    save_steps=None if kind == "no_saves" else 5)
+            seconds, _ = timed(trainer.train)
+            times[kind].append(max_over_ranks(seconds))
+            if dist.get_rank() == 0:
+                shutil.rmtree(out / f"{kind}-{rep}", ignore_errors=True)
+    if dist.get_rank() == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"async_save throughput, {engine} x 2, ~103M Llama, {dtype}, 20 steps, a save every 5, medians of {reps}:")
+        print(f"(b) throughput with async saves / without saves = {med['no_saves'] / med['async_saves']:.3f}   "
+              f"({med['async_saves']:.1f} s vs {med['no_saves']:.1f} s for 20 steps)   target >= 0.97")
+        print(f"    for reference, with synchronous saves: {med['no_saves'] / med['sync_saves']:.3f} "
+              f"({med['sync_saves']:.1f} s)")
+        print(f"raw figures: {json.dumps({k: [round(x, 2) for x in v] for k, v in times.items()})}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _largest_share(manifest: dict, world: int) -> int:
     """Bytes the busiest rank wrote: the plan gives each rank whole files; approximate by balancing files."""
     sizes = sorted((rec["size"] for name, rec in manifest["files"].items() if name.endswith(".safetensors")),
@@ -309,7 +347,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--engine", choices=["zero2", "fsdp2"], default="zero2")
     parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
-    parser.add_argument("--worker", choices=["save", "resume", "async"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["save", "resume", "async", "throughput"], help=argparse.SUPPRESS)
+    parser.add_argument("--throughput", action="store_true",
+                        help="training throughput with an async save every 5 steps vs no saves")
     parser.add_argument("--async-save", action="store_true",
                         help="measure async_save: training-blocked time vs a synchronous save")
     args = parser.parse_args()
@@ -320,12 +360,16 @@ def main() -> None:
         return resume_worker(out, args.reps, args.dtype)
     if args.worker == "async":
         return async_worker(out, args.reps, args.dtype, args.engine)
+    if args.worker == "throughput":
+        return throughput_worker(out, args.reps, args.dtype, args.engine)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     try:
         launches = ((2, "save"), (1, "resume")) if args.engine == "zero2" else ((2, "save"),)
         if args.async_save:
             launches = ((2, "async"),)
+        if args.throughput:
+            launches = ((2, "throughput"),)
         for nproc, worker in launches:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", args.dtype,
@@ -333,9 +377,9 @@ def main() -> None:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"benchmark {worker} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-            if worker == "async":
+            if worker in ("async", "throughput"):
                 print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))
-        if not args.async_save:
+        if not (args.async_save or args.throughput):
             report(out, args.dtype, args.engine)
     finally:
         shutil.rmtree(out, ignore_errors=True)
