@@ -17,6 +17,7 @@ raised there, on every rank (the outcome is shared by a collective). A failed sa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class AsyncSaver:
             snapshot = guarded(lambda: self._snapshot(engine, mine))
         finally:
             self._snapshot_done.set()
+        _yield_cpu_to_training()
         outcome = snapshot if not snapshot[0] else guarded(
             lambda: [write_shard(staging / file, tensors) for file, tensors in snapshot[1]] + write_extras(staging))
         try:
@@ -123,6 +125,15 @@ class AsyncSaver:
             self.wait()
         except UnifiedCheckpointError as e:
             logger.error("%s", e)
+
+
+def _yield_cpu_to_training() -> None:
+    """Once the snapshot is taken, nothing waits for this thread: lower its CPU priority (Linux: per-thread
+    nice), so that on a busy CPU the writing, checksums and page-cache copies take idle cycles, not training's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 _GROUPS: dict[object, object] = {}
