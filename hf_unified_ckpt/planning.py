@@ -51,9 +51,6 @@ class ComponentPlan:
     def weight_map(self) -> dict[str, str]:
         return {name: file for file, names in self.files.items() for name in names}
 
-    def files_for(self, rank: int) -> list[str]:
-        return [f for f in self.files if self.owners[f] == rank]
-
     @property
     def is_sharded(self) -> bool:
         return len(self.files) > 1

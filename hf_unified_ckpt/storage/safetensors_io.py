@@ -7,7 +7,7 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -184,7 +184,3 @@ class ComponentReader:
     def __exit__(self, *exc):
         self.close()
 
-
-def tensor_names_in(files: Iterable[str | os.PathLike]) -> dict[str, int]:
-    """Tensor count per file, from headers only."""
-    return {Path(f).name: sum(1 for k in read_safetensors_header(f) if k != "__metadata__") for f in files}
