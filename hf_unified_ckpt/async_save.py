@@ -26,7 +26,7 @@ import torch
 from . import dist
 from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
-from .save import ExtrasWriter, SaveRequest, conclude, guarded, open_staging, plan_save, raise_if_failed
+from .save import ExtrasWriter, SaveRequest, Staging, conclude, guarded, open_staging, plan_save, raise_if_failed
 from .storage.safetensors_io import write_shard
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._snapshot_done = threading.Event()
         self._snapshot_done.set()
-        self._result: tuple[list, Path, Path] | None = None
+        self._result: tuple[list, Staging] | None = None
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self._group = None
         self.wait_before_step = False
@@ -77,19 +77,20 @@ class AsyncSaver:
         self._thread.start()
         return final
 
-    def _run(self, engine, plan, mine, write_extras, staging: Path, request: SaveRequest, after_commit) -> None:
+    def _run(self, engine, plan, mine, write_extras, staging: Staging, request: SaveRequest, after_commit) -> None:
         try:
             snapshot = guarded(lambda: self._snapshot(engine, mine))
         finally:
             self._snapshot_done.set()
         _yield_cpu_to_training()
         outcome = snapshot if not snapshot[0] else guarded(
-            lambda: [write_shard(staging / file, tensors) for file, tensors in snapshot[1]] + write_extras(staging))
+            lambda: [write_shard(staging.path / file, tensors) for file, tensors in snapshot[1]]
+            + write_extras(staging.path))
         try:
             reports = conclude(plan, staging, request, outcome, group=self._group, after_commit=after_commit)
         except Exception as e:  # a collective failed (another rank died): report it as this save's failure
             reports = [(False, f"rank {dist.rank()}: {type(e).__name__}: {e}")]
-        self._result = (reports, staging, Path(request.final_dir))
+        self._result = (reports, staging)
 
     def _snapshot(self, engine, mine) -> list[tuple[str, dict[str, torch.Tensor]]]:
         files = []
@@ -114,10 +115,10 @@ class AsyncSaver:
             return
         self._thread.join()
         self._thread = None
-        reports, staging, final = self._result
+        reports, staging = self._result
         self._result = None
-        raise_if_failed(reports, staging, final)
-        logger.info("Background save of %s committed.", final)
+        raise_if_failed(reports, staging)
+        logger.info("Background save of %s committed.", staging.final)
 
     def close(self) -> None:
         """Wait for the in-flight save without raising (interpreter exit); its error is logged."""

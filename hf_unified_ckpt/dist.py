@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 
@@ -45,3 +47,9 @@ def new_gloo_group():
     """A second group over all ranks, for collectives of a background thread (never interleaved with the
     training thread's collectives on the default group). Collective: all ranks must call it."""
     return dist.new_group(backend="gloo") if is_distributed() else None
+
+
+def local_rank() -> int:
+    """This process's index on its machine (LOCAL_RANK, set by torchrun, accelerate and the DeepSpeed launcher);
+    the global rank when the launcher did not set it."""
+    return int(os.environ.get("LOCAL_RANK", rank()))

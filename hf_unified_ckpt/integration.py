@@ -37,7 +37,6 @@ from .load import LoadSources, load_checkpoint, verify_checkpoint
 from .retention import rotate_checkpoints
 from .rng import capture_rng_state, restore_rng_state, rng_file_name
 from .save import SaveRequest, save_checkpoint
-from .storage.commit import remove_stale
 from .storage.files import FileRecord, record_file
 
 logger = logging.getLogger(__name__)
@@ -186,27 +185,23 @@ class UnifiedCheckpointMixin:
         saver.wait()  # one save in flight: the previous one commits (or raises) before this one starts
         self._uc_track_best(run_dir)
         self._uc_export_callback_states()
-        if dist.rank() == 0:
-            remove_stale(run_dir)
         request = SaveRequest(output_dir, self.state.global_step, options,
                               include_optimizer=not self.args.save_only_model,
                               show_progress=not self.args.disable_tqdm)
         engine = self._uc_engine()
         best = self.state.best_model_checkpoint
 
-        def rotate():
-            if self.args.should_save:
-                rotate_checkpoints(run_dir, self.args.save_total_limit, protect=[best, output_dir])
+        def rotate():  # run by the rank that committed each folder (one per machine-local folder)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, protect=[best, output_dir])
 
         extras = self._uc_extras(engine)
         if options.async_save:
             saver.start(engine, request, extras, after_commit=rotate,
                         wait_before_step=_engine_kind(self) == "deepspeed")
             return
-        save_checkpoint(engine, request, extras)
+        save_checkpoint(engine, request, extras, after_commit=rotate)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
-        rotate()
 
     def _uc_engine(self):
         kind = _engine_kind(self)

@@ -37,6 +37,12 @@ class Layout:
     reason: str = ""
     manifest: dict | None = field(default=None, repr=False)
 
+    @property
+    def committed(self) -> bool:
+        """Written to the end: a unified folder with a valid manifest (even if its files are spread over several
+        machines' folders), or a complete legacy folder."""
+        return self.kind == UNIFIED or self.complete
+
 
 def detect_layout(path: str | os.PathLike) -> Layout:
     path = Path(path)
@@ -67,7 +73,8 @@ def _unified(path: Path) -> Layout:
         return Layout(UNIFIED_INCOMPLETE, path, False, _step(path), f"manifest unusable: {e}")
     missing = [n for n, rec in manifest["files"].items()
                if not (path / n).is_file() or (path / n).stat().st_size != rec["size"]]
-    reason = f"files missing or of the wrong size: {missing[:10]}" if missing else ""
+    reason = (f"files missing or of the wrong size: {missing[:10]}{'...' if len(missing) > 10 else ''} (if it was "
+              "saved by a job whose machines each had a local folder, the other machines hold them)") if missing else ""
     return Layout(UNIFIED, path, not missing, manifest.get("global_step"), reason, manifest)
 
 

@@ -17,13 +17,15 @@ logger = logging.getLogger(__name__)
 def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, protect: Iterable[str | os.PathLike] = ()) -> list[Path]:
     """Delete the oldest complete `checkpoint-N` folders beyond `limit`; return what was deleted.
 
-    Only complete checkpoints count and only they are deleted: folders still being written are hidden staging
-    folders (never matched), and incomplete `checkpoint-N` folders are left for a person to inspect. The
+    Only committed checkpoints count and only they are deleted: folders still being written are hidden staging
+    folders (never matched), and incomplete `checkpoint-N` folders are left for a person to inspect. A machine's
+    local folder of a checkpoint spread over several machines is committed (its manifest is there) though it
+    holds only part of the files. The
     newest complete checkpoint and everything in `protect` (the best model, the one just written) are kept.
     """
     if not limit or limit <= 0:
         return []
-    complete = [path for _, path in list_checkpoints(run_dir) if detect_layout(path).complete]
+    complete = [path for _, path in list_checkpoints(run_dir) if detect_layout(path).committed]
     if not complete:
         return []
     keep = {Path(p).resolve() for p in protect if p} | {complete[-1].resolve()}

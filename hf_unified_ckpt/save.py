@@ -1,11 +1,16 @@
 """The save algorithm, the same with and without a process group.
 
-1. rank 0 creates the staging folder `.checkpoint-N.incomplete`;
+1. rank 0 creates the staging folder `.checkpoint-N.incomplete`; ranks that cannot see it (their machine has
+   its own local folder) create their own;
 2. every rank computes the same shard plan; file by file, sharded engines assemble each tensor on the rank that
-   writes it, and that rank's writer thread writes the file; then every rank writes its extras (RNG state...);
+   writes it, and that rank's writer thread writes the file into its own staging folder; then every rank writes
+   its extras (RNG state...);
 3. every rank reports its file records (or its error) to all;
-4. rank 0 writes the index files and the manifest (last), then renames the staging folder to `checkpoint-N`.
-Any failure on any rank aborts the save on every rank: the staging folder is removed and nothing is committed.
+4. rank 0 writes the index files and the manifest (last); the leader of every other folder copies rank 0's small
+   files and manifest into it; every leader renames its staging folder to `checkpoint-N`.
+Any failure on any rank aborts the save on every rank: the staging folders are removed and nothing is committed.
+With machine-local folders, each folder holds the manifest, the small files and its machine's share of the
+tensor files; the union of the folders is the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import shutil
 import traceback
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +34,10 @@ from .engines.base import MODEL, OPTIMIZER, EngineAdapter
 from .errors import UnifiedCheckpointError
 from .options import UnifiedCheckpointOptions
 from .planning import ComponentPlan, plan_component
-from .storage.commit import commit, prepare_staging, staging_dir
-from .storage.files import FileRecord
-from .storage.manifest import ComponentEntry, build_manifest, write_manifest
+from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
+                             remove_writer_marks, staging_dir, visible_writers)
+from .storage.files import FileRecord, write_bytes
+from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, write_manifest
 from .storage.safetensors_io import index_name, write_index, write_shard
 
 logger = logging.getLogger(__name__)
@@ -73,33 +81,65 @@ def plan_save(engine: EngineAdapter, request: SaveRequest) -> SavePlan:
     return SavePlan(plans, copy.deepcopy(engine.saved_by()))
 
 
-def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter) -> Path:
-    """Write and commit one unified checkpoint at `request.final_dir`.
+def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter,
+                    after_commit: Callable[[], None] | None = None) -> Path:
+    """Write and commit one unified checkpoint at `request.final_dir`; then each folder's leader runs
+    `after_commit` (rotation).
 
     Collective: all ranks must call it. Returns the committed folder; raises `UnifiedCheckpointError` on every
     rank if any rank failed, leaving no `checkpoint-N` behind (an existing complete one stays untouched).
     """
-    final = Path(request.final_dir)
-    staging = open_staging(final)
+    staging = open_staging(Path(request.final_dir))
     plan = plan_save(engine, request)
-    outcome = guarded(lambda: _write_share(engine, plan.components, staging, request) + write_extras(staging))
-    raise_if_failed(conclude(plan, staging, request, outcome), staging, final)
-    return final
+    outcome = guarded(lambda: _write_share(engine, plan.components, staging.path, request) + write_extras(staging.path))
+    raise_if_failed(conclude(plan, staging, request, outcome, after_commit=after_commit), staging)
+    return staging.final
 
 
-def open_staging(final: Path) -> Path:
-    """Rank 0 creates the empty staging folder of `final`; a failure (read-only or full disk) is raised on every
-    rank before anything is written. Collective: all ranks must call it."""
-    staging = staging_dir(final)
-    status = guarded(lambda: prepare_staging(staging)) if dist.rank() == 0 else None
-    raise_if_failed([dist.broadcast_object(status)], staging, final)
-    return staging
+@dataclass(frozen=True)
+class Staging:
+    """This rank's staging folder, and who commits it. With one folder every rank sees (`shared`), rank 0
+    commits it; with folders local to each machine, the lowest rank that sees a folder is its `leader`."""
+
+    path: Path
+    final: Path
+    leader: int
+    shared: bool
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader == dist.rank()
 
 
-def conclude(plan: SavePlan, staging: Path, request: SaveRequest, outcome: tuple[bool, object], group=None,
+def open_staging(final: Path) -> Staging:
+    """Create the staging folder of `final`: rank 0 creates it (and removes what interrupted saves left); every
+    rank that does not see it (its machine has a local folder) creates and joins its own. A failure (read-only or
+    full disk) is raised on every rank before anything is written. Collective: all ranks must call it."""
+    path = staging_dir(final)
+    attempt = status = None
+    if dist.rank() == 0:
+        attempt = uuid.uuid4().hex
+        status = guarded(lambda: (remove_stale(final.parent, keep=path), prepare_staging(path),
+                                  mark_writer(path, 0, attempt)))
+    status, attempt = dist.broadcast_object((status, attempt))
+    creator = Staging(path, final, 0, True)
+    raise_if_failed([status], creator)
+    sees_rank0 = 0 in visible_writers(path, attempt)
+    joined = (True, None) if sees_rank0 else guarded(lambda: (remove_stale(final.parent, keep=path),
+                                                              join_staging(path, attempt),
+                                                              mark_writer(path, dist.rank(), attempt)))
+    reports = dist.all_gather_object((joined, sees_rank0))
+    raise_if_failed([j for j, _ in reports], creator if sees_rank0 else Staging(path, final, dist.rank(), False))
+    writers = visible_writers(path, attempt)
+    return Staging(path, final, writers[0], shared=all(seen for _, seen in reports))
+
+
+def conclude(plan: SavePlan, staging: Staging, request: SaveRequest, outcome: tuple[bool, object], group=None,
              after_commit: Callable[[], None] | None = None) -> list:
-    """Share every rank's outcome; if all wrote their files, rank 0 writes the indexes and the manifest and
-    commits. Returns the reports every rank then checks with `raise_if_failed` (the same on all ranks).
+    """Share every rank's outcome; if all wrote their files, rank 0 writes the indexes and the manifest, and each
+    folder's leader commits its folder (rank 0's small files and manifest are copied into the folders of other
+    machines first), then runs `after_commit`. Returns the reports every rank then checks with
+    `raise_if_failed` (the same on all ranks).
 
     Collective (on `group`): all its ranks must call it."""
     reports = dist.all_gather_object(outcome, group=group)
@@ -108,10 +148,15 @@ def conclude(plan: SavePlan, staging: Path, request: SaveRequest, outcome: tuple
     status = None
     if dist.rank() == 0:
         records = [r for _, payload in reports for r in payload]
-        status = guarded(lambda: _finalize(plan, staging, request.final_dir, request, records))
-        if status[0] and after_commit is not None:
-            after_commit()
-    return [dist.broadcast_object(status, group=group)]
+        status = guarded(lambda: _finalize(plan, staging, request, records))
+    status = dist.broadcast_object(status, group=group)
+    if not status[0]:
+        return [status]
+    done = guarded(lambda: _commit_folder(staging, status[1])) if staging.is_leader else (True, None)
+    commits = dist.all_gather_object(done, group=group)
+    if all(ok for ok, _ in commits) and staging.is_leader and after_commit is not None:
+        after_commit()
+    return commits
 
 
 def guarded(fn) -> tuple[bool, object]:
@@ -123,14 +168,15 @@ def guarded(fn) -> tuple[bool, object]:
         return False, f"rank {dist.rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
 
 
-def raise_if_failed(reports, staging: Path, final: Path) -> None:
+def raise_if_failed(reports, staging: Staging) -> None:
     failures = [payload for ok, payload in reports if not ok]
     if not failures:
         return
-    if dist.rank() == 0 and staging.exists():
-        shutil.rmtree(staging, ignore_errors=True)
+    if staging.is_leader and staging.path.exists():
+        shutil.rmtree(staging.path, ignore_errors=True)
     raise UnifiedCheckpointError(
-        f"saving {final} failed; nothing was committed and earlier checkpoints are untouched.\n"
+        f"saving {staging.final} failed; nothing was committed (where machines have their own folders, one that did "
+        "commit holds part of a checkpoint, which resuming skips) and earlier checkpoints are untouched.\n"
         + "\n".join(failures)
     )
 
@@ -154,19 +200,34 @@ def _write_share(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging
         return [f.result() for f in futures]
 
 
-def _finalize(plan: SavePlan, staging: Path, final: Path, request: SaveRequest,
-              records: list[FileRecord]) -> None:
+def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest, records: list[FileRecord]) -> dict[str, bytes]:
+    """Rank 0: write the indexes and the manifest (last) into its staging folder. Returns the bytes of the small
+    files every folder holds (empty when all ranks share one folder)."""
+    shards = {f for cplan in plan.components.values() for f in cplan.files}
     entries = {}
     for component, cplan in plan.components.items():
         index = None
         if component != MODEL or cplan.is_sharded:
-            records.append(write_index(staging, cplan.file_stem, cplan.weight_map, cplan.total_size,
+            records.append(write_index(staging.path, cplan.file_stem, cplan.weight_map, cplan.total_size,
                                        cplan.index_metadata))
             index = index_name(cplan.file_stem)
         entries[component] = ComponentEntry(cplan.file_stem, tuple(cplan.files), index, len(cplan.weight_map),
                                             cplan.total_size)
     manifest = build_manifest(request.global_step, plan.saved_by, request.options.as_manifest_dict(),
                               entries, records)
-    write_manifest(staging, manifest)
-    commit(staging, final)
-    logger.info("Saved unified checkpoint %s (%d files)", final, len(records) + 1)
+    write_manifest(staging.path, manifest)
+    if staging.shared:
+        return {}
+    small = [n for n in os.listdir(staging.path) if n not in shards and not n.startswith(WRITER_MARK)]
+    return {n: (staging.path / n).read_bytes() for n in small}
+
+
+def _commit_folder(staging: Staging, small_files: dict[str, bytes]) -> None:
+    """A folder's leader: add the small files rank 0 wrote (manifest last) unless this is rank 0's folder, then
+    commit it."""
+    if staging.leader != 0:
+        for name in sorted(small_files, key=lambda n: n == MANIFEST_NAME):
+            write_bytes(staging.path / name, small_files[name])
+    remove_writer_marks(staging.path)
+    commit(staging.path, staging.final)
+    logger.info("Saved unified checkpoint %s", staging.final)

@@ -2,7 +2,8 @@
 
 A checkpoint is written into a hidden staging folder `.checkpoint-N.incomplete` next to its final place; its
 manifest is written last inside it, then the folder is renamed to `checkpoint-N`. A job killed at any instant
-leaves either no `checkpoint-N` or a complete one.
+leaves either no `checkpoint-N` or a complete one. When machines have their own local folders, each machine
+has its own staging folder; `.writer-<rank>` marks tell which ranks share one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_SUFFIX = ".incomplete"
 SUPERSEDED_SUFFIX = ".superseded"
 DELETING_SUFFIX = ".deleting"
+WRITER_MARK = ".writer-"
 
 
 def staging_dir(final: str | os.PathLike) -> Path:
@@ -33,6 +35,49 @@ def prepare_staging(staging: Path) -> None:
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
+
+
+def join_staging(staging: Path, attempt: str) -> None:
+    """Create `staging` if it is missing and empty it of what an interrupted earlier attempt left, keeping the
+    writer marks of save `attempt`. Safe when several processes run it at once on the same folder (the ranks of
+    one machine, or machines sharing a folder that rank 0 does not see)."""
+    staging.mkdir(parents=True, exist_ok=True)
+    for entry in os.listdir(staging):
+        path = staging / entry
+        if _mark_attempt(path) == attempt:
+            continue
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        except FileNotFoundError:  # another process removed it first
+            pass
+
+
+def mark_writer(staging: Path, rank: int, attempt: str) -> None:
+    """Leave the mark that `rank` writes into this folder for save `attempt`."""
+    (staging / f"{WRITER_MARK}{rank}").write_text(attempt)
+
+
+def visible_writers(staging: Path, attempt: str) -> list[int]:
+    """Ranks whose marks for save `attempt` this process sees in `staging` (lowest first)."""
+    if not staging.is_dir():
+        return []
+    return sorted(int(e[len(WRITER_MARK):]) for e in os.listdir(staging)
+                  if e.startswith(WRITER_MARK) and _mark_attempt(staging / e) == attempt)
+
+
+def remove_writer_marks(staging: Path) -> None:
+    for entry in os.listdir(staging):
+        if entry.startswith(WRITER_MARK):
+            (staging / entry).unlink(missing_ok=True)
+
+
+def _mark_attempt(path: Path) -> str | None:
+    if not path.name.startswith(WRITER_MARK):
+        return None
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def commit(staging: Path, final: Path) -> None:
@@ -49,11 +94,13 @@ def commit(staging: Path, final: Path) -> None:
         shutil.rmtree(aside)
 
 
-def remove_stale(run_dir: str | os.PathLike) -> list[Path]:
-    """Remove staging/superseded/deleting folders that interrupted saves or rotations left behind (rank 0,
-    no save in flight)."""
+def remove_stale(run_dir: str | os.PathLike, keep: Path | None = None) -> list[Path]:
+    """Remove staging/superseded/deleting folders that interrupted saves or rotations left behind (no save in
+    flight), except `keep`."""
     removed = []
     for path in Path(run_dir).glob(".checkpoint-*"):
+        if path == keep:
+            continue
         if path.is_dir() and path.name.endswith((STAGING_SUFFIX, SUPERSEDED_SUFFIX, DELETING_SUFFIX)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,15 +97,22 @@ def record_file(path: str | os.PathLike) -> FileRecord:
     return FileRecord(path.name, path.stat().st_size, file_crc32(path))
 
 
-def write_json(path: str | os.PathLike, obj) -> FileRecord:
-    """Write JSON durably through a temporary file and an atomic rename; return its record."""
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` durably through a temporary file and an atomic rename (several processes may write the same
+    file at once: each uses its own temporary name, and the last rename wins)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, obj) -> FileRecord:
+    """Write JSON durably through a temporary file and an atomic rename; return its record."""
+    path = Path(path)
+    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return FileRecord(path.name, path.stat().st_size, file_crc32(path))
 
 
