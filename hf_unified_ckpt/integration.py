@@ -30,10 +30,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from . import dist
 from .async_save import AsyncSaver
 from .engines.replicated import ReplicatedEngine
-from .errors import IncompleteCheckpointError, UnsupportedCheckpointError
-from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete, skipped_incomplete
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete
 from .legacy import open_legacy
-from .load import LoadSources, load_checkpoint, verify_checkpoint
+from .load import LoadSources, fetch_small_files, load_checkpoint, verify_checkpoint
+from .placement import Placement, judge_path, newest_across_machines, placement_of
 from .retention import rotate_checkpoints
 from .rng import capture_rng_state, restore_rng_state, rng_file_name
 from .save import SaveRequest, save_checkpoint
@@ -55,6 +56,7 @@ class _Resume:
     layout: Layout
     manifest: dict | None = None
     legacy: object | None = None
+    placement: Placement | None = None
 
     @property
     def saved_world_size(self) -> int:
@@ -76,24 +78,32 @@ class UnifiedCheckpointMixin:
                              **kwargs)
 
     def _uc_resolve(self, value) -> str | None:
-        """Pick and check the folder to resume from. Collective (verification): all ranks call it."""
+        """Pick and check the folder to resume from; each rank looks at its own copy of the path, and a unified
+        checkpoint counts when the machines' folders together hold all of it. Collective: all ranks call it."""
         if value is None or value is False:
             return None
         if value is True:
-            layout = newest_complete(self.args.output_dir)
-            for bad in skipped_incomplete(self.args.output_dir):
+            step, verdict, skipped = newest_across_machines(self.args.output_dir)
+            run_dir = Path(self.args.output_dir)
+            for newer, why in skipped:
                 if dist.rank() == 0:
-                    logger.warning("Skipping %s when resuming: %s", bad.path, bad.reason)
-            if layout is None:
+                    logger.warning("Skipping %s when resuming: %s", run_dir / f"{PREFIX_CHECKPOINT_DIR}-{newer}",
+                                   why.reason)
+            if verdict is None:
                 raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
                                  "checkpoint-N folder (unified or legacy). Start without resuming, or pass a path.")
+            path = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         else:
-            layout = detect_layout(value)
+            path = Path(value)
+            verdict = judge_path(path)
+        if verdict.kind == UNIFIED:
+            self._uc_resume = self._uc_check_unified(path, verdict)
+            return str(path)
+        layout = detect_layout(path)
         self._uc_check_loadable(layout)
-        if layout.kind == UNIFIED:
-            self._uc_resume = _Resume(layout, manifest=verify_checkpoint(layout.path,
-                                                                          show_progress=not self.args.disable_tqdm))
-        elif layout.kind == FSDP:  # always read offline: works from and into every engine and world size
+        if not verdict.complete:  # this rank sees it whole, another does not
+            raise IncompleteCheckpointError(f"{path}: {verdict.reason}.")
+        if layout.kind == FSDP:  # always read offline: works from and into every engine and world size
             self._uc_resume = _Resume(layout, legacy=open_legacy(layout))
         elif layout.kind == DEEPSPEED:
             legacy = open_legacy(layout)
@@ -103,6 +113,25 @@ class UnifiedCheckpointMixin:
                     logger.info("%s was written by DeepSpeed %s; this run differs, so it is read offline and "
                                 "resharded (the next save is unified).", layout.path, legacy.topology())
         return str(layout.path)
+
+    def _uc_check_unified(self, path: Path, verdict) -> _Resume:
+        """A unified checkpoint, perhaps spread over machine-local folders: refuse it if the union is
+        incomplete, copy the small files into every folder, verify every file on a rank that sees it.
+        Collective: all ranks call it."""
+        if not verdict.complete:
+            raise CorruptCheckpointError(
+                f"{path} is not a complete unified checkpoint across the machines of this job: {verdict.reason}. "
+                f"Copy the missing files into {path} on any machine of the job (each machine may hold a part), or "
+                "resume from an earlier checkpoint (resume_from_checkpoint=True picks the newest complete one).")
+        placement = fetch_small_files(path, verdict.manifest, placement_of(verdict))
+        spread = not placement.everywhere
+        manifest = verify_checkpoint(path, show_progress=not self.args.disable_tqdm,
+                                     placement=placement if spread else None)
+        if spread and dist.rank() == 0:
+            logger.info("Resuming from %s, whose files are spread over the machines' folders: ranks read the "
+                        "tensors they lack from ranks that hold them.", path)
+        layout = Layout(UNIFIED, path, True, manifest.get("global_step"), manifest=manifest)
+        return _Resume(layout, manifest=manifest, placement=placement if spread else None)
 
     def _uc_deepspeed_topology(self) -> dict | None:
         """World size, ZeRO stage and bf16 of this run when it uses DeepSpeed, else None."""
@@ -156,7 +185,8 @@ class UnifiedCheckpointMixin:
             self._uc_engine().load(LoadSources(legacy.model_source(), legacy.master_source(),
                                                legacy.optimizer_source(), legacy.global_step))
         else:
-            load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options)
+            load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options,
+                            placement=resume.placement)
         if self.lr_scheduler is not None and (folder / SCHEDULER_FILE).is_file():
             self.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
         self._load_scaler(str(folder))

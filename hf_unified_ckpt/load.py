@@ -9,9 +9,12 @@ from pathlib import Path
 
 from . import dist
 from .engines.base import MASTER, MODEL, OPTIMIZER, EngineAdapter
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
+from .file_service import FileService
 from .options import UnifiedCheckpointOptions
-from .storage.manifest import describe_problems, read_manifest, verify_folder
+from .placement import Placement
+from .storage.files import write_bytes
+from .storage.manifest import MANIFEST_NAME, describe_problems, read_manifest, verify_folder
 from .storage.safetensors_io import ComponentReader
 
 logger = logging.getLogger(__name__)
@@ -19,9 +22,11 @@ logger = logging.getLogger(__name__)
 _LOW_PRECISION = {"F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
-def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress: bool = False) -> dict:
+def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress: bool = False,
+                      placement: Placement | None = None) -> dict:
     """Check every file of the checkpoint (presence, size, checksum, headers, index names) before any tensor is
-    read; each rank checks a share of the files. Returns the manifest.
+    read; each rank checks a share of the files (with `placement`, files spread over machine-local folders: each
+    file is checked by one rank that sees it). Returns the manifest.
 
     Collective: all ranks must call it. Raises `CorruptCheckpointError` on every rank if any file is bad.
     """
@@ -31,7 +36,10 @@ def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress:
     except Exception as e:  # the same on every rank (same files), but keep the collective below aligned
         manifest, error = None, e
     names = sorted(manifest["files"]) if manifest else []
-    mine = names[dist.rank()::dist.world_size()]
+    if placement is None:
+        mine = names[dist.rank()::dist.world_size()]
+    else:
+        mine = placement.verification_shares({n: manifest["files"][n]["size"] for n in names})[dist.rank()]
     show = show_progress and dist.rank() == 0
     problems = verify_folder(folder, manifest, mine, checksums, show_progress=show) if manifest else []
     all_problems = sorted(p for share in dist.all_gather_object(problems) for p in share)
@@ -57,13 +65,58 @@ class LoadSources:
     global_step: int
 
 
-def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict,
-                    options: UnifiedCheckpointOptions, load_optimizer: bool = True) -> None:
+def fetch_small_files(folder: str | Path, manifest: dict, placement: Placement) -> Placement:
+    """Copy into this rank's folder (created if missing) every file of the checkpoint but the tensor files that it
+    does not see (trainer state, scheduler, RNG states, configs, indexes; the manifest last), read from ranks that
+    see them, so the Trainer's own resume code finds them. Returns the placement after the copy.
+
+    Collective: all ranks must call it (the placement is the same on every rank)."""
+    folder = Path(folder)
+    shards = {f for entry in manifest.get("components", {}).values() for f in entry["files"]}
+    small = sorted((n for n in placement.holders if n not in shards), key=lambda n: (n == MANIFEST_NAME, n))
+    if all(len(placement.holders[n]) == placement.world_size for n in small):
+        return placement
+    service = FileService(folder, placement)
+    try:
+        wanted = [n for n in small if not placement.is_local(n)]
+        if wanted:
+            folder.mkdir(parents=True, exist_ok=True)
+        for name in wanted:
+            write_bytes(folder / name, service.read_file(name))
+    finally:
+        service.close()
+    if wanted and dist.local_rank() == 0:
+        logger.info("Copied %d small file(s) of %s from other machines' folders.", len(wanted), folder)
+    return placement.with_everywhere(small)
+
+
+def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
+                    load_optimizer: bool = True, placement: Placement | None = None) -> None:
     """Load model weights, master weights and (optionally) optimizer state from a verified unified checkpoint.
 
-    Reads are local; engines do not communicate while loading, so a failure on one rank surfaces there.
+    Reads are local (with `placement`, files other ranks hold are read from them); engines do not communicate
+    while loading unless they say so. Collective when `placement` is given: all ranks must call it, and a failure
+    on one rank is raised on every rank.
     """
-    folder = Path(folder)
+    if placement is None or placement.everywhere:
+        return _load(Path(folder), engine, manifest, options, load_optimizer, None)
+    error = None
+    service = FileService(folder, placement)
+    try:
+        _load(Path(folder), engine, manifest, options, load_optimizer, service)
+    except Exception as e:  # shared below, so that no rank trains on after another failed
+        error = e
+    finally:
+        service.close()
+    failures = [f for f in dist.all_gather_object(None if error is None else f"rank {dist.rank()}: {error}") if f]
+    if error is not None:
+        raise error
+    if failures:
+        raise UnifiedCheckpointError(f"loading {folder} failed on other ranks:\n" + "\n".join(failures))
+
+
+def _load(folder: Path, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
+          load_optimizer: bool, remote: FileService | None) -> None:
     components = manifest.get("components", {})
     model_entry = components.get(MODEL)
     if model_entry is None:
@@ -80,12 +133,12 @@ def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict,
             "exactly. Load its weights with from_pretrained and start a new run instead."
         )
     with ExitStack() as stack:
-        model = stack.enter_context(ComponentReader(folder, wanted_stem))
-        master = stack.enter_context(ComponentReader(folder, components[MASTER]["file_stem"])) \
+        model = stack.enter_context(ComponentReader(folder, wanted_stem, remote))
+        master = stack.enter_context(ComponentReader(folder, components[MASTER]["file_stem"], remote)) \
             if MASTER in components else model
         if master is model:
             _check_master_rebuild(folder, manifest, model, engine, options)
-        optimizer = stack.enter_context(ComponentReader(folder, components[OPTIMIZER]["file_stem"])) \
+        optimizer = stack.enter_context(ComponentReader(folder, components[OPTIMIZER]["file_stem"], remote)) \
             if load_optimizer else None
         engine.load(LoadSources(model, master, optimizer, int(manifest.get("global_step", 0))))
 

@@ -122,12 +122,14 @@ class ComponentReader:
     """Lazy, name-keyed access to one component (`model`, `optimizer`, ...) of a checkpoint folder.
 
     Reads `<stem>.safetensors.index.json` if present, else the single `<stem>.safetensors`. Files are opened
-    with `safe_open` on first use; `get_slice` reads only the requested part of a tensor.
+    with `safe_open` on first use; `get_slice` reads only the requested part of a tensor. With `remote` (a
+    `file_service.FileService`), files this rank does not see are read from a rank that does.
     """
 
-    def __init__(self, folder: str | os.PathLike, file_stem: str):
+    def __init__(self, folder: str | os.PathLike, file_stem: str, remote=None):
         self.folder = Path(folder)
         self.file_stem = file_stem
+        self.remote = remote
         self.metadata: dict = {}
         index_path = self.folder / index_name(file_stem)
         if index_path.is_file():
@@ -138,13 +140,18 @@ class ComponentReader:
             self.weight_map = {k: check_plain_name(v, f"index {index_path.name}") for k, v in index["weight_map"].items()}
             self.files = sorted(set(self.weight_map.values()))
         else:
-            single = self.folder / f"{file_stem}.safetensors"
-            if not single.is_file():
-                raise FileNotFoundError(f"{self.folder} has neither {index_path.name} nor {single.name}.")
-            self.files = [single.name]
-            with safe_open(str(single), framework="pt") as f:
-                self.weight_map = {k: single.name for k in f.keys()}
+            single = f"{file_stem}.safetensors"
+            if not self._is_remote(single) and not (self.folder / single).is_file():
+                raise FileNotFoundError(f"{self.folder} has neither {index_path.name} nor {single}.")
+            self.files = [single]
+            self.weight_map = {k: single for k in sorted(self._header(single)) if k != "__metadata__"}
         self._handles: dict[str, object] = {}
+
+    def _is_remote(self, file: str) -> bool:
+        return self.remote is not None and not self.remote.is_local(file)
+
+    def _header(self, file: str) -> dict:
+        return self.remote.header(file) if self._is_remote(file) else read_safetensors_header(self.folder / file)
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -158,7 +165,8 @@ class ComponentReader:
         except KeyError:
             raise KeyError(f"{name!r} is not in the {self.file_stem} files of {self.folder}") from None
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.folder / file), framework="pt")
+            self._handles[file] = self.remote.open(file) if self._is_remote(file) else \
+                safe_open(str(self.folder / file), framework="pt")
         return self._handles[file]
 
     def get(self, name: str) -> torch.Tensor:
@@ -171,7 +179,7 @@ class ComponentReader:
         """Shape and dtype string of every tensor, from the headers only."""
         out = {}
         for file in self.files:
-            header = read_safetensors_header(self.folder / file)
+            header = self._header(file)
             out.update({k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"})
         return out
 
