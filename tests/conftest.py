@@ -27,6 +27,48 @@ def torchrun(nproc: int, runs: list[dict], workdir: Path, timeout: int = 900, ex
     return proc
 
 
+def torchrun_machines(machines: list[tuple[int, list[dict]]], workdir: Path, timeout: int = 600,
+                      expect_failure: bool = False) -> list[subprocess.CompletedProcess]:
+    """Simulate several machines on this one: one `torchrun` per machine (static rendezvous on 127.0.0.1),
+    machine k running `machines[k] = (processes, runs)`; each machine's runs name its own local output folders.
+    Global ranks are numbered machine by machine. Fails with every machine's output unless `expect_failure`."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for k, (nproc, runs) in enumerate(machines):
+        spec = workdir / f"spec-machine{k}-{len(list(workdir.glob('spec-*')))}.json"
+        spec.write_text(json.dumps({"runs": runs}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(machines)}", f"--node_rank={k}",
+               f"--nproc_per_node={nproc}", "--rdzv_backend=static", "--master_addr=127.0.0.1",
+               f"--master_port={port}", str(TESTS / "dist_worker.py"), str(spec)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            out, err = proc.communicate()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    failed = any(p.returncode != 0 for p in done)
+    if expect_failure:
+        assert failed, "the launch was expected to fail"
+        return done
+    if failed:
+        pytest.fail("\n".join(f"machine {k} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+                              for k, p in enumerate(done)))
+    return done
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def quiet_env(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

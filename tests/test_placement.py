@@ -1,0 +1,88 @@
+"""Which machine holds which file (placement.py): the union rule, its errors, and who verifies what. Pure logic
+on real folders; the multi-process behaviour is in test_multi_machine.py."""
+
+import json
+import shutil
+
+import pytest
+
+from _runs import train
+from hf_unified_ckpt.layout import DEEPSPEED, UNIFIED
+from hf_unified_ckpt.placement import Placement, Sighting, judge
+from hf_unified_ckpt.storage.manifest import MANIFEST_NAME, read_manifest
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    run = tmp_path_factory.mktemp("placement")
+    train(run, max_steps=3, save_steps=3, unified_checkpoint_max_shard_size="40KB")
+    return run / "checkpoint-3"
+
+
+def _split(ckpt, tmp_path):
+    """Two 'machines': each copy keeps the small files and alternate tensor files."""
+    manifest = read_manifest(ckpt)
+    shards = sorted(f for c in manifest["components"].values() for f in c["files"])
+    copies = []
+    for k in range(2):
+        copy = tmp_path / f"m{k}" / "checkpoint-3"
+        shutil.copytree(ckpt, copy)
+        for name in shards[1 - k::2]:
+            (copy / name).unlink()
+        copies.append(copy)
+    return copies, shards
+
+
+def test_union_of_two_folders_is_complete_and_names_the_holders(ckpt, tmp_path):
+    (a, b), shards = _split(ckpt, tmp_path)
+    verdict = judge([Sighting.of(a), Sighting.of(a), Sighting.of(b)])  # ranks 0 and 1 share machine 0
+    assert verdict.kind == UNIFIED and verdict.complete, verdict.reason
+    assert verdict.holders[shards[0]] == (0, 1) and verdict.holders[shards[1]] == (2,)
+    assert verdict.holders[MANIFEST_NAME] == (0, 1, 2)
+    placement = Placement(verdict.holders, rank=2, world_size=3)
+    assert not placement.everywhere and placement.source(shards[0]) in (0, 1) and placement.source(shards[1]) == 2
+
+
+def test_union_missing_a_file_names_it(ckpt, tmp_path):
+    (a, b), shards = _split(ckpt, tmp_path)
+    (b / shards[1]).unlink()
+    verdict = judge([Sighting.of(a), None])  # the second machine has no folder at all
+    assert not verdict.complete and verdict.missing == tuple(sorted(shards[1::2]))
+    assert "missing from every machine's folder" in verdict.reason and shards[1] in verdict.reason
+
+
+def test_a_truncated_copy_does_not_count(ckpt, tmp_path):
+    (a, b), shards = _split(ckpt, tmp_path)
+    (b / shards[1]).write_bytes((b / shards[1]).read_bytes()[:-10])
+    verdict = judge([Sighting.of(a), Sighting.of(b)])
+    assert not verdict.complete and shards[1] in verdict.missing
+
+
+def test_folders_from_different_saves_are_refused(ckpt, tmp_path):
+    (a, b), _ = _split(ckpt, tmp_path)
+    other = read_manifest(b)
+    other["files"]["trainer_state.json"]["size"] += 1
+    (b / MANIFEST_NAME).write_text(json.dumps(other))
+    verdict = judge([Sighting.of(a), Sighting.of(b)])
+    assert not verdict.complete and "different saves" in verdict.reason
+
+
+def test_legacy_folder_must_be_seen_by_every_machine(tmp_path):
+    folder = tmp_path / "checkpoint-3"
+    (folder / "global_step3").mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (folder / "global_step3" / name).write_bytes(b"x")
+    (folder / "trainer_state.json").write_text('{"global_step": 3}')
+    seen = Sighting.of(folder)
+    assert judge([seen, seen]).complete
+    partial = judge([seen, None])
+    assert partial.kind == DEEPSPEED and not partial.complete and "visible to every machine" in partial.reason
+
+
+def test_each_file_is_verified_once_by_a_holder_with_balanced_bytes():
+    holders = {"a": (0, 1), "b": (0, 1), "c": (2,), "d": (0, 1, 2)}
+    sizes = {"a": 100, "b": 90, "c": 80, "d": 5}
+    shares = Placement(holders, rank=0, world_size=3).verification_shares(sizes)
+    assert sorted(n for share in shares.values() for n in share) == ["a", "b", "c", "d"]
+    assert all(r in holders[n] for r, share in shares.items() for n in share)
+    assert shares[0] == ["a"] and shares[1] == ["b"] and shares[2] == ["c", "d"]
