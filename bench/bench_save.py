@@ -249,10 +249,10 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
     dist.destroy_process_group()
 
 
-def throughput_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
-    """Runs under torchrun with 2 ranks: wall time of 20 training steps with an async save every 5 steps, with
-    a synchronous save every 5 steps, and without saves, alternating (the end of training waits for the last
-    save)."""
+def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int = 20, every: int = 5) -> None:
+    """Runs under torchrun with 2 ranks: wall time of `steps` training steps with an async save every `every`
+    steps, with a synchronous save every `every` steps, and without saves, alternating (the end of training
+    waits for the last save)."""
     import torch.distributed as dist
     from accelerate.state import AcceleratorState
 
@@ -265,18 +265,19 @@ def throughput_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
             os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
             from transformers.integrations.deepspeed import unset_hf_deepspeed_config
             unset_hf_deepspeed_config()
-            trainer = build_trainer(out / f"{kind}-{rep}", dtype, world, engine, train=False, max_steps=20,
+            trainer = build_trainer(out / f"{kind}-{rep}", dtype, world, engine, train=False, max_steps=steps,
                                     ckpt_config="async_save" if kind == "async_saves" else "",
-                                    save_steps=None if kind == "no_saves" else 5)
+                                    save_steps=None if kind == "no_saves" else every)
             seconds, _ = timed(trainer.train)
             times[kind].append(max_over_ranks(seconds))
             if dist.get_rank() == 0:
                 shutil.rmtree(out / f"{kind}-{rep}", ignore_errors=True)
     if dist.get_rank() == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"async_save throughput, {engine} x 2, ~103M Llama, {dtype}, 20 steps, a save every 5, medians of {reps}:")
+        print(f"async_save throughput, {engine} x 2, ~103M Llama, {dtype}, {steps} steps, a save every {every}, "
+              f"medians of {reps}:")
         print(f"(b) throughput with async saves / without saves = {med['no_saves'] / med['async_saves']:.3f}   "
-              f"({med['async_saves']:.1f} s vs {med['no_saves']:.1f} s for 20 steps)   target >= 0.97")
+              f"({med['async_saves']:.1f} s vs {med['no_saves']:.1f} s for {steps} steps)   target >= 0.97")
         print(f"    for reference, with synchronous saves: {med['no_saves'] / med['sync_saves']:.3f} "
               f"({med['sync_saves']:.1f} s)")
         print(f"raw figures: {json.dumps({k: [round(x, 2) for x in v] for k, v in times.items()})}")
@@ -349,7 +350,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
     parser.add_argument("--worker", choices=["save", "resume", "async", "throughput"], help=argparse.SUPPRESS)
     parser.add_argument("--throughput", action="store_true",
-                        help="training throughput with an async save every 5 steps vs no saves")
+                        help="training throughput with an async save every --save-every steps vs no saves")
+    parser.add_argument("--steps", type=int, default=20, help="--throughput: training steps per run")
+    parser.add_argument("--save-every", type=int, default=5, help="--throughput: steps between saves")
     parser.add_argument("--async-save", action="store_true",
                         help="measure async_save: training-blocked time vs a synchronous save")
     args = parser.parse_args()
@@ -361,7 +364,7 @@ def main() -> None:
     if args.worker == "async":
         return async_worker(out, args.reps, args.dtype, args.engine)
     if args.worker == "throughput":
-        return throughput_worker(out, args.reps, args.dtype, args.engine)
+        return throughput_worker(out, args.reps, args.dtype, args.engine, args.steps, args.save_every)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     try:
@@ -373,7 +376,8 @@ def main() -> None:
         for nproc, worker in launches:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", args.dtype,
-                   "--engine", args.engine, "--out", str(out)]
+                   "--engine", args.engine, "--out", str(out), "--steps", str(args.steps),
+                   "--save-every", str(args.save_every)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"benchmark {worker} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -8,6 +8,8 @@ that see a file are its holders, and the others read it from them (`file_service
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,24 +63,29 @@ class Placement:
 
 @dataclass(frozen=True)
 class Sighting:
-    """What one rank sees of one checkpoint folder (its local path): the folder's layout and, for a unified
-    folder, the manifest and the size of every file present."""
+    """What one rank sees of one checkpoint folder (its local path), compact enough to all-gather: the folder's
+    layout and, for a unified folder, a digest of its manifest's file table and which of those files are present
+    with their recorded size (a bitmap over the sorted names)."""
 
     layout: Layout = field(repr=False)
-    sizes: Mapping[str, int] = field(default_factory=dict)
+    digest: str | None = None
+    present: bytes = b""
 
     @classmethod
-    def of(cls, path: Path) -> "Sighting":
+    def of(cls, path: Path) -> tuple["Sighting", dict | None]:
+        """The sighting and, for a unified folder, its manifest (which stays on this rank)."""
         layout = detect_layout(path)
         if layout.kind != UNIFIED:
-            return cls(_portable(layout))
-        sizes = {}
-        for name in layout.manifest["files"]:
+            return cls(_portable(layout)), None
+        files = layout.manifest["files"]
+        bits = bytearray((len(files) + 7) // 8)
+        for i, name in enumerate(sorted(files)):
             try:
-                sizes[name] = os.stat(path / name).st_size
+                if os.stat(path / name).st_size == files[name]["size"]:
+                    bits[i // 8] |= 1 << (i % 8)
             except OSError:
                 continue
-        return cls(layout, sizes)
+        return cls(_portable(layout), _digest(files), bytes(bits)), layout.manifest
 
 
 @dataclass(frozen=True)
@@ -93,11 +100,12 @@ class Verdict:
     missing: tuple[str, ...] = ()
 
 
-def judge(sightings: list[Sighting | None]) -> Verdict:
-    """Combine every rank's sighting of one checkpoint (None: the rank has no such folder). Pure."""
+def judge(sightings: list[Sighting | None], manifest: dict | None = None) -> Verdict:
+    """Combine every rank's sighting of one checkpoint (None: the rank has no such folder). `manifest`: the one
+    of the lowest rank with a unified sighting (needed when there is one). Pure."""
     unified = [(r, s) for r, s in enumerate(sightings) if s is not None and s.layout.kind == UNIFIED]
     if unified:
-        return _judge_unified(unified, len(sightings))
+        return _judge_unified(unified, manifest)
     seen = [s for s in sightings if s is not None]
     if not seen:
         return Verdict(UNKNOWN, False, "no rank sees this folder")
@@ -109,14 +117,14 @@ def judge(sightings: list[Sighting | None]) -> Verdict:
     return Verdict(first.kind, bad is None, bad.reason if bad else "")
 
 
-def _judge_unified(unified: list[tuple[int, Sighting]], world: int) -> Verdict:
-    manifest = unified[0][1].layout.manifest
+def _judge_unified(unified: list[tuple[int, Sighting]], manifest: dict) -> Verdict:
     files = manifest["files"]
-    if any(s.layout.manifest["files"] != files for _, s in unified[1:]):
+    if any(s.digest != unified[0][1].digest for _, s in unified[1:]):
         return Verdict(UNIFIED, False, "the machines' folders hold different saves of this step (their manifests "
                                        "differ); remove the stale copies")
-    holders = {name: tuple(r for r, s in unified if s.sizes.get(name) == rec["size"]) for name, rec in files.items()}
-    missing = tuple(sorted(n for n, h in holders.items() if not h))
+    names = sorted(files)
+    holders = {name: tuple(r for r, s in unified if s.present[i // 8] >> (i % 8) & 1) for i, name in enumerate(names)}
+    missing = tuple(n for n in names if not holders[n])
     holders[MANIFEST_NAME] = tuple(r for r, _ in unified)
     if missing:
         shown = ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else "")
@@ -128,22 +136,37 @@ def _judge_unified(unified: list[tuple[int, Sighting]], world: int) -> Verdict:
 def judge_path(path: str | os.PathLike) -> Verdict:
     """Judge one path, each rank looking at its own copy of it. Collective: all ranks must call it."""
     path = Path(path)
-    mine = Sighting.of(path) if path.is_dir() else None
-    return judge(dist.all_gather_object(mine))
+    mine, manifest = Sighting.of(path) if path.is_dir() else (None, None)
+    everyone = dist.all_gather_object(mine)
+    return judge(everyone, _reference_manifest(everyone, manifest))
 
 
 def newest_across_machines(run_dir: str | os.PathLike) -> tuple[int | None, Verdict | None, list[tuple[int, Verdict]]]:
     """The highest step whose `checkpoint-N` the ranks together hold completely: (step, verdict, and the newer
     steps skipped with their verdicts). Collective: all ranks must call it."""
     mine = {step: Sighting.of(path) for step, path in list_checkpoints(run_dir)}
-    everyone = dist.all_gather_object(mine)
+    everyone = dist.all_gather_object({step: sighting for step, (sighting, _) in mine.items()})
     skipped = []
     for step in sorted({s for seen in everyone for s in seen}, reverse=True):
-        verdict = judge([seen.get(step) for seen in everyone])
+        sightings = [seen.get(step) for seen in everyone]
+        verdict = judge(sightings, _reference_manifest(sightings, mine.get(step, (None, None))[1]))
         if verdict.complete:
             return step, verdict, skipped
         skipped.append((step, verdict))
     return None, None, skipped
+
+
+def _reference_manifest(sightings: list[Sighting | None], mine: dict | None) -> dict | None:
+    """The manifest of the lowest rank with a unified sighting, sent to all. Collective when there is one (the
+    same decision on every rank)."""
+    source = next((r for r, s in enumerate(sightings) if s is not None and s.layout.kind == UNIFIED), None)
+    if source is None:
+        return None
+    return dist.broadcast_object(mine if dist.rank() == source else None, src=source)
+
+
+def _digest(files: Mapping) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def placement_of(verdict: Verdict) -> Placement:

@@ -35,7 +35,7 @@ from .errors import UnifiedCheckpointError
 from .options import UnifiedCheckpointOptions
 from .planning import ComponentPlan, plan_component
 from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
-                             remove_writer_marks, staging_dir, visible_writers)
+                             remove_writer_marks, sees_writer, staging_dir)
 from .storage.files import FileRecord, write_bytes
 from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, write_manifest
 from .storage.safetensors_io import index_name, write_index, write_shard
@@ -124,14 +124,15 @@ def open_staging(final: Path) -> Staging:
     status, attempt = dist.broadcast_object((status, attempt))
     creator = Staging(path, final, 0, True)
     raise_if_failed([status], creator)
-    sees_rank0 = 0 in visible_writers(path, attempt)
+    sees_rank0 = sees_writer(path, 0, attempt)
     joined = (True, None) if sees_rank0 else guarded(lambda: (remove_stale(final.parent, keep=path),
                                                               join_staging(path, attempt),
                                                               mark_writer(path, dist.rank(), attempt)))
     reports = dist.all_gather_object((joined, sees_rank0))
     raise_if_failed([j for j, _ in reports], creator if sees_rank0 else Staging(path, final, dist.rank(), False))
-    writers = visible_writers(path, attempt)
-    return Staging(path, final, writers[0], shared=all(seen for _, seen in reports))
+    creators = [r for r, (_, seen) in enumerate(reports) if r == 0 or not seen]
+    leader = next(r for r in creators if sees_writer(path, r, attempt))
+    return Staging(path, final, leader, shared=len(creators) == 1)
 
 
 def conclude(plan: SavePlan, staging: Staging, request: SaveRequest, outcome: tuple[bool, object], group=None,

@@ -33,9 +33,16 @@ def _split(ckpt, tmp_path):
     return copies, shards
 
 
+def _judge(*folders):
+    """judge() as the ranks see `folders` (None: no folder), with the lowest unified rank's manifest."""
+    seen = [Sighting.of(f) if f is not None else (None, None) for f in folders]
+    manifest = next((m for _, m in seen if m is not None), None)
+    return judge([s for s, _ in seen], manifest)
+
+
 def test_union_of_two_folders_is_complete_and_names_the_holders(ckpt, tmp_path):
     (a, b), shards = _split(ckpt, tmp_path)
-    verdict = judge([Sighting.of(a), Sighting.of(a), Sighting.of(b)])  # ranks 0 and 1 share machine 0
+    verdict = _judge(a, a, b)  # ranks 0 and 1 share machine 0
     assert verdict.kind == UNIFIED and verdict.complete, verdict.reason
     assert verdict.holders[shards[0]] == (0, 1) and verdict.holders[shards[1]] == (2,)
     assert verdict.holders[MANIFEST_NAME] == (0, 1, 2)
@@ -46,7 +53,7 @@ def test_union_of_two_folders_is_complete_and_names_the_holders(ckpt, tmp_path):
 def test_union_missing_a_file_names_it(ckpt, tmp_path):
     (a, b), shards = _split(ckpt, tmp_path)
     (b / shards[1]).unlink()
-    verdict = judge([Sighting.of(a), None])  # the second machine has no folder at all
+    verdict = _judge(a, None)  # the second machine has no folder at all
     assert not verdict.complete and verdict.missing == tuple(sorted(shards[1::2]))
     assert "missing from every machine's folder" in verdict.reason and shards[1] in verdict.reason
 
@@ -54,7 +61,7 @@ def test_union_missing_a_file_names_it(ckpt, tmp_path):
 def test_a_truncated_copy_does_not_count(ckpt, tmp_path):
     (a, b), shards = _split(ckpt, tmp_path)
     (b / shards[1]).write_bytes((b / shards[1]).read_bytes()[:-10])
-    verdict = judge([Sighting.of(a), Sighting.of(b)])
+    verdict = _judge(a, b)
     assert not verdict.complete and shards[1] in verdict.missing
 
 
@@ -63,7 +70,7 @@ def test_folders_from_different_saves_are_refused(ckpt, tmp_path):
     other = read_manifest(b)
     other["files"]["trainer_state.json"]["size"] += 1
     (b / MANIFEST_NAME).write_text(json.dumps(other))
-    verdict = judge([Sighting.of(a), Sighting.of(b)])
+    verdict = _judge(a, b)
     assert not verdict.complete and "different saves" in verdict.reason
 
 
@@ -73,9 +80,8 @@ def test_legacy_folder_must_be_seen_by_every_machine(tmp_path):
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         (folder / "global_step3" / name).write_bytes(b"x")
     (folder / "trainer_state.json").write_text('{"global_step": 3}')
-    seen = Sighting.of(folder)
-    assert judge([seen, seen]).complete
-    partial = judge([seen, None])
+    assert _judge(folder, folder).complete
+    partial = _judge(folder, None)
     assert partial.kind == DEEPSPEED and not partial.complete and "visible to every machine" in partial.reason
 
 

@@ -57,12 +57,10 @@ def mark_writer(staging: Path, rank: int, attempt: str) -> None:
     (staging / f"{WRITER_MARK}{rank}").write_text(attempt)
 
 
-def visible_writers(staging: Path, attempt: str) -> list[int]:
-    """Ranks whose marks for save `attempt` this process sees in `staging` (lowest first)."""
-    if not staging.is_dir():
-        return []
-    return sorted(int(e[len(WRITER_MARK):]) for e in os.listdir(staging)
-                  if e.startswith(WRITER_MARK) and _mark_attempt(staging / e) == attempt)
+def sees_writer(staging: Path, rank: int, attempt: str) -> bool:
+    """Whether this process sees `rank`'s mark for save `attempt` in `staging` (opened directly, not listed: a
+    network filesystem may list a directory from a stale cache)."""
+    return _mark_attempt(staging / f"{WRITER_MARK}{rank}") == attempt
 
 
 def remove_writer_marks(staging: Path) -> None:
