@@ -60,11 +60,7 @@ class FileService:
 
     def read_tensor(self, file: str, name: str, index: list[list[int]] | None = None) -> torch.Tensor:
         """Tensor `name` of `file`, or only the part `index` ([start, stop) per leading dimension) of it."""
-        reply, data = self._ask(file, {"op": "tensor", "file": file, "name": name, "index": index})
-        dtype = getattr(torch, reply["dtype"])
-        if data is None:
-            return torch.empty(reply["shape"], dtype=dtype)
-        return data.view(dtype).reshape(reply["shape"])
+        return tensor_from(*self._ask(file, {"op": "tensor", "file": file, "name": name, "index": index}))
 
     def open(self, file: str) -> "RemoteFile":
         return RemoteFile(self, file)
@@ -93,29 +89,13 @@ class FileService:
             if request["op"] == "stop":
                 return
             try:
-                reply, data = self._answer(request)
+                reply, data = answer(self.folder, self._open, request)
             except Exception as e:  # sent back: the asking rank raises it
                 reply, data = {"ok": False, "error": f"{type(e).__name__}: {e}", "folder": str(self.folder)}, None
             reply["nbytes"] = 0 if data is None else data.numel()
             tdist.send(_encode(reply), dst=asker, group=self._replies, tag=_TAG)
             if data is not None and data.numel():
                 tdist.send(data, dst=asker, group=self._replies, tag=_TAG)
-
-    def _answer(self, request: dict) -> tuple[dict, torch.Tensor | None]:
-        path = self.folder / request["file"]
-        if request["op"] == "header":
-            return {"ok": True}, _bytes_tensor(json.dumps(read_safetensors_header(path)).encode())
-        if request["op"] == "file":
-            return {"ok": True}, _bytes_tensor(path.read_bytes())
-        if request["file"] not in self._open:
-            self._open[request["file"]] = safe_open(str(path), framework="pt")
-        handle = self._open[request["file"]]
-        index = request["index"]
-        tensor = handle.get_tensor(request["name"]) if index is None else \
-            handle.get_slice(request["name"])[tuple(slice(a, b) for a, b in index)]
-        tensor = tensor.contiguous()
-        reply = {"ok": True, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
-        return reply, tensor.reshape(-1).view(torch.uint8) if tensor.numel() else None
 
     def close(self) -> None:
         """Stop every rank's server once no rank asks any more. Collective: all ranks must call it."""
@@ -125,6 +105,31 @@ class FileService:
             tdist.send(stop, dst=(dist.rank() + 1) % dist.world_size(), group=self._requests, tag=_TAG)
         self._server.join()
         self._open.clear()
+
+
+def answer(folder: Path, handles: dict, request: dict) -> tuple[dict, torch.Tensor | None]:
+    """The server's reply to one request on the files of `folder` (`handles`: its open `safe_open` handles)."""
+    path = folder / request["file"]
+    if request["op"] == "header":
+        return {"ok": True}, _bytes_tensor(json.dumps(read_safetensors_header(path)).encode())
+    if request["op"] == "file":
+        return {"ok": True}, _bytes_tensor(path.read_bytes())
+    if request["file"] not in handles:
+        handles[request["file"]] = safe_open(str(path), framework="pt")
+    handle, index = handles[request["file"]], request["index"]
+    tensor = handle.get_tensor(request["name"]) if index is None else \
+        handle.get_slice(request["name"])[tuple(slice(a, b) for a, b in index)]
+    tensor = tensor.contiguous()
+    reply = {"ok": True, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+    return reply, tensor.reshape(-1).view(torch.uint8) if tensor.numel() else None
+
+
+def tensor_from(reply: dict, data: torch.Tensor | None) -> torch.Tensor:
+    """The tensor a `tensor` reply carries (its bytes reinterpreted with the reply's dtype and shape)."""
+    dtype = getattr(torch, reply["dtype"])
+    if data is None:
+        return torch.empty(reply["shape"], dtype=dtype)
+    return data.view(dtype).reshape(reply["shape"])
 
 
 class RemoteFile:

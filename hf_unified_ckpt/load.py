@@ -80,7 +80,7 @@ def fetch_small_files(folder: str | Path, manifest: dict, placement: Placement) 
     try:
         wanted = [n for n in small if not placement.is_local(n)]
         if wanted:
-            folder.mkdir(parents=True, exist_ok=True)
+            _clear_unverified(folder, shards, manifest_here=placement.is_local(MANIFEST_NAME))
         for name in wanted:
             write_bytes(folder / name, service.read_file(name))
     finally:
@@ -88,6 +88,15 @@ def fetch_small_files(folder: str | Path, manifest: dict, placement: Placement) 
     if wanted and dist.local_rank() == 0:
         logger.info("Copied %d small file(s) of %s from other machines' folders.", len(wanted), folder)
     return placement.with_everywhere(small)
+
+
+def _clear_unverified(folder: Path, shards: set[str], manifest_here: bool) -> None:
+    """Make `folder` ready to receive the small files. Without a manifest, tensor files already there belong to
+    no committed save (an interrupted one): remove them, so the folder never pairs them with this manifest."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not manifest_here:
+        for name in shards:
+            (folder / name).unlink(missing_ok=True)
 
 
 def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,

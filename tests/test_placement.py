@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from _runs import train
 from hf_unified_ckpt.layout import DEEPSPEED, UNIFIED
@@ -92,3 +93,35 @@ def test_each_file_is_verified_once_by_a_holder_with_balanced_bytes():
     assert sorted(n for share in shares.values() for n in share) == ["a", "b", "c", "d"]
     assert all(r in holders[n] for r, share in shares.items() for n in share)
     assert shares[0] == ["a"] and shares[1] == ["b"] and shares[2] == ["c", "d"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_file_server_replies_carry_exact_slices_headers_and_files(tmp_path, dtype):
+    from safetensors.torch import save_file
+
+    from hf_unified_ckpt.file_service import RemoteSlice, answer, tensor_from
+
+    tensors = {"w": torch.arange(7 * 5).reshape(7, 5).to(dtype), "s": torch.tensor(3, dtype=dtype)}
+    save_file(tensors, tmp_path / "f.safetensors")
+    handles = {}
+    for name, index, expected in (("w", [[2, 5]], tensors["w"][2:5]), ("w", [[1, 3], [0, 2]], tensors["w"][1:3, 0:2]),
+                                  ("w", None, tensors["w"]), ("s", None, tensors["s"]), ("w", [[4, 4]], tensors["w"][4:4])):
+        got = tensor_from(*answer(tmp_path, handles, {"op": "tensor", "file": "f.safetensors", "name": name,
+                                                       "index": index}))
+        assert got.dtype == dtype and torch.equal(got, expected), (name, index)
+    reply, data = answer(tmp_path, handles, {"op": "header", "file": "f.safetensors"})
+    assert json.loads(bytes(data.numpy()))["w"]["shape"] == [7, 5]
+    reply, data = answer(tmp_path, handles, {"op": "file", "file": "f.safetensors"})
+    assert bytes(data.numpy()) == (tmp_path / "f.safetensors").read_bytes()
+
+    class Service:  # RemoteSlice turns Python slicing into the [start, stop) bounds sent to the server
+        def header(self, file):
+            return {"w": {"shape": [7, 5]}}
+
+        def read_tensor(self, file, name, bounds):
+            return bounds
+
+    assert RemoteSlice(Service(), "f", "w")[2:] == [[2, 7]]
+    assert RemoteSlice(Service(), "f", "w")[1:3, :2] == [[1, 3], [0, 2]]
+    with pytest.raises(TypeError, match="step-1"):
+        RemoteSlice(Service(), "f", "w")[::2]
