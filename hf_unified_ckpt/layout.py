@@ -121,11 +121,3 @@ def newest_complete(run_dir: str | os.PathLike) -> Layout | None:
         if layout.complete:
             return layout
     return None
-
-
-def skipped_incomplete(run_dir: str | os.PathLike) -> list[Layout]:
-    """Incomplete `checkpoint-N` folders newer than the newest complete one (reported when resuming)."""
-    newest = newest_complete(run_dir)
-    floor = int(CHECKPOINT_RE.match(newest.path.name).group(1)) if newest else -1
-    return [lay for step, path in list_checkpoints(run_dir)
-            if step > floor and not (lay := detect_layout(path)).complete]
