@@ -8,7 +8,7 @@ the files, and concludes the save with the same collectives as a synchronous sav
 they never interleave with training's. The copy reads live parameters and optimizer state, which only the next
 optimizer step changes: `wait_for_snapshot` (called from the `on_pre_optimizer_step` callback) blocks that step
 until the copy is done, so the copy overlaps the next forward and backward passes. DeepSpeed steps inside
-`backward`, so there the next step waits from its start (`on_step_begin`).
+`backward`, where no callback runs: there its optimizer's own `step` waits (`engines.deepspeed.wait_before_steps`).
 
 One save is in flight at a time: the next save, the end of training and `wait()` wait for it, and its error is
 raised there, on every rank (the outcome is shared by a collective). A failed save is never committed.
@@ -42,7 +42,6 @@ class AsyncSaver:
         self._result: tuple[list, Staging] | None = None
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self._group = None
-        self.wait_before_step = False
 
     @property
     def in_flight(self) -> bool:
@@ -53,13 +52,10 @@ class AsyncSaver:
         return sum(b.nbytes for b in self._buffers.values())
 
     def start(self, engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter,
-              after_commit=None, wait_before_step: bool = False) -> Path:
+              after_commit=None) -> Path:
         """Begin a save and return once the rest can run in the background. Waits for (and raises the error
-        of) the previous save first. `wait_before_step`: the engine updates weights inside backward (DeepSpeed),
-        so the next training step, not just its optimizer step, waits for the snapshot. Collective: all ranks
-        must call it."""
+        of) the previous save first. Collective: all ranks must call it."""
         self.wait()
-        self.wait_before_step = wait_before_step
         if self._group is None:
             self._group = _background_group()
         final = Path(request.final_dir)

@@ -226,8 +226,11 @@ class UnifiedCheckpointMixin:
 
         extras = self._uc_extras(engine)
         if options.async_save:
-            saver.start(engine, request, extras, after_commit=rotate,
-                        wait_before_step=_engine_kind(self) == "deepspeed")
+            if _engine_kind(self) == "deepspeed":  # it steps inside backward, where no callback runs
+                from .engines.deepspeed import wait_before_steps
+
+                wait_before_steps(self.model_wrapped, saver.wait_for_snapshot)
+            saver.start(engine, request, extras, after_commit=rotate)
             return
         save_checkpoint(engine, request, extras, after_commit=rotate)
         if self.args.push_to_hub:
@@ -322,11 +325,6 @@ class UnifiedCheckpointCallback(TrainerCallback):
     @classmethod
     def attach(cls, trainer):
         return attach(trainer)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        """DeepSpeed updates weights inside backward: there the whole next step waits for the snapshot."""
-        if self.saver is not None and self.saver.wait_before_step:
-            self.saver.wait_for_snapshot()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """An in-flight async save copies live weights and optimizer state: the step waits for that copy."""

@@ -6,7 +6,9 @@ The global batch (6) is kept constant across world sizes 1, 2 and 3.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 import torch
 from torch.utils.data import Dataset
@@ -217,7 +219,10 @@ def record(trainer, losses) -> dict:
 
 def run_spec(run: dict, world_size: int) -> dict:
     """Execute one run described as a dict (the format the torchrun worker reads). "zero": N runs DeepSpeed
-    ZeRO stage N."""
+    ZeRO stage N; "slow_snapshot": seconds an async save's snapshot sleeps before it copies."""
+    if run.get("slow_snapshot"):
+        with slow_snapshot(run["slow_snapshot"]):
+            return run_spec({k: v for k, v in run.items() if k != "slow_snapshot"}, world_size)
     overrides = dict(run.get("overrides", {}))
     if run.get("zero"):
         disable_deepspeed_jit()
@@ -232,6 +237,25 @@ def run_spec(run: dict, world_size: int) -> dict:
     trainer, losses = train(run["output_dir"], model_kind=run.get("model", "llama"), resume=run.get("resume"),
                             world_size=world_size, optim=run.get("optim", "adamw_torch"), **overrides)
     return record(trainer, losses)
+
+
+@contextlib.contextmanager
+def slow_snapshot(seconds: float):
+    """An async save's snapshot sleeps before it copies: a training step that did not wait for the copy would
+    change the weights or optimizer state first, and the resume from that checkpoint would not be exact."""
+    from hf_unified_ckpt.async_save import AsyncSaver
+
+    original = AsyncSaver._snapshot
+
+    def late(self, engine, mine):
+        time.sleep(seconds)
+        return original(self, engine, mine)
+
+    AsyncSaver._snapshot = late
+    try:
+        yield
+    finally:
+        AsyncSaver._snapshot = original
 
 
 def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT") -> dict:

@@ -80,10 +80,13 @@ def test_snapshot_buffers_are_reused(tmp_path):
 
 @pytest.mark.dist
 def test_async_resume_is_exact_on_every_engine(tmp_path):
+    """The saving runs' snapshots sleep 1 s before copying: the next optimizer step must wait for the copy on
+    every engine (DeepSpeed steps inside backward, through its own optimizer's step), or the resume drifts."""
     engines = {"ddp": {}, "z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}}
     runs = []
     for name, spec in engines.items():
-        runs.append({**spec, "overrides": ASYNC, "output_dir": str(tmp_path / name), "result": str(tmp_path / f"{name}.pt")})
+        runs.append({**spec, "overrides": ASYNC, "output_dir": str(tmp_path / name), "result": str(tmp_path / f"{name}.pt"),
+                     "slow_snapshot": 1.0})
         runs.append({**spec, "overrides": ASYNC, "output_dir": str(tmp_path / f"{name}-r"),
                      "resume": str(tmp_path / name / "checkpoint-3"), "result": str(tmp_path / f"{name}-r.pt")})
     torchrun(2, runs, tmp_path)

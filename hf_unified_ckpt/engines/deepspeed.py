@@ -48,6 +48,22 @@ def read_flat_range(reader: ComponentReader, name: str, shape: Sequence[int], st
     return rows[start - first * row: start - first * row + numel]
 
 
+def wait_before_steps(ds_engine, wait) -> None:
+    """Make this DeepSpeed engine's optimizer call `wait()` before each of its steps (this instance only; set
+    once, later calls replace `wait`). DeepSpeed steps inside `backward`, where no Trainer callback runs; an
+    async save's snapshot may read the fp32 partitions and optimizer state until that step changes them."""
+    optimizer = ds_engine.optimizer
+    if getattr(optimizer, "_hf_unified_ckpt_wait", None) is None:
+        step = optimizer.step
+
+        def step_after_wait(*args, **kwargs):
+            optimizer._hf_unified_ckpt_wait()
+            return step(*args, **kwargs)
+
+        optimizer.step = step_after_wait
+    optimizer._hf_unified_ckpt_wait = wait
+
+
 class DeepSpeedEngine:
     """Adapter for a `deepspeed.DeepSpeedEngine` (ZeRO stage 1, 2 or 3) wrapping a transformers/PEFT model."""
 
