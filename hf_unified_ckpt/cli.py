@@ -8,7 +8,7 @@ import sys
 
 from .errors import UnifiedCheckpointError
 from .layout import UNIFIED, detect_layout
-from .storage.manifest import verify_folder
+from .storage.manifest import spread_hint, verify_folder
 
 
 def _info(path: str) -> dict:
@@ -52,6 +52,8 @@ def _verify(path: str) -> int:
         print(f"FAIL {path}: {len(problems)} problem(s)", file=sys.stderr)
         for p in problems:
             print(f"  {p}", file=sys.stderr)
+        if hint := spread_hint(problems):
+            print(hint.strip(), file=sys.stderr)
         return 1
     print(f"OK {path}: {len(layout.manifest['files'])} files, sizes and checksums match (step {layout.global_step})")
     return 0

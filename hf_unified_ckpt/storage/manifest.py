@@ -146,8 +146,14 @@ def _check_content(path: Path, table: Mapping) -> list[str]:
 
 def describe_problems(folder: str | os.PathLike, problems: list[str]) -> str:
     shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
-    spread = all(": missing (" in p for p in problems)
     return (f"checkpoint {str(folder)!r} failed verification ({len(problems)} problem(s)):\n  {shown}\n"
             "Nothing was loaded. Resume from an earlier complete checkpoint, or restore the listed files."
-            + (" If the checkpoint was saved by a job whose machines each had a local folder, the other machines "
-               "hold the missing files: resuming with all of them reads the files from there." if spread else ""))
+            + spread_hint(problems))
+
+
+def spread_hint(problems: list[str]) -> str:
+    """When every problem is a missing file, say where such files usually are (machine-local folders)."""
+    if not problems or not all(": missing (" in p for p in problems):
+        return ""
+    return (" If the checkpoint was saved by a job whose machines each had a local folder, the other machines "
+            "hold the missing files: resuming with all of them reads the files from there.")
