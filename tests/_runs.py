@@ -223,6 +223,9 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("slow_snapshot"):
         with slow_snapshot(run["slow_snapshot"]):
             return run_spec({k: v for k, v in run.items() if k != "slow_snapshot"}, world_size)
+    if run.get("die_at_commit"):
+        with die_at_commit(*run["die_at_commit"]):
+            return run_spec({k: v for k, v in run.items() if k != "die_at_commit"}, world_size)
     overrides = dict(run.get("overrides", {}))
     if run.get("zero"):
         disable_deepspeed_jit()
@@ -256,6 +259,29 @@ def slow_snapshot(seconds: float):
         yield
     finally:
         AsyncSaver._snapshot = original
+
+
+@contextlib.contextmanager
+def die_at_commit(when: str, nth: int):
+    """This process dies as under kill -9 (no cleanup, no exception) at its `nth` folder commit, "before" or
+    "after" the rename that commits its folder."""
+    import hf_unified_ckpt.save as save_module
+
+    original, calls = save_module.commit, [0]
+
+    def dying(staging, final):
+        calls[0] += 1
+        if calls[0] == nth and when == "before":
+            os._exit(9)
+        original(staging, final)
+        if calls[0] == nth and when == "after":
+            os._exit(9)
+
+    save_module.commit = dying
+    try:
+        yield
+    finally:
+        save_module.commit = original
 
 
 def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT") -> dict:

@@ -8,7 +8,8 @@ with its own output folder that no other machine sees. What is checked:
   matches within the tolerance of a changed world size, ranks reading the tensors they lack from other machines
   (a machine with an empty folder included);
 - a union that misses files is refused with an error naming them; resume_from_checkpoint=True then falls back
-  to the newest checkpoint the machines hold completely.
+  to the newest checkpoint the machines hold completely — also when one machine was killed before its commit
+  while the other committed.
 Tolerance where the world size or engine changes: losses rel. 1e-5, weights abs. 1e-5 (measured ~1e-7).
 """
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from _runs import assert_resumed_matches, train
-from conftest import torchrun_machines
+from conftest import record_fault, torchrun_machines
 from hf_unified_ckpt.errors import CorruptCheckpointError
 from hf_unified_ckpt.storage.manifest import read_manifest
 
@@ -154,3 +155,24 @@ def test_one_machine_to_two_with_an_empty_folder_and_fallback_to_the_newest_comp
     assert "Skipping" in done[0].stderr and "checkpoint-6" in done[0].stderr  # warned once, by rank 0
     for proc in done:  # the explicit checkpoint-6 is refused on every machine, naming the lost file
         assert "missing from every machine's folder" in proc.stderr and lost in proc.stderr, proc.stderr[-3000:]
+
+
+def test_machine_killed_before_its_commit_while_the_other_committed(two_machines, tmp_path):
+    """At the save of step 6, machine 0 commits its folder and is killed; machine 1 is killed just before its
+    rename. checkpoint-6 is committed on one machine only, so the union lacks machine 1's files: resume=True on
+    both machines skips it and resumes exactly from checkpoint-3."""
+    _, _, baseline = two_machines
+    out = [tmp_path / f"machine{k}" / "out" for k in range(2)]
+    first = [{"output_dir": str(o), "zero": 2, "overrides": {"save_steps": 3, **SHARDS},
+              "die_at_commit": ["after" if k == 0 else "before", 2]} for k, o in enumerate(out)]
+    torchrun_machines([(1, [first[0]]), (1, [first[1]])], tmp_path, expect_failure=True)
+    partial = (out[0] / "checkpoint-6").is_dir() and not (out[1] / "checkpoint-6").exists()
+    runs = [[{"output_dir": str(o), "zero": 2, "resume": True, "overrides": {"save_strategy": "no"},
+              "result": str(tmp_path / "resumed.pt")}] for o in out]
+    done = torchrun_machines([(1, runs[0]), (1, runs[1])], tmp_path)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    exact = [resumed["losses"][s] for s in (4, 5, 6)] == [baseline["losses"][s] for s in (4, 5, 6)]
+    record_fault("machine killed before its commit, the other committed", partial and exact)
+    assert partial, "the kill did not leave checkpoint-6 committed on machine 0 only"
+    assert "Skipping" in done[0].stderr and "checkpoint-6" in done[0].stderr
+    assert_resumed_matches(resumed, baseline, steps=(4, 5, 6), exact=True, loss_rtol=0, state_atol=0)
