@@ -65,9 +65,8 @@ def worker(out: Path, reps: int) -> None:
     def resume(path: Path) -> None:
         verdict = judge_path(path)
         placement = fetch_small_files(path, verdict.manifest, placement_of(verdict))
-        spread = None if placement.everywhere else placement
-        manifest = verify_checkpoint(path, placement=spread)
-        load_checkpoint(path, DeepSpeedEngine(trainer.model_wrapped, "save"), manifest, options, placement=spread)
+        manifest = verify_checkpoint(path, placement=placement)
+        load_checkpoint(path, DeepSpeedEngine(trainer.model_wrapped, "save"), manifest, options, placement=placement)
 
     times = {"local folders": [], "shared folder": []}
     for rep in range(reps):

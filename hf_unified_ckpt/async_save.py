@@ -57,7 +57,7 @@ class AsyncSaver:
         of) the previous save first. Collective: all ranks must call it."""
         self.wait()
         if self._group is None:
-            self._group = _background_group()
+            self._group = dist.gloo_group("async-save")
         final = Path(request.final_dir)
         staging = open_staging(final)
         plan = plan_save(engine, request)
@@ -131,17 +131,3 @@ def _yield_cpu_to_training() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
         pass
-
-
-_GROUPS: dict[object, object] = {}
-
-
-def _background_group():
-    """One background gloo group per process group (created once: later savers in the same process reuse it).
-    Collective on first call: all ranks must call it."""
-    import torch.distributed as tdist
-
-    key = tdist.group.WORLD if dist.is_distributed() else None
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_gloo_group()
-    return _GROUPS[key]

@@ -49,6 +49,18 @@ def new_gloo_group():
     return dist.new_group(backend="gloo") if is_distributed() else None
 
 
+_GROUPS: dict[tuple, object] = {}
+
+
+def gloo_group(purpose: str):
+    """A gloo group over all ranks for one `purpose` (a background thread's collectives, or the file service's
+    messages), created once per process group and reused. Collective on first call: all ranks must call it."""
+    key = (dist.group.WORLD if is_distributed() else None, purpose)
+    if key not in _GROUPS:
+        _GROUPS[key] = new_gloo_group()
+    return _GROUPS[key]
+
+
 def local_rank() -> int:
     """This process's index on its machine (LOCAL_RANK, set by torchrun, accelerate and the DeepSpeed launcher);
     the global rank when the launcher did not set it."""

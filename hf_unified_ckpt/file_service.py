@@ -34,11 +34,12 @@ class FileService:
     """This rank's server for its folder, and its client for files other ranks hold."""
 
     def __init__(self, folder: str | Path, placement: Placement):
-        """Start the server thread. Collective (creates the two groups once per process): all ranks must call
+        """Start the server thread. Collective (the two groups are created on first use): all ranks must call
         it."""
         self.folder = Path(folder)
         self.placement = placement
-        self._requests, self._replies = _groups()
+        self._requests = dist.gloo_group("file-service-requests")
+        self._replies = dist.gloo_group("file-service-replies")
         self._headers: dict[str, dict] = {}
         self._open: dict[str, object] = {}
         self._server = threading.Thread(target=self._serve, name="hf_unified_ckpt-file-server", daemon=True)
@@ -184,14 +185,3 @@ def _decode(buffer: torch.Tensor) -> dict:
 
 def _bytes_tensor(data: bytes) -> torch.Tensor | None:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-
-
-_GROUPS: dict[object, tuple] = {}
-
-
-def _groups() -> tuple:
-    """The request and reply groups, created once per process group. Collective on first call."""
-    key = tdist.group.WORLD if dist.is_distributed() else None
-    if key not in _GROUPS:
-        _GROUPS[key] = (dist.new_gloo_group(), dist.new_gloo_group())
-    return _GROUPS[key]

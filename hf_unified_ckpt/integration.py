@@ -124,14 +124,12 @@ class UnifiedCheckpointMixin:
                 f"Copy the missing files into {path} on any machine of the job (each machine may hold a part), or "
                 "resume from an earlier checkpoint (resume_from_checkpoint=True picks the newest complete one).")
         placement = fetch_small_files(path, verdict.manifest, placement_of(verdict))
-        spread = not placement.everywhere
-        manifest = verify_checkpoint(path, show_progress=not self.args.disable_tqdm,
-                                     placement=placement if spread else None)
-        if spread and dist.rank() == 0:
+        manifest = verify_checkpoint(path, show_progress=not self.args.disable_tqdm, placement=placement)
+        if not placement.everywhere and dist.rank() == 0:
             logger.info("Resuming from %s, whose files are spread over the machines' folders: ranks read the "
                         "tensors they lack from ranks that hold them.", path)
         layout = Layout(UNIFIED, path, True, manifest.get("global_step"), manifest=manifest)
-        return _Resume(layout, manifest=manifest, placement=placement if spread else None)
+        return _Resume(layout, manifest=manifest, placement=placement)
 
     def _uc_deepspeed_topology(self) -> dict | None:
         """World size, ZeRO stage and bf16 of this run when it uses DeepSpeed, else None."""

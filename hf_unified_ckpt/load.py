@@ -74,7 +74,7 @@ def fetch_small_files(folder: str | Path, manifest: dict, placement: Placement) 
     folder = Path(folder)
     shards = {f for entry in manifest.get("components", {}).values() for f in entry["files"]}
     small = sorted((n for n in placement.holders if n not in shards), key=lambda n: (n == MANIFEST_NAME, n))
-    if all(len(placement.holders[n]) == placement.world_size for n in small):
+    if placement.held_by_all(small):
         return placement
     service = FileService(folder, placement)
     try:

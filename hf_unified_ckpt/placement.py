@@ -41,7 +41,10 @@ class Placement:
     @property
     def everywhere(self) -> bool:
         """Every rank sees every file (one shared folder): nothing is read from another rank."""
-        return all(len(h) == self.world_size for h in self.holders.values())
+        return self.held_by_all(self.holders)
+
+    def held_by_all(self, names) -> bool:
+        return all(len(self.holders[n]) == self.world_size for n in names)
 
     def with_everywhere(self, names) -> "Placement":
         """The placement after `names` were copied into every rank's folder."""
