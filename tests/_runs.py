@@ -16,6 +16,16 @@ from torch.utils.data import Dataset
 GLOBAL_BATCH = 6
 SEQ_LEN = 16
 VOCAB = 97
+#: Intra-op threads of every run (DESIGN.md section 5: thread counts change float rounding by about one ulp), so
+#: runs compared bit-exactly compute alike whatever the machine or the caller's environment sets.
+THREADS = 1
+
+
+def pin_threads() -> None:
+    """Compute with `THREADS` intra-op threads in this process and in the processes it starts (accelerate sets
+    its own count when OMP_NUM_THREADS is unset)."""
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    torch.set_num_threads(THREADS)
 
 
 class TokenDataset(Dataset):
@@ -105,6 +115,7 @@ def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 
 
     import hf_unified_ckpt
 
+    pin_threads()
     reset_accelerate_state()
     model_dtype = overrides.pop("model_dtype", None)
     args = make_args(output_dir, world_size=world_size, optim=optim, **overrides)
@@ -114,6 +125,7 @@ def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset())
     if attach:
         hf_unified_ckpt.attach(trainer)
+    assert torch.get_num_threads() == THREADS, "something changed the thread count after pin_threads()"
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     return trainer, losses

@@ -9,13 +9,15 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
+from _runs import THREADS  # noqa: E402  (every run pins its own threads; launches start with the same count)
+
 
 def torchrun(nproc: int, runs: list[dict], workdir: Path, timeout: int = 900, expect_failure: bool = False):
     """Launch `nproc` real processes (gloo, CPU) running `runs` in one launch; fail with their output.
     With `expect_failure`, return the completed process of a launch that must fail."""
     spec = workdir / f"spec-{nproc}-{len(list(workdir.glob('spec-*')))}.json"
     spec.write_text(json.dumps({"runs": runs}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(TESTS / "dist_worker.py"), str(spec)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -33,7 +35,7 @@ def torchrun_machines(machines: list[tuple[int, list[dict]]], workdir: Path, tim
     machine k running `machines[k] = (processes, runs)`; each machine's runs name its own local output folders.
     Global ranks are numbered machine by machine. Fails with every machine's output unless `expect_failure`."""
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
     procs = []
     for k, (nproc, runs) in enumerate(machines):
         spec = workdir / f"spec-machine{k}-{len(list(workdir.glob('spec-*')))}.json"
@@ -67,11 +69,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def quiet_env(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 _FAULTS: dict[str, bool] = {}

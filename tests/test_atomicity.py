@@ -32,7 +32,7 @@ def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, uninte
     record_fault(point, survived=False)
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "kill_worker.py"), str(run), point],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=300)  # the caller's thread settings: train() pins them
     assert proc.returncode == KILLED, proc.stdout[-2000:] + proc.stderr[-4000:]
     expected_step = 6 if point == "during-rotation" else 3
     newest = newest_complete(run)
@@ -50,6 +50,18 @@ def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, uninte
     if point == "during-rotation":
         assert not (run / "checkpoint-3").exists()  # never a half-deleted checkpoint-3
     record_fault(point, survived=True)
+
+
+def test_runs_compute_alike_whatever_threads_the_caller_set(tmp_path, monkeypatch):
+    """The comparisons above are bit-exact only if every run computes with the same thread count (one ulp apart
+    otherwise): a caller with 2 threads (a fresh 2-core machine) and one with 1 get identical runs."""
+    states = []
+    for threads in (2, 1):
+        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(threads)
+        trainer, _ = train(tmp_path / f"threads-{threads}", max_steps=3, save_steps=3)
+        states.append(final_state(trainer))
+    assert [k for k in states[0] if not torch.equal(states[0][k], states[1][k])] == []
 
 
 def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch):
