@@ -91,7 +91,9 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: E
     """
     staging = open_staging(Path(request.final_dir))
     plan = plan_save(engine, request)
-    outcome = guarded(lambda: _write_share(engine, plan.components, staging.path, request) + write_extras(staging.path))
+    show = request.show_progress and dist.rank() == 0
+    outcome = guarded(lambda: _write_share(engine, plan.components, staging.path, f"Saving {request.final_dir.name}",
+                                           show) + write_extras(staging.path))
     raise_if_failed(conclude(plan, staging, request, outcome, after_commit=after_commit), staging)
     return staging.final
 
@@ -182,17 +184,15 @@ def raise_if_failed(reports, staging: Staging) -> None:
     )
 
 
-def _write_share(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path,
-                 request: SaveRequest) -> list[FileRecord]:
+def _write_share(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path, desc: str,
+                 show: bool) -> list[FileRecord]:
     """Walk every file of the plan in the same order on all ranks: assemble its tensors on its writer
     (`engine.exchange`, a collective on sharded engines), and hand the files this rank owns to a writer thread,
     so writing one file overlaps assembling the next. Collective: all ranks must call it."""
     everything = [(c, f) for c, plan in plans.items() for f in plan.files]
-    show = request.show_progress and dist.rank() == 0
     futures = []
     with ThreadPoolExecutor(max_workers=1) as writer:
-        for component, file in tqdm(everything, desc=f"Saving {request.final_dir.name}", unit="file",
-                                    disable=not show):
+        for component, file in tqdm(everything, desc=desc, unit="file", disable=not show):
             names, owner = plans[component].files[file], plans[component].owners[file]
             engine.exchange(component, names, owner)
             if owner == dist.rank():
@@ -232,3 +232,40 @@ def _commit_folder(staging: Staging, small_files: dict[str, bytes]) -> None:
     remove_writer_marks(staging.path)
     commit(staging.path, staging.final)
     logger.info("Saved unified checkpoint %s", staging.final)
+
+
+def save_model_weights(engine: EngineAdapter, folder: Path, max_shard_size: int, write_extras: ExtrasWriter,
+                       show_progress: bool = True) -> None:
+    """Write what `from_pretrained(folder)` loads — the model weights (sharded above `max_shard_size`, with their
+    index) and, through `write_extras` on rank 0, configs and tokenizer — into `folder`, which may already hold
+    other files (a run's output_dir): each tensor is assembled on rank 0 and written into a staging subfolder,
+    then the files are moved in, replacing the model files of an earlier save. Nothing else is touched.
+
+    Collective: all ranks must call it; a failure on any rank is raised on every rank."""
+    plan = plan_component(MODEL, engine.specs(MODEL), 1, max_shard_size, file_stem=engine.file_stem(MODEL))
+    staging = Staging(folder / f".{plan.file_stem}.incomplete", folder, 0, shared=True)
+    status = guarded(lambda: prepare_staging(staging.path)) if dist.rank() == 0 else (True, None)
+    raise_if_failed([dist.broadcast_object(status)], staging)
+
+    def write() -> None:
+        _write_share(engine, {MODEL: plan}, staging.path, f"Saving the model to {folder}",
+                     show_progress and dist.rank() == 0)
+        if dist.rank() == 0:
+            if plan.is_sharded:
+                write_index(staging.path, plan.file_stem, plan.weight_map, plan.total_size)
+            write_extras(staging.path)
+            _move_model_files_in(staging.path, folder, plan.file_stem)
+
+    raise_if_failed(dist.all_gather_object(guarded(write)), staging)
+    logger.info("Saved the model weights to %s", folder)
+
+
+def _move_model_files_in(staging: Path, folder: Path, stem: str) -> None:
+    """Replace `folder`'s `<stem>*.safetensors` files and index by the ones in `staging`, then add the rest."""
+    new = set(os.listdir(staging))
+    for old in folder.glob(f"{stem}*.safetensors*"):
+        if old.name not in new and old.is_file():
+            old.unlink()
+    for name in sorted(new):
+        os.replace(staging / name, folder / name)
+    staging.rmdir()

@@ -81,8 +81,11 @@ def make_args(output_dir, world_size: int = 1, max_steps: int = 6, save_steps: i
 
 
 def reset_accelerate_state() -> None:
-    """Let several Trainer runs share one process (DESIGN.md section 5)."""
+    """Prepare this process for another Trainer run: several runs share one process (DESIGN.md section 5), and
+    every run computes with `THREADS` threads. Every run a test makes starts here."""
     from accelerate.state import AcceleratorState
+
+    pin_threads()
 
     AcceleratorState._reset_state(reset_partial_state=False)
     for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
@@ -108,27 +111,36 @@ def disable_deepspeed_jit() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 1, optim: str = "adamw_torch",
-          attach: bool = True, **overrides):
-    """One Trainer run. Returns (trainer, {step: loss})."""
+def make_trainer(output_dir, model_kind: str = "llama", world_size: int = 1, optim: str = "adamw_torch",
+                 attach: bool = True, eval_dataset=None, **overrides):
+    """A Trainer (attached) for one run, computing with `THREADS` threads."""
     from transformers import Trainer
 
     import hf_unified_ckpt
 
-    pin_threads()
     reset_accelerate_state()
     model_dtype = overrides.pop("model_dtype", None)
     args = make_args(output_dir, world_size=world_size, optim=optim, **overrides)
     model = build_model(model_kind)
     if model_dtype:
         model = model.to(getattr(torch, model_dtype))
-    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset())
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), eval_dataset=eval_dataset)
     if attach:
         hf_unified_ckpt.attach(trainer)
     assert torch.get_num_threads() == THREADS, "something changed the thread count after pin_threads()"
+    return trainer
+
+
+def train(output_dir, model_kind: str = "llama", resume=None, world_size: int = 1, optim: str = "adamw_torch",
+          attach: bool = True, **overrides):
+    """One Trainer run. Returns (trainer, {step: loss})."""
+    trainer = make_trainer(output_dir, model_kind, world_size, optim, attach, **overrides)
     trainer.train(resume_from_checkpoint=resume)
-    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-    return trainer, losses
+    return trainer, losses_of(trainer)
+
+
+def losses_of(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
 def assert_sharded(trainer) -> None:
@@ -224,9 +236,10 @@ def _deepspeed_full_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def record(trainer, losses) -> dict:
-    """What a resume-equivalence test compares: per-step losses, final weights, final optimizer state."""
+    """What a resume-equivalence test compares: per-step losses, final weights, final optimizer state (and the
+    best checkpoint, for load_best_model_at_end)."""
     return {"losses": losses, "state": final_state(trainer), "optim": optimizer_state(trainer),
-            "global_step": trainer.state.global_step}
+            "global_step": trainer.state.global_step, "best": trainer.state.best_model_checkpoint}
 
 
 def run_spec(run: dict, world_size: int) -> dict:
@@ -239,19 +252,34 @@ def run_spec(run: dict, world_size: int) -> dict:
         with die_at_commit(*run["die_at_commit"]):
             return run_spec({k: v for k, v in run.items() if k != "die_at_commit"}, world_size)
     overrides = dict(run.get("overrides", {}))
+    model = run.get("model", "llama")
     if run.get("zero"):
         disable_deepspeed_jit()
         overrides["deepspeed"] = zero_config(run["zero"])
     if run.get("fsdp"):
-        overrides.update(fsdp_args(run["fsdp"], run.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")))
-        with fsdp_on_cpu():
-            trainer, losses = train(run["output_dir"], model_kind=run.get("model", "llama"), resume=run.get("resume"),
-                                    world_size=world_size, optim=run.get("optim", "adamw_torch"), **overrides)
+        overrides.update(fsdp_args(run["fsdp"], run.get("fsdp_state_dict_type", "SHARDED_STATE_DICT"), model))
+    if run.get("eval"):  # evaluation every save, e.g. for load_best_model_at_end
+        overrides["eval_dataset"] = TokenDataset(12, seed=7)
+    with fsdp_on_cpu() if run.get("fsdp") else contextlib.nullcontext():
+        trainer = make_trainer(run["output_dir"], model, world_size, run.get("optim", "adamw_torch"), **overrides)
+        if run.get("expect_error"):
+            return _refused(trainer, run.get("resume"), run["expect_error"])
+        trainer.train(resume_from_checkpoint=run.get("resume"))
+    if run.get("fsdp"):
         assert_sharded(trainer)
-        return record(trainer, losses)
-    trainer, losses = train(run["output_dir"], model_kind=run.get("model", "llama"), resume=run.get("resume"),
-                            world_size=world_size, optim=run.get("optim", "adamw_torch"), **overrides)
-    return record(trainer, losses)
+    if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
+        trainer.save_model(run["save_model"])
+    return record(trainer, losses_of(trainer))
+
+
+def _refused(trainer, resume, expected: str) -> dict:
+    """A run that must be refused: its error, and how many steps it trained first."""
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        assert expected in str(e), f"expected {expected!r} in: {e}"
+        return {"error": f"{type(e).__name__}: {e}", "global_step": trainer.state.global_step}
+    raise AssertionError(f"the run was expected to fail with {expected!r}")
 
 
 @contextlib.contextmanager
@@ -296,9 +324,13 @@ def die_at_commit(when: str, nth: int):
         save_module.commit = original
 
 
-def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT") -> dict:
+#: The decoder layer class of each test model: one FSDP unit each.
+LAYER_CLASS = {"llama": "LlamaDecoderLayer", "lora": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
+
+
+def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT", model: str = "llama") -> dict:
     """TrainingArguments for FSDP through the Trainer (full shard, one unit per decoder layer)."""
-    config = {"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+    config = {"version": version, "transformer_layer_cls_to_wrap": [LAYER_CLASS[model]],
               "state_dict_type": state_dict_type}
     if version == 2:
         config["reshard_after_forward"] = True

@@ -33,6 +33,7 @@ from ..names import canonical_name, optimizer_key, split_optimizer_key
 from ..optim_state import check_groups_match, decode_hparam, decode_scalar, encode_hparam, encode_scalar
 from ..planning import TensorSpec
 from ..storage.safetensors_io import ComponentReader
+from ..support import refuse_unsupported
 from .base import MASTER, MODEL, OPTIMIZER
 
 logger = logging.getLogger(__name__)
@@ -74,13 +75,7 @@ class DeepSpeedEngine:
         self.stage = int(ds_engine.zero_optimization_stage())
         self.module: nn.Module = ds_engine.module
         self.engine = f"deepspeed-zero{self.stage}"
-        if is_peft_model(ds_engine.module):
-            raise UnsupportedCheckpointError(
-                "unified checkpoints of PEFT/LoRA models under DeepSpeed are not supported yet (single process and "
-                "DDP are). Set unified_checkpoint=False, or train the adapter with DDP.")
-        if ds_engine.fp16_enabled():
-            raise UnsupportedCheckpointError(
-                "DeepSpeed fp16 (dynamic loss scaling) is not supported by unified checkpoints; use bf16 or fp32.")
+        refuse_unsupported("deepspeed", is_peft_model(ds_engine.module), ds_engine.fp16_enabled())
         if self.stage not in (1, 2, 3) or self.base is None:
             raise UnsupportedCheckpointError(
                 f"unified checkpoints support DeepSpeed ZeRO stages 1, 2 and 3 with a torch optimizer; this engine "
@@ -344,9 +339,9 @@ class DeepSpeedEngine:
         for name, p in self._trainable():  # the fp32 partitions are separate copies even in fp32 training
             self._load_hp(sources.master, name, p, None, name)
         if sources.optimizer is not None:
-            self._load_optimizer(sources.optimizer)
-        self.ds.global_steps = sources.global_step
-        self.ds.global_samples = sources.global_step * self.ds.train_batch_size()
+            self._load_optimizer(sources.optimizer)  # a resume: the engine's counters follow the checkpoint
+            self.ds.global_steps = sources.global_step
+            self.ds.global_samples = sources.global_step * self.ds.train_batch_size()
 
     def _partition(self, p) -> tuple[int, int, int]:
         """ZeRO-3: (padded partition size, first element, element count) of this rank's partition of `p`."""

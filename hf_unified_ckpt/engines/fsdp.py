@@ -21,6 +21,7 @@ from ..hf_model import is_peft_model, write_model_configs
 from ..names import canonical_name, optimizer_key, split_optimizer_key
 from ..optim_state import check_groups_match, decode_hparam, decode_scalar, encode_hparam, encode_scalar
 from ..planning import TensorSpec
+from ..support import refuse_unsupported
 from .base import MODEL, OPTIMIZER
 
 
@@ -87,13 +88,12 @@ class FSDPEngine:
 
         self.model = model
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
-        if is_peft_model(_unwrap(model)):
-            raise UnsupportedCheckpointError("unified checkpoints of PEFT/LoRA models under FSDP are not supported "
-                                             "yet (single process and DDP are).")
+        refuse_unsupported("fsdp", is_peft_model(_unwrap(model)), fp16=False)
         self.version = 2 if any(type(p).__name__ == "DTensor" for p in model.parameters()) else 1
         self.engine = f"fsdp{self.version}"
         self._options = StateDictOptions(full_state_dict=False)
         self._model_sd: dict | None = None
+        self._tied: dict[str, str] = {}
         self._optim_sd: dict | None = None
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -103,10 +103,16 @@ class FSDPEngine:
         if self._model_sd is None:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            tied_targets = set(getattr(_unwrap(self.model), "all_tied_weights_keys", {}) or {})
-            raw = get_model_state_dict(self.model, options=self._options)
-            self._model_sd = {canonical_name(k): v for k, v in raw.items() if canonical_name(k) not in tied_targets}
+            tied = dict(getattr(_unwrap(self.model), "all_tied_weights_keys", {}) or {})
+            raw = {canonical_name(k): v for k, v in get_model_state_dict(self.model, options=self._options).items()}
+            self._model_sd = {k: v for k, v in raw.items() if k not in tied}
+            self._tied = {target: source for target, source in tied.items() if target in raw and source in raw}
         return self._model_sd
+
+    def _with_tied(self, model_sd: dict) -> dict:
+        """`model_sd` plus the tied names save_pretrained leaves out (they share their source's tensor), which
+        `set_model_state_dict` expects."""
+        return {**model_sd, **{target: model_sd[source] for target, source in self._tied.items()}}
 
     def _optim_state(self) -> dict:
         """Collective on first call: all ranks must call it."""
@@ -206,7 +212,7 @@ class FSDPEngine:
             for name, target in model_sd.items():
                 reader = sources.master if name in trainable and name in sources.master else sources.model
                 _fill(target, reader, name)
-        set_model_state_dict(self.model, model_sd, options=self._options)
+        set_model_state_dict(self.model, self._with_tied(model_sd), options=self._options)
         if sources.optimizer is None:
             return
         _init_optim_state(self.optimizer)  # DCP's own: creates the state tensors a fresh optimizer lacks
