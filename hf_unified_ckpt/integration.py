@@ -4,12 +4,17 @@
 resume paths by switching that instance to a subclass with `UnifiedCheckpointMixin` first in its bases, and
 adds a `UnifiedCheckpointCallback`. Nothing is patched globally. The mixin overrides:
 
-- `train`: resolves `resume_from_checkpoint` (True -> newest *complete* checkpoint), tells the folder's kind
-  and verifies a unified folder's files before anything is loaded; refuses what it cannot load, loudly;
+- `train`: refuses what a save could not handle (before anything trains), resolves `resume_from_checkpoint`
+  (True -> newest *complete* checkpoint), tells the folder's kind and verifies a unified folder's files before
+  anything is loaded; refuses what it cannot load, loudly;
 - `_load_from_checkpoint` / `_prepare_for_training`: a unified folder is loaded after the engine is prepared
-  (`super()._prepare_for_training(..., None)` keeps the Trainer's own trainer-state restore and data skip);
+  (`super()._prepare_for_training(..., None)` keeps the Trainer's own trainer-state restore and data skip); the
+  prepared engine is described once as a save would, so its refusals come before the first step;
 - `_load_rng_state`: per-rank RNG with one warning when the world size changed;
-- `_save_checkpoint`: replaces the native checkpoint write by the unified one (not written twice).
+- `_save_checkpoint`: replaces the native checkpoint write by the unified one (not written twice);
+- `_load_best_model`: `load_best_model_at_end` from a unified checkpoint into any engine;
+- `save_model`: under DeepSpeed and FSDP, weights that `from_pretrained` loads, whatever the stage or state-dict
+  type (one process and DDP keep the Trainer's own).
 """
 
 from __future__ import annotations
@@ -29,22 +34,26 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import dist
 from .async_save import AsyncSaver
+from .engines.base import MODEL
 from .engines.replicated import ReplicatedEngine
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete
+from .hf_model import is_peft_model
 from .legacy import open_legacy
 from .load import LoadSources, fetch_small_files, load_checkpoint, verify_checkpoint
 from .placement import Placement, judge_path, newest_across_machines, placement_of
 from .retention import rotate_checkpoints
 from .rng import capture_rng_state, restore_rng_state, rng_file_name
-from .save import SaveRequest, save_checkpoint
+from .save import SaveRequest, save_checkpoint, save_model_weights
+from .support import refuse_unsupported
 from .storage.files import FileRecord, record_file
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TRANSFORMERS_MAJOR = 5
 _REQUIRED_METHODS = ("train", "_prepare_for_training", "_load_from_checkpoint", "_load_rng_state",
-                     "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler")
+                     "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler", "_load_best_model",
+                     "save_model", "push_to_hub")
 SCHEDULER_FILE, TRAINER_STATE_FILE, ARGS_FILE, SCALER_FILE = (
     "scheduler.pt", "trainer_state.json", "training_args.bin", "scaler.pt")
 
@@ -119,10 +128,7 @@ class UnifiedCheckpointMixin:
         incomplete, copy the small files into every folder, verify every file on a rank that sees it.
         Collective: all ranks call it."""
         if not verdict.complete:
-            raise CorruptCheckpointError(
-                f"{path} is not a complete unified checkpoint across the machines of this job: {verdict.reason}. "
-                f"Copy the missing files into {path} on any machine of the job (each machine may hold a part), or "
-                "resume from an earlier checkpoint (resume_from_checkpoint=True picks the newest complete one).")
+            raise CorruptCheckpointError(verdict.refusal(path))
         placement = fetch_small_files(path, verdict.manifest, placement_of(verdict))
         manifest = verify_checkpoint(path, show_progress=not self.args.disable_tqdm, placement=placement)
         if not placement.everywhere and dist.rank() == 0:
@@ -157,9 +163,20 @@ class UnifiedCheckpointMixin:
         raise UnsupportedCheckpointError(f"{layout.path} is not a checkpoint this library knows: {layout.reason}.")
 
     def _uc_refuse_unsupported(self) -> None:
-        if self.args.unified_checkpoint_options.async_save and self.args.push_to_hub:
+        """Refuse here, before anything trains, what a save would refuse later; warn once (rank 0) when FSDP was
+        asked for but the engine is another (accelerate falls back to DDP on CPU without a word)."""
+        options = self.args.unified_checkpoint_options
+        if options.async_save and self.args.push_to_hub:
             raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
                                              "before the background save commits. Drop one of them.")
+        kind = _engine_kind(self)
+        if options.enabled:
+            refuse_unsupported(kind, is_peft_model(_unwrapped(self.model)), fp16=kind == "deepspeed" and _ds_fp16(self))
+        if self.args.fsdp and kind != "fsdp" and dist.rank() == 0:
+            logger.warning("FSDP was requested (fsdp=%r) but the model is trained with %s: accelerate applies FSDP "
+                           "only on accelerators and falls back to DDP on CPU. Checkpoints are saved for the engine "
+                           "that runs.", " ".join(str(getattr(o, "value", o)) for o in self.args.fsdp),
+                           "DeepSpeed" if kind == "deepspeed" else "DDP" if dist.world_size() > 1 else "one process")
 
     def _uc_resuming(self, checkpoint) -> _Resume | None:
         resume = getattr(self, "_uc_resume", None)
@@ -175,8 +192,11 @@ class UnifiedCheckpointMixin:
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         resume = self._uc_resuming(resume_from_checkpoint)
         if resume is None:
-            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+            prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+            self._uc_preflight()
+            return prepared
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        self._uc_preflight()
         folder = resume.layout.path
         if resume.legacy is not None:
             legacy = resume.legacy
@@ -190,6 +210,51 @@ class UnifiedCheckpointMixin:
         self._load_scaler(str(folder))
         logger.info("Resumed from %s checkpoint %s", resume.layout.kind, folder)
         return model, train_dataloader
+
+    def _uc_preflight(self) -> None:
+        """Describe the prepared engine's model the way every save will, so whatever a save would refuse (an
+        engine or model it cannot handle) is refused before the first step. Collective: all ranks call it."""
+        if self.args.unified_checkpoint_options.enabled:
+            self._uc_engine().specs(MODEL)
+
+    def _load_best_model(self):
+        """`load_best_model_at_end`: a unified best checkpoint is loaded into whatever the engine is (weights, and
+        fp32 master weights where the engine keeps them; not the optimizer), verified first. Collective."""
+        path = Path(self.state.best_model_checkpoint)
+        verdict = judge_path(path)
+        if verdict.kind != UNIFIED:
+            return super()._load_best_model()
+        best = self._uc_check_unified(path, verdict)
+        load_checkpoint(path, self._uc_engine(), best.manifest, self.args.unified_checkpoint_options,
+                        load_optimizer=False, placement=best.placement)
+        if dist.rank() == 0:
+            logger.info("Loaded the best model from %s (%s: %s).", path, self.args.metric_for_best_model,
+                        self.state.best_metric)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Under DeepSpeed and FSDP with `unified_checkpoint=True`: write weights that `from_pretrained` loads
+        (assembled by name on rank 0), with configs, tokenizer and training args, whatever the ZeRO stage or FSDP
+        state-dict type. One process and DDP keep the Trainer's own `save_pretrained`. Collective under DeepSpeed
+        and FSDP: all ranks call it, as the Trainer requires there."""
+        if not self.args.unified_checkpoint_options.enabled or _engine_kind(self) == "replicated":
+            return super().save_model(output_dir, _internal_call)
+        folder = Path(output_dir if output_dir is not None else self.args.output_dir)
+        engine = self._uc_engine()
+
+        def write_extras(staging: Path) -> list:
+            engine.write_configs(staging)
+            self._uc_write_processing_class(staging)
+            torch.save(self.args, staging / ARGS_FILE)
+            return []
+
+        save_model_weights(engine, folder, self.args.unified_checkpoint_options.max_shard_size, write_extras,
+                           show_progress=not self.args.disable_tqdm)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _uc_write_processing_class(self, folder: Path) -> None:
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(str(folder))
 
     def _load_rng_state(self, checkpoint):
         resume = self._uc_resuming(checkpoint)
@@ -266,8 +331,7 @@ class UnifiedCheckpointMixin:
                 torch.save(rng, private / rng_file_name(dist.rank()))
             if rank0:
                 engine.write_configs(private)
-                if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-                    self.processing_class.save_pretrained(str(private))
+                self._uc_write_processing_class(private)
                 torch.save(self.args, private / ARGS_FILE)
                 for obj, name in ((scheduler, SCHEDULER_FILE), (scaler, SCALER_FILE)):
                     if obj is not None:
@@ -302,6 +366,18 @@ def _master_policy(options) -> str:
     if options.remove_master_weight:
         return "remove"
     return "as_model" if options.skip_save_model_weight else "save"
+
+
+def _ds_fp16(trainer) -> bool:
+    """DeepSpeed runs fp16 (its config's "auto" follows `fp16` of the arguments)."""
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    return bool(trainer.args.fp16) or config.get("fp16", {}).get("enabled") is True
+
+
+def _unwrapped(model):
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
 
 
 def _engine_kind(trainer) -> str:
