@@ -21,3 +21,16 @@ class UnsupportedCheckpointError(UnifiedCheckpointError):
 
 class UnsupportedOptionError(ValueError):
     """An option is valid in the format but not implemented by this version of the library."""
+
+
+def count_and_first(items, noun: str = "tensor", shown: int = 5) -> str:
+    """How many `items` there are and the first few: "12 tensor(s): ['a', 'b', 'c', 'd', 'e', ...]"."""
+    items = list(items)
+    more = ", ..." if len(items) > shown else ""
+    return f"{len(items)} {noun}(s): [{', '.join(map(repr, items[:shown]))}{more}]"
+
+
+def missing_and_unexpected(missing, unexpected) -> str:
+    """"missing 12 tensor(s): [...]; unexpected 1 tensor(s): [...]", each part only when not empty."""
+    parts = (("missing", list(missing)), ("unexpected", list(unexpected)))
+    return "; ".join(f"{what} {count_and_first(names)}" for what, names in parts if names)

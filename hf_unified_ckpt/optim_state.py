@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from .errors import count_and_first
 from .names import optimizer_key, split_optimizer_key
 
 _PY_SCALARS = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}
@@ -112,9 +113,9 @@ def check_groups_match(saved: Sequence[Sequence[str]], current: Sequence[Sequenc
         missing, extra = sorted(set(c) - set(s)), sorted(set(s) - set(c))
         if missing or extra:
             raise ValueError(
-                f"optimizer param group {i}: parameters in the current optimizer but not in the checkpoint: "
-                f"{missing[:5]}{'...' if len(missing) > 5 else ''}; in the checkpoint but not in the current "
-                f"optimizer: {extra[:5]}{'...' if len(extra) > 5 else ''}. The model or its trainable parameters differ."
+                f"optimizer param group {i}: in the current optimizer but not in the checkpoint: "
+                f"{count_and_first(missing, 'parameter')}; in the checkpoint but not in the current optimizer: "
+                f"{count_and_first(extra, 'parameter')}. The model or its trainable parameters differ."
             )
 
 

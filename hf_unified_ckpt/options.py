@@ -5,6 +5,7 @@ No other module looks at option strings; everything reads the frozen dataclass.
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -89,6 +90,12 @@ def split_config_words(config: str | list[str] | None) -> list[str]:
     return [w for w in re.split(r"[\s,]+", config.strip()) if w]
 
 
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean 'x'?)" with the closest of `choices` to `word`, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def parse_options(
     unified_checkpoint: bool = False,
     unified_checkpoint_config: str | list[str] | None = "",
@@ -105,8 +112,9 @@ def parse_options(
     words = split_config_words(unified_checkpoint_config)
     unknown = [w for w in words if w not in CONFIG_WORDS]
     if unknown:
+        named = ", ".join(repr(w) + did_you_mean(w, CONFIG_WORDS) for w in unknown)
         raise ValueError(
-            f"unified_checkpoint_config: unknown word(s) {unknown}; valid words are: "
+            f"unified_checkpoint_config: unknown word(s) {named}; valid words are: "
             + ", ".join(f"'{w}' ({d})" for w, d in CONFIG_WORDS.items())
             + ". Separate words with spaces or commas."
         )
@@ -121,7 +129,8 @@ def parse_options(
     stage = (ckpt_quant_stage or "O0").strip().upper()
     if stage not in QUANT_STAGES:
         raise ValueError(
-            f"ckpt_quant_stage={ckpt_quant_stage!r} is not valid; expected one of {list(QUANT_STAGES)} "
+            f"ckpt_quant_stage={ckpt_quant_stage!r} is not valid{did_you_mean(stage.replace('0', 'O'), QUANT_STAGES)}; "
+            f"expected one of {list(QUANT_STAGES)} "
             "(O0: no compression, O1: int8, O2: int4 optimizer moments)."
         )
     if disable_ckpt_quant:

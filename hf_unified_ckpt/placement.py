@@ -18,7 +18,7 @@ from pathlib import Path
 from . import dist
 from .layout import UNIFIED, UNKNOWN, Layout, detect_layout
 from .storage.commit import list_checkpoints
-from .storage.manifest import MANIFEST_NAME
+from .storage.manifest import MANIFEST_NAME, describe_problems, size_problem
 
 
 @dataclass(frozen=True)
@@ -67,12 +67,14 @@ class Placement:
 @dataclass(frozen=True)
 class Sighting:
     """What one rank sees of one checkpoint folder (its local path), compact enough to all-gather: the folder's
-    layout and, for a unified folder, a digest of its manifest's file table and which of those files are present
-    with their recorded size (a bitmap over the sorted names)."""
+    layout and, for a unified folder, a digest of its manifest's file table, which of those files are present
+    with their recorded size (a bitmap over the sorted names) and the size on disk of those present with another
+    size ((index in the sorted names, size) pairs; normally none)."""
 
     layout: Layout = field(repr=False)
     digest: str | None = None
     present: bytes = b""
+    wrong_sizes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, path: Path) -> tuple["Sighting", dict | None]:
@@ -81,19 +83,24 @@ class Sighting:
         if layout.kind != UNIFIED:
             return cls(_portable(layout)), None
         files = layout.manifest["files"]
-        bits = bytearray((len(files) + 7) // 8)
+        bits, wrong = bytearray((len(files) + 7) // 8), []
         for i, name in enumerate(sorted(files)):
             try:
-                if os.stat(path / name).st_size == files[name]["size"]:
-                    bits[i // 8] |= 1 << (i % 8)
+                size = os.stat(path / name).st_size
             except OSError:
                 continue
-        return cls(_portable(layout), _digest(files), bytes(bits)), layout.manifest
+            if size == files[name]["size"]:
+                bits[i // 8] |= 1 << (i % 8)
+            else:
+                wrong.append((i, size))
+        return cls(_portable(layout), _digest(files), bytes(bits), tuple(wrong)), layout.manifest
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether the ranks together hold a complete checkpoint at one path (each rank its own copy of the path)."""
+    """Whether the ranks together hold a complete checkpoint at one path (each rank its own copy of the path).
+    `problems`: when every rank sees the same folder (one process, or one shared folder), what `hf-unified-ckpt
+    verify` says of each file it lacks whole."""
 
     kind: str
     complete: bool
@@ -101,6 +108,16 @@ class Verdict:
     manifest: dict | None = field(default=None, repr=False)
     holders: Mapping[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     missing: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
+
+    def refusal(self, path) -> str:
+        """The error for resuming from `path` (not complete): what is wrong and what to do, naming machines only
+        when the ranks see more than one folder."""
+        if self.problems:
+            return describe_problems(path, list(self.problems))
+        return (f"{path} is not a complete unified checkpoint across the machines of this job: {self.reason}. "
+                f"Copy the missing files into {path} on any machine of the job (each machine may hold a part), or "
+                "resume from an earlier checkpoint (resume_from_checkpoint=True picks the newest complete one).")
 
 
 def judge(sightings: list[Sighting | None], manifest: dict | None = None) -> Verdict:
@@ -108,7 +125,7 @@ def judge(sightings: list[Sighting | None], manifest: dict | None = None) -> Ver
     of the lowest rank with a unified sighting (needed when there is one). Pure."""
     unified = [(r, s) for r, s in enumerate(sightings) if s is not None and s.layout.kind == UNIFIED]
     if unified:
-        return _judge_unified(unified, manifest)
+        return _judge_unified(unified, manifest, _one_folder(sightings))
     seen = [s for s in sightings if s is not None]
     if not seen:
         return Verdict(UNKNOWN, False, "no rank sees this folder")
@@ -120,7 +137,14 @@ def judge(sightings: list[Sighting | None], manifest: dict | None = None) -> Ver
     return Verdict(first.kind, bad is None, bad.reason if bad else "")
 
 
-def _judge_unified(unified: list[tuple[int, Sighting]], manifest: dict) -> Verdict:
+def _one_folder(sightings: list[Sighting | None]) -> bool:
+    """Every rank sees the same folder (one process, or one shared folder): no machines to talk about."""
+    first = sightings[0]
+    return first is not None and all(s is not None and (s.digest, s.present, s.wrong_sizes) ==
+                                     (first.digest, first.present, first.wrong_sizes) for s in sightings)
+
+
+def _judge_unified(unified: list[tuple[int, Sighting]], manifest: dict, one_folder: bool) -> Verdict:
     files = manifest["files"]
     if any(s.digest != unified[0][1].digest for _, s in unified[1:]):
         return Verdict(UNIFIED, False, "the machines' folders hold different saves of this step (their manifests "
@@ -129,11 +153,26 @@ def _judge_unified(unified: list[tuple[int, Sighting]], manifest: dict) -> Verdi
     holders = {name: tuple(r for r, s in unified if s.present[i // 8] >> (i % 8) & 1) for i, name in enumerate(names)}
     missing = tuple(n for n in names if not holders[n])
     holders[MANIFEST_NAME] = tuple(r for r, _ in unified)
-    if missing:
-        shown = ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else "")
-        return Verdict(UNIFIED, False, f"{len(missing)} file(s) missing from every machine's folder (absent or of "
-                                       f"the wrong size): {shown}", manifest, holders, missing)
-    return Verdict(UNIFIED, True, "", manifest, holders)
+    if not missing:
+        return Verdict(UNIFIED, True, "", manifest, holders)
+    wrong = [dict(s.wrong_sizes) for _, s in unified]
+    lacking = [(i, n) for i, n in enumerate(names) if not holders[n]]
+    if one_folder:  # the folder every rank sees, in verify's words
+        problems = tuple(size_problem(n, wrong[0].get(i), files[n]["size"]) for i, n in lacking)
+        return Verdict(UNIFIED, False, f"{len(missing)} file(s) missing or damaged: {_shown(problems, '; ')}",
+                       manifest, holders, missing, problems)
+    shown = [_with_sizes(n, sorted({w[i] for w in wrong if i in w}), files[n]["size"]) for i, n in lacking]
+    return Verdict(UNIFIED, False, f"{len(missing)} file(s) missing from every machine's folder (absent or of the "
+                                   f"wrong size): {_shown(shown, ', ')}", manifest, holders, missing)
+
+
+def _with_sizes(name: str, sizes: list[int], expected: int) -> str:
+    """`name`, with the wrong sizes some folders have it at."""
+    return f"{name} ({' or '.join(map(str, sizes))} bytes on disk, expected {expected})" if sizes else name
+
+
+def _shown(items, sep: str) -> str:
+    return sep.join(items[:20]) + (f"{sep}..." if len(items) > 20 else "")
 
 
 def judge_path(path: str | os.PathLike) -> Verdict:

@@ -24,6 +24,20 @@ def test_unknown_word_names_it_and_lists_valid_words():
     assert "bogus_word" in msg and "skip_save_model_weight" in msg and "remove_master_weight" in msg
 
 
+def test_unknown_word_suggests_the_closest_valid_word():
+    with pytest.raises(ValueError) as e:
+        parse_options(True, "async_sav, bogus_word")
+    assert "'async_sav' (did you mean 'async_save'?)" in str(e.value)
+    assert "'bogus_word';" in str(e.value)  # nothing close: no suggestion
+
+
+@pytest.mark.parametrize("stage,closest", [("01", "O1"), ("2", "O2"), ("O3", None)])
+def test_unknown_quant_stage_suggests_the_closest_one(stage, closest):
+    with pytest.raises(ValueError) as e:
+        parse_options(True, "", ckpt_quant_stage=stage)
+    assert (f"(did you mean {closest!r}?)" in str(e.value)) if closest else "did you mean" not in str(e.value)
+
+
 @pytest.mark.parametrize("config", ["skip_save_model_weight remove_master_weight",
                                     "enable_all_options,remove_master_weight"])
 def test_contradiction_is_an_error(config):

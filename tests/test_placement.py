@@ -66,6 +66,29 @@ def test_a_truncated_copy_does_not_count(ckpt, tmp_path):
     assert not verdict.complete and shards[1] in verdict.missing
 
 
+def test_a_truncated_copy_is_named_with_its_sizes(ckpt, tmp_path):
+    (a, b), shards = _split(ckpt, tmp_path)
+    expected = (b / shards[1]).stat().st_size
+    (b / shards[1]).write_bytes((b / shards[1]).read_bytes()[:-10])
+    verdict = _judge(a, b)
+    assert f"{shards[1]} ({expected - 10} bytes on disk, expected {expected})" in verdict.reason
+    assert "machine" in verdict.refusal(b) and not verdict.problems
+
+
+@pytest.mark.parametrize("ranks", [1, 2])  # one process, or two ranks sharing one folder
+def test_one_folder_with_a_truncated_file_says_what_verify_says(ckpt, tmp_path, ranks):
+    folder = tmp_path / "checkpoint-3"
+    shutil.copytree(ckpt, folder)
+    name = sorted(f for c in read_manifest(folder)["components"].values() for f in c["files"])[0]
+    expected = (folder / name).stat().st_size
+    (folder / name).write_bytes((folder / name).read_bytes()[:-10])
+    verdict = _judge(*[folder] * ranks)
+    line = f"{name}: {expected - 10} bytes on disk, expected {expected} (truncated or overwritten)"
+    assert not verdict.complete and verdict.problems == (line,) and line in verdict.reason
+    assert line in verdict.refusal(folder) and "machine" not in verdict.refusal(folder)
+    assert "machine" not in verdict.reason
+
+
 def test_folders_from_different_saves_are_refused(ckpt, tmp_path):
     (a, b), _ = _split(ckpt, tmp_path)
     other = read_manifest(b)

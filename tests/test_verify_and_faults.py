@@ -85,6 +85,18 @@ def test_trainer_resume_refuses_damaged_checkpoint_before_loading(ckpt, fault, t
         train(tmp_path / "resumed", max_steps=6, resume=str(ckpt))
 
 
+def test_single_process_resume_names_a_truncated_file_as_verify_does(ckpt, tmp_path, no_tensor_reads, capsys):
+    shard = _a_shard(ckpt, "optimizer")
+    expected = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-100])
+    line = f"{shard.name}: {expected - 100} bytes on disk, expected {expected} (truncated or overwritten)"
+    assert cli(["verify", str(ckpt)]) == 1 and line in capsys.readouterr().err
+    with pytest.raises(CorruptCheckpointError) as e:
+        train(tmp_path / "resumed", max_steps=6, resume=str(ckpt))
+    assert line in str(e.value) and "Nothing was loaded" in str(e.value)
+    assert "machine" not in str(e.value), str(e.value)  # one process: no machines to copy files between
+
+
 def test_good_checkpoint_verifies(good, capsys):
     assert cli(["verify", str(good)]) == 0
     assert "sizes and checksums match" in capsys.readouterr().out
@@ -130,3 +142,48 @@ def test_corrupt_manifest_json_makes_the_folder_incomplete(ckpt, tmp_path, capsy
     assert info["kind"] == "unified-incomplete" and info["complete"] is False and "not valid JSON" in info["reason"]
     with pytest.raises(IncompleteCheckpointError, match="not valid JSON"):
         train(tmp_path / "resumed", max_steps=6, resume=str(ckpt))
+
+
+def _saved_layers(tmp_path, layers: int, width: int = 2):
+    """A checkpoint of `layers` Linear(2, width) layers, and its model reader."""
+    import torch
+    from torch import nn
+
+    from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+    from hf_unified_ckpt.options import UnifiedCheckpointOptions
+    from hf_unified_ckpt.save import SaveRequest, save_checkpoint
+
+    model = nn.Sequential(*(nn.Linear(2, width) for _ in range(layers)))
+    request = SaveRequest(tmp_path / "checkpoint-1", 1, UnifiedCheckpointOptions(enabled=True), show_progress=False)
+    save_checkpoint(ReplicatedEngine(model, torch.optim.SGD(model.parameters(), lr=0.1)), request, lambda f: [])
+    return sio.ComponentReader(tmp_path / "checkpoint-1", "model")
+
+
+@pytest.mark.parametrize("layers,width,words", [
+    (13, 2, "missing 12 tensor(s): ['10.bias', '10.weight', '11.bias', '11.weight', '12.bias', ...]"),
+    (1, 2, "unexpected 12 tensor(s): ["),
+    (7, 3, "shape mismatch between checkpoint and model in 14 tensor(s): ['0.weight: checkpoint"),
+])
+def test_model_mismatch_says_how_many_tensors_and_shows_the_first(tmp_path, layers, width, words):
+    from torch import nn
+
+    from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+
+    reader = _saved_layers(tmp_path, 7)
+    model = nn.Sequential(*(nn.Linear(2, width) for _ in range(layers)))
+    with pytest.raises(UnsupportedCheckpointError) as e:
+        ReplicatedEngine(model, None).load_model(reader)
+    assert words in str(e.value) and ", ...]" in str(e.value), str(e.value)
+
+
+def test_adapter_mismatch_says_how_many_tensors(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+
+    reader = _saved_layers(tmp_path, 7)  # plain weights: none of them is an adapter tensor
+    model = get_peft_model(nn.Sequential(nn.Linear(2, 2)), LoraConfig(target_modules=["0"], r=1))
+    with pytest.raises(UnsupportedCheckpointError) as e:
+        ReplicatedEngine(model, None).load_model(reader)
+    assert "missing 2 tensor(s): [" in str(e.value) and "unexpected 14 tensor(s): [" in str(e.value), str(e.value)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .. import dist
-from ..errors import UnsupportedCheckpointError
+from ..errors import UnsupportedCheckpointError, count_and_first
 from ..hf_model import is_peft_model, write_model_configs
 from ..names import canonical_name, optimizer_key, split_optimizer_key
 from ..optim_state import check_groups_match, decode_hparam, decode_scalar, encode_hparam, encode_scalar
@@ -328,7 +328,8 @@ class DeepSpeedEngine:
         model_specs = sources.model.specs()
         missing = sorted((set(self._by_name) | set(self._buffers())) - set(model_specs))
         if missing:
-            raise UnsupportedCheckpointError(f"the checkpoint has no weights for {missing[:5]}; build the same "
+            raise UnsupportedCheckpointError(f"the checkpoint has no weights for {count_and_first(missing)}; "
+                                             "build the same "
                                              "architecture as the run that saved it.")
         for name, p in self._named:
             src = sources.master if (p.dtype == torch.float32 and p.requires_grad) else sources.model

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import dist
-from ..errors import UnsupportedCheckpointError
+from ..errors import UnsupportedCheckpointError, count_and_first
 from ..hf_model import is_peft_model, write_model_configs
 from ..names import canonical_name, optimizer_key, split_optimizer_key
 from ..optim_state import check_groups_match, decode_hparam, decode_scalar, encode_hparam, encode_scalar
@@ -205,7 +205,8 @@ class FSDPEngine:
         model_sd = self._model_state()
         missing = sorted(set(model_sd) - set(sources.model.keys()))
         if missing:
-            raise UnsupportedCheckpointError(f"the checkpoint has no weights for {missing[:5]}; build the same "
+            raise UnsupportedCheckpointError(f"the checkpoint has no weights for {count_and_first(missing)}; "
+                                             "build the same "
                                              "architecture as the run that saved it.")
         trainable = {canonical_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
         with torch.no_grad():
@@ -247,7 +248,8 @@ class FSDPEngine:
         stale = sorted(optimizer_key(n, k) for n, per in osd["state"].items() for k in per
                        if optimizer_key(n, k) not in wanted)
         if stale:
-            raise UnsupportedCheckpointError(f"the checkpoint has no optimizer state {stale[:5]} that this optimizer "
+            raise UnsupportedCheckpointError(f"the checkpoint has no optimizer state for {count_and_first(stale, 'key')}"
+                                             " that this optimizer "
                                              "keeps; build the same optimizer as the run that saved it.")
 
 

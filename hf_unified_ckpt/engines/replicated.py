@@ -10,7 +10,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from .. import dist
-from ..errors import UnsupportedCheckpointError
+from ..errors import UnsupportedCheckpointError, count_and_first, missing_and_unexpected
 from ..names import canonical_name
 from ..hf_model import alias_groups, is_peft_model, model_state_for_save, parameter_names, weights_stem, write_model_configs
 from ..optim_state import flatten_optimizer_state, unflatten_optimizer_state
@@ -104,8 +104,7 @@ class ReplicatedEngine:
         unexpected = sorted(set(reader.keys()) - {s for s in sources.values() if s})
         if missing or unexpected:
             raise UnsupportedCheckpointError(
-                f"the checkpoint's model weights do not match the model: missing {missing[:5]}"
-                f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
+                f"the checkpoint's model weights do not match the model: {missing_and_unexpected(missing, unexpected)}. "
                 "Build the same architecture (config) as the run that saved it."
             )
         _check_shapes(reader, {n: (tuple(t.shape), sources[n]) for n, t in targets.items()})
@@ -118,11 +117,11 @@ class ReplicatedEngine:
     def _load_adapter(self, reader: ComponentReader) -> None:
         from peft import set_peft_model_state_dict
 
-        expected = set(model_state_for_save(self.module))
-        if expected != set(reader.keys()):
+        expected, found = set(model_state_for_save(self.module)), set(reader.keys())
+        if expected != found:
             raise UnsupportedCheckpointError(
-                f"the checkpoint's adapter weights do not match the PEFT model: missing "
-                f"{sorted(expected - set(reader.keys()))[:5]}, unexpected {sorted(set(reader.keys()) - expected)[:5]}. "
+                f"the checkpoint's adapter weights do not match the PEFT model: "
+                f"{missing_and_unexpected(sorted(expected - found), sorted(found - expected))}. "
                 "Use the same LoRA configuration as the run that saved it."
             )
         set_peft_model_state_dict(self.module, {k: reader.get(k) for k in reader.keys()})
@@ -139,5 +138,5 @@ def _check_shapes(reader: ComponentReader, wanted: dict[str, tuple[tuple[int, ..
     bad = [f"{name}: checkpoint {specs[src][0]} vs model {shape}" for name, (shape, src) in wanted.items()
            if tuple(specs[src][0]) != shape]
     if bad:
-        raise UnsupportedCheckpointError(f"shape mismatch between checkpoint and model: {bad[:5]}. "
+        raise UnsupportedCheckpointError(f"shape mismatch between checkpoint and model in {count_and_first(bad)}. "
                                          "Build the same architecture (config) as the run that saved it.")

@@ -116,17 +116,24 @@ def _verify_threads() -> int:
 def _check_file(folder: Path, name: str, table: Mapping, checksums: bool) -> list[str]:
     expected = table[name]
     path = folder / name
-    if not path.is_file():
-        return [f"{name}: missing (expected {expected['size']} bytes)"]
-    size = path.stat().st_size
-    if size != expected["size"]:
-        return [f"{name}: {size} bytes on disk, expected {expected['size']} (truncated or overwritten)"]
+    problem = size_problem(name, path.stat().st_size if path.is_file() else None, expected["size"])
+    if problem:
+        return [problem]
     if checksums:
         actual = file_crc32(path)
         if actual != expected.get(CHECKSUM_ALGORITHM):
             return [f"{name}: {CHECKSUM_ALGORITHM} {actual} does not match the recorded "
                     f"{expected.get(CHECKSUM_ALGORITHM)} (the bytes changed after the save)"]
     return _check_content(path, table)
+
+
+def size_problem(name: str, size: int | None, expected: int) -> str:
+    """What verify says of a file absent (`size` None) or of the wrong size; "" when its size is the recorded one."""
+    if size is None:
+        return f"{name}: missing (expected {expected} bytes)"
+    if size != expected:
+        return f"{name}: {size} bytes on disk, expected {expected} (truncated or overwritten)"
+    return ""
 
 
 def _check_content(path: Path, table: Mapping) -> list[str]:
