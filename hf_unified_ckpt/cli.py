@@ -14,7 +14,8 @@ from .storage.manifest import spread_hint, verify_folder
 def _info(path: str) -> dict:
     layout = detect_layout(path)
     info = {"path": str(layout.path), "kind": layout.kind, "complete": layout.complete,
-            "global_step": layout.global_step, "reason": layout.reason or None}
+            "global_step": layout.global_step, "reason": layout.reason or None,
+            "trainer_state": layout.trainer_state}
     if layout.manifest:
         m = layout.manifest
         info.update({

@@ -1,5 +1,7 @@
 """Offline conversion of a legacy checkpoint folder (DeepSpeed or FSDP) into a unified one: no process group, one shard of tensors
-in memory at a time (`max_shard_size`), written with the same save algorithm as training uses."""
+in memory at a time (`max_shard_size`), written with the same save algorithm as training uses. A DeepSpeed model folder
+written by `Trainer.save_model` (ZeRO partitions, no weights file, no trainer state) converts too: the result loads
+with from_pretrained and carries the partitions' optimizer state and master weights, but no trainer state."""
 
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ class OfflineEngine:
 
 def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "1GB",
             show_progress: bool = True) -> Path:
-    """Convert `legacy_dir` (a DeepSpeed `checkpoint-N` folder) into a complete unified folder `out_dir`."""
+    """Convert `legacy_dir` (a DeepSpeed `checkpoint-N` or save_model folder, or an FSDP `checkpoint-N` folder)
+    into a complete unified folder `out_dir`."""
     legacy_dir, out_dir = Path(legacy_dir), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new folder (nothing was written).")
@@ -74,9 +77,10 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
         raise UnsupportedCheckpointError(
             f"{legacy_dir} is a {'complete' if layout.complete else 'incomplete'} '{layout.kind}' folder"
             f"{': ' + layout.reason if layout.reason else ''}; convert reads complete DeepSpeed folders "
-            "(checkpoint-N with global_stepN/ ZeRO partitions) and FSDP folders (pytorch_model_fsdp_0/ + "
+            "(checkpoint-N with global_stepN/ ZeRO partitions, or a folder written by Trainer.save_model under "
+            "ZeRO-3 without 16-bit weights) and FSDP folders (pytorch_model_fsdp_0/ + "
             "optimizer_0/, or pytorch_model_fsdp.bin + optimizer.bin).")
-    legacy = open_legacy(layout)
+    legacy = open_legacy(layout, for_conversion=True)
     sources = {MODEL: legacy.model_source()}
     if legacy.saved_by()["master_weights"]:
         sources[MASTER] = legacy.master_source()

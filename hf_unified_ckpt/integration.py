@@ -106,6 +106,7 @@ class UnifiedCheckpointMixin:
             path = Path(value)
             verdict = judge_path(path)
         if verdict.kind == UNIFIED:
+            _refuse_without_trainer_state(path, verdict)
             self._uc_resume = self._uc_check_unified(path, verdict)
             return str(path)
         layout = detect_layout(path)
@@ -173,9 +174,9 @@ class UnifiedCheckpointMixin:
         if options.enabled:
             refuse_unsupported(kind, is_peft_model(_unwrapped(self.model)), fp16=kind == "deepspeed" and _ds_fp16(self))
         if self.args.fsdp and kind != "fsdp" and dist.rank() == 0:
-            logger.warning("FSDP was requested (fsdp=%r) but the model is trained with %s: accelerate applies FSDP "
-                           "only on accelerators and falls back to DDP on CPU. Checkpoints are saved for the engine "
-                           "that runs.", " ".join(str(getattr(o, "value", o)) for o in self.args.fsdp),
+            logger.warning("FSDP was requested (the fsdp argument) but the model is trained with %s: accelerate "
+                           "applies FSDP only on accelerators and falls back to DDP on CPU. Checkpoints are saved "
+                           "for the engine that runs.",
                            "DeepSpeed" if kind == "deepspeed" else "DDP" if dist.world_size() > 1 else "one process")
 
     def _uc_resuming(self, checkpoint) -> _Resume | None:
@@ -366,6 +367,16 @@ def _master_policy(options) -> str:
     if options.remove_master_weight:
         return "remove"
     return "as_model" if options.skip_save_model_weight else "save"
+
+
+def _refuse_without_trainer_state(path: Path, verdict) -> None:
+    """A complete unified folder converted from a model folder (`Trainer.save_model`) has weights and optimizer
+    state but no trainer state: training cannot resume from it. The same on every rank (same manifest)."""
+    if verdict.complete and TRAINER_STATE_FILE not in verdict.manifest["files"]:
+        raise UnsupportedCheckpointError(
+            f"{path} holds no {TRAINER_STATE_FILE} (it was converted from a model folder written by "
+            "Trainer.save_model), so training cannot resume from it; load it with from_pretrained to start a new run "
+            "from its weights, or resume from a checkpoint-N folder.")
 
 
 def _ds_fp16(trainer) -> bool:

@@ -3,12 +3,19 @@
 Kinds: `unified` (manifest present and valid), `unified-incomplete` (unified files but no valid manifest: an
 interrupted save), `hf-trainer` (the plain Trainer's model + optimizer.pt + trainer_state.json), `deepspeed`
 (`global_step*/` ZeRO partitions), `fsdp` (`pytorch_model_fsdp*` / `optimizer_0`), `unknown`.
+
+A legacy `checkpoint-N` folder is complete only with its trainer_state.json (the Trainer writes it last). One
+exception: a DeepSpeed folder whose name does not start with `checkpoint-` and that lacks it is what
+`Trainer.save_model(dir)` writes under ZeRO-3 without `stage3_gather_16bit_weights_on_model_save` (config.json, the
+ZeRO partitions, no weights file): a model folder, complete for conversion, with `trainer_state=False` (not
+resumable).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +27,11 @@ from .storage.safetensors_io import read_safetensors_header
 UNIFIED, UNIFIED_INCOMPLETE, HF_TRAINER, DEEPSPEED, FSDP, UNKNOWN = (
     "unified", "unified-incomplete", "hf-trainer", "deepspeed", "fsdp", "unknown")
 TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_PREFIX = "checkpoint-"
+SAVE_MODEL_NOTE = (f"written by Trainer.save_model (DeepSpeed ZeRO partitions, no weights file, no {TRAINER_STATE}): "
+                   "a model folder, not a Trainer checkpoint; `hf-unified-ckpt convert` turns it into a unified "
+                   "folder that from_pretrained loads")
+_DEEPSPEED_TAG_RE = re.compile(r"^global_step(\d+)$")
 _UNIFIED_ONLY = ("optimizer", "master_weights", "ema")
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
@@ -36,6 +48,9 @@ class Layout:
     global_step: int | None = None
     reason: str = ""
     manifest: dict | None = field(default=None, repr=False)
+    #: The folder holds the Trainer's state (trainer_state.json): a complete one can be resumed. A complete folder
+    #: without it is a model folder written by `Trainer.save_model` (convert it) or a unified folder converted from one.
+    trainer_state: bool = True
 
     @property
     def committed(self) -> bool:
@@ -75,13 +90,17 @@ def _unified(path: Path) -> Layout:
                if not (path / n).is_file() or (path / n).stat().st_size != rec["size"]]
     reason = (f"files missing or of the wrong size: {missing[:10]}{'...' if len(missing) > 10 else ''} (if it was "
               "saved by a job whose machines each had a local folder, the other machines hold them)") if missing else ""
-    return Layout(UNIFIED, path, not missing, manifest.get("global_step"), reason, manifest)
+    return Layout(UNIFIED, path, not missing, manifest.get("global_step"), reason, manifest,
+                  trainer_state=TRAINER_STATE in manifest["files"])
 
 
 def _legacy(path: Path, kind: str, problem: str | None) -> Layout:
-    if problem is None and not (path / TRAINER_STATE).is_file():
+    trainer_state = (path / TRAINER_STATE).is_file()
+    if problem is None and not trainer_state:
+        if kind == DEEPSPEED and not path.name.startswith(CHECKPOINT_PREFIX):
+            return Layout(kind, path, True, _deepspeed_step(path), SAVE_MODEL_NOTE, trainer_state=False)
         problem = f"{TRAINER_STATE} is missing (the Trainer writes it last; the save did not finish)"
-    return Layout(kind, path, problem is None, _step(path), problem or "")
+    return Layout(kind, path, problem is None, _step(path), problem or "", trainer_state=trainer_state)
 
 
 def _deepspeed_problem(path: Path, names: set[str]) -> str | None:
@@ -103,6 +122,18 @@ def _hf_problem(path: Path, names: set[str]) -> str | None:
             except CorruptCheckpointError as e:
                 return str(e)
     return None
+
+
+def _deepspeed_step(path: Path) -> int | None:
+    """The N of the DeepSpeed tag `global_stepN` that the `latest` file names (else of the only `global_step*`
+    folder); None for another tag."""
+    try:
+        tag = (path / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        tags = [n for n in os.listdir(path) if _DEEPSPEED_TAG_RE.match(n) and (path / n).is_dir()]
+        tag = tags[0] if len(tags) == 1 else ""
+    match = _DEEPSPEED_TAG_RE.match(tag)
+    return int(match.group(1)) if match else None
 
 
 def _step(path: Path) -> int | None:

@@ -260,12 +260,13 @@ def run_spec(run: dict, world_size: int) -> dict:
         overrides.update(fsdp_args(run["fsdp"], run.get("fsdp_state_dict_type", "SHARDED_STATE_DICT"), model))
     if run.get("eval"):  # evaluation every save, e.g. for load_best_model_at_end
         overrides["eval_dataset"] = TokenDataset(12, seed=7)
-    with fsdp_on_cpu() if run.get("fsdp") else contextlib.nullcontext():
+    shim = run.get("fsdp") and run.get("fsdp_shim", True)  # without it accelerate runs DDP on CPU, silently
+    with fsdp_on_cpu() if shim else contextlib.nullcontext():
         trainer = make_trainer(run["output_dir"], model, world_size, run.get("optim", "adamw_torch"), **overrides)
         if run.get("expect_error"):
             return _refused(trainer, run.get("resume"), run["expect_error"])
         trainer.train(resume_from_checkpoint=run.get("resume"))
-    if run.get("fsdp"):
+    if shim:
         assert_sharded(trainer)
     if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
         trainer.save_model(run["save_model"])

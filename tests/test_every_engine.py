@@ -55,10 +55,12 @@ def runs(tmp_path_factory):
     refused = [{**spec, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"), "expect_error": text,
                 "overrides": {**spec.get("overrides", {}), "save_steps": 1}} for name, (spec, text) in REFUSED.items()]
     cells = {w: [_spec(tmp, c[1], _tag(c), c[0]) for c in CELLS if c[2] == w and c[1] != "single"] for w in (2, 3)}
-    torchrun(2, savers + cells[2] + best + refused, tmp)
+    as_ddp = _spec(tmp, "f2", "fsdp-as-ddp", fsdp_shim=False)  # FSDP asked for; accelerate runs DDP on CPU
+    launch = torchrun(2, savers + cells[2] + best + refused + [as_ddp], tmp)
     torchrun(3, cells[3], tmp)
     names = list(ENGINES) + [f"best-{e}" for e in ENGINES] + list(REFUSED) + [_tag(c) for c in CELLS if c[2] > 1]
     out = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in names}
+    out["launch-2"] = launch.stdout + launch.stderr
     for c in CELLS:
         if c[1] == "single":
             out[_tag(c)] = run_spec(_spec(tmp, "single", _tag(c), c[0]), 1)
@@ -139,3 +141,12 @@ def test_unsupported_runs_are_refused_before_the_first_step(runs, name):
     assert out[name]["global_step"] == 0, out[name]
     assert out[name]["error"].startswith("UnsupportedCheckpointError: ")
     assert not list((tmp / name).glob("*checkpoint-*"))
+
+
+@pytest.mark.dist
+def test_fsdp_replaced_by_ddp_is_said_once(runs):
+    """accelerate silently trains with DDP when FSDP is asked for on CPU; the plugin knows both and says so once
+    (rank 0), in the one run of the launch that asked for FSDP without the test shim."""
+    _, out = runs
+    assert out["launch-2"].count("FSDP was requested") == 1
+    assert "but the model is trained with DDP" in out["launch-2"]

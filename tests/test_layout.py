@@ -44,6 +44,19 @@ def test_detect_layout(tmp_path, names, step, kind, complete):
         assert layout.reason
 
 
+@pytest.mark.parametrize("name,complete", [("final-model", True), ("checkpoint-5", False)])
+def test_deepspeed_folder_without_trainer_state(tmp_path, name, complete):
+    """What Trainer.save_model writes under ZeRO-3 without 16-bit weights is a complete model folder (for
+    conversion, not resumable); a checkpoint-N folder without trainer_state.json stays an interrupted save."""
+    folder = _touch(tmp_path / name, "config.json", "zero_to_fp32.py",
+                    "global_step5/zero_pp_rank_0_mp_rank_00_model_states.pt",
+                    "global_step5/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (folder / "latest").write_text("global_step5")
+    layout = detect_layout(folder)
+    assert (layout.kind, layout.complete, layout.global_step, layout.trainer_state) == ("deepspeed", complete, 5, False)
+    assert ("save_model" if complete else "trainer_state.json is missing") in layout.reason
+
+
 def test_truncated_legacy_weights_make_it_incomplete(tmp_path):
     folder = _touch(tmp_path / "checkpoint-2", "model.safetensors", state_step=2)
     data = (folder / "model.safetensors").read_bytes()

@@ -1,12 +1,15 @@
 """Legacy DeepSpeed folders (`checkpoint-N/global_stepN/`, written by the plain Trainer without this plugin):
 detected; resumed through DeepSpeed itself where the topology matches; read offline and resharded where it
 does not (another world size, another stage, DDP, one process: what DeepSpeed refuses); the next save is
-unified; and `hf-unified-ckpt convert` turns them into unified folders equal to `zero_to_fp32`'s output.
+unified; and `hf-unified-ckpt convert` turns them into unified folders equal to `zero_to_fp32`'s output. The same
+holds for the model folder the plain `Trainer.save_model` writes under ZeRO-3 without 16-bit weights (DeepSpeed
+partitions, no trainer state), which resume refuses.
 
 Real DeepSpeed, CPU, gloo. Tolerances as in test_deepspeed.py.
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -14,11 +17,14 @@ import torch
 from _runs import assert_resumed_matches, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.cli import main as cli
+from hf_unified_ckpt.errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from hf_unified_ckpt.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 LEGACY = {"attach": False, "unified_checkpoint": False}
 SAVERS = {"z2": {"zero": 2}, "z3": {"zero": 3}, "z2bf16": {"zero": 2, "overrides": {"bf16": True}}}
+SAVED_MODEL = "z3-saved-model"  # the z3 saver's plain Trainer.save_model(folder) after its last step (step 6)
+REFUSED = "z3-resume-save-model"  # a ZeRO-3 run at 2 ranks (DeepSpeed's own topology) told to resume from it
 CELLS = [  # (legacy saved by (2 ranks), resumed as, world size, how)
     ("z2", "z2", 2, "native"), ("z2bf16", "z2bf16", 2, "native"),
     ("z2", "z3", 2, "resharded"), ("z3", "z2", 2, "resharded"), ("z2", "ddp", 2, "resharded"),
@@ -45,11 +51,14 @@ def legacy(tmp_path_factory):
     saves = []
     for name, spec in SAVERS.items():
         saves.append({**spec, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"),
-                      "overrides": {**spec.get("overrides", {}), **LEGACY}})
+                      "overrides": {**spec.get("overrides", {}), **LEGACY},
+                      **({"save_model": str(tmp / SAVED_MODEL)} if name == "z3" else {})})
+    saves.append({"zero": 3, "output_dir": str(tmp / REFUSED), "result": str(tmp / f"{REFUSED}.pt"),
+                  "resume": str(tmp / SAVED_MODEL), "expect_error": "written by Trainer.save_model"})
     torchrun(2, saves + [_resume_spec(tmp, c) for c in CELLS if c[2] == 2], tmp)
     torchrun(3, [_resume_spec(tmp, c) for c in CELLS if c[2] == 3], tmp)
     torchrun(1, [_resume_spec(tmp, c) for c in CELLS if c[2] == 1 and c[1] != "single"], tmp)
-    out = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in SAVERS}
+    out = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in [*SAVERS, REFUSED]}
     for c in CELLS:
         out[_tag(c)] = (run_spec(_resume_spec(tmp, c), 1) if c[1] == "single"
                         else torch.load(tmp / f"{_tag(c)}.pt", weights_only=False))
@@ -118,3 +127,64 @@ def test_convert_refuses_what_it_cannot_read(tmp_path, capsys):
     (tmp_path / "x").mkdir()
     assert cli(["convert", str(tmp_path / "x"), str(tmp_path / "y")]) == 1
     assert "convert reads complete DeepSpeed folders" in capsys.readouterr().err
+
+
+def _info(path, capsys) -> dict:
+    capsys.readouterr()
+    assert cli(["info", "--json", str(path)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_convert_reads_the_folder_save_model_writes(legacy, tmp_path, capsys):
+    """Trainer.save_model under ZeRO-3 without 16-bit weights writes config.json and DeepSpeed's partitions, but no
+    weights file and no trainer_state.json: convert makes a folder that from_pretrained loads (zero_to_fp32's
+    weights), with the partitions' optimizer state and the step of the DeepSpeed tag."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tmp, out = legacy
+    src = tmp / SAVED_MODEL
+    names = {p.name for p in src.iterdir()}
+    assert {"config.json", "latest", "global_step6", "zero_to_fp32.py"} <= names, names
+    assert not names & {"trainer_state.json", "model.safetensors", "pytorch_model.bin"}, names
+    info = _info(src, capsys)
+    assert (info["kind"], info["complete"], info["global_step"], info["trainer_state"]) == ("deepspeed", True, 6, False)
+    assert "save_model" in info["reason"]
+    converted = tmp_path / "converted"
+    assert cli(["convert", str(src), str(converted), "--quiet"]) == 0
+    assert cli(["verify", str(converted)]) == 0
+    layout = detect_layout(converted)
+    assert (layout.kind, layout.global_step, layout.trainer_state) == ("unified", 6, False)
+    weights = AutoModelForCausalLM.from_pretrained(converted).state_dict()
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    assert set(weights) == set(reference)
+    for key, value in reference.items():
+        assert torch.equal(weights[key], value) and torch.equal(value, out["z3"]["state"][key]), key
+    optimizer = {}
+    for f in converted.glob("optimizer*.safetensors"):
+        optimizer.update(load_file(str(f)))
+    moments = {k: v for k, v in out["z3"]["optim"].items() if not k.endswith("/master")}
+    assert moments and all(torch.equal(optimizer[k], v) for k, v in moments.items())
+    with pytest.raises(UnsupportedCheckpointError, match="holds no trainer_state.json"):  # not a fresh start
+        run_spec({"output_dir": str(tmp_path / "resumed"), "resume": str(converted)}, 1)
+
+
+@pytest.mark.dist
+def test_resume_refuses_the_folder_save_model_writes(legacy, tmp_path, capsys):
+    """It holds no trainer state: resuming from it is refused (under DeepSpeed with its own topology, and on one
+    process) with the way out (convert), never a fresh start. The same files named checkpoint-N are an interrupted
+    Trainer checkpoint: refused by resume and by convert."""
+    tmp, out = legacy
+    src = tmp / SAVED_MODEL
+    assert out[REFUSED]["error"].startswith("UnsupportedCheckpointError") and out[REFUSED]["global_step"] == 0
+    assert not (tmp / REFUSED).exists() or not any((tmp / REFUSED).iterdir())
+    with pytest.raises(UnsupportedCheckpointError, match="written by Trainer.save_model") as refused:
+        run_spec({"output_dir": str(tmp_path / "resumed"), "resume": str(src)}, 1)
+    assert "hf-unified-ckpt convert" in str(refused.value)
+    interrupted = tmp_path / "run" / "checkpoint-6"
+    shutil.copytree(src, interrupted)
+    with pytest.raises(IncompleteCheckpointError, match="trainer_state.json is missing"):
+        run_spec({"output_dir": str(tmp_path / "run"), "resume": str(interrupted)}, 1)
+    assert cli(["convert", str(interrupted), str(tmp_path / "converted"), "--quiet"]) == 1
+    assert "trainer_state.json is missing" in capsys.readouterr().err

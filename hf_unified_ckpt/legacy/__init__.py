@@ -6,8 +6,11 @@ from __future__ import annotations
 from ..errors import UnsupportedCheckpointError
 
 
-def open_legacy(layout):
-    """The reader for a complete legacy `layout` of kind deepspeed or fsdp."""
+def open_legacy(layout, for_conversion: bool = False):
+    """The reader for a complete legacy `layout` of kind deepspeed or fsdp. A folder without trainer state (a model
+    folder written by `Trainer.save_model`) is opened only `for_conversion`: training cannot resume from it."""
+    if not layout.trainer_state and not for_conversion:
+        raise UnsupportedCheckpointError(_not_resumable(layout))
     if layout.kind == "deepspeed":
         from .deepspeed import LegacyDeepSpeedCheckpoint
 
@@ -17,3 +20,11 @@ def open_legacy(layout):
 
         return LegacyFSDPCheckpoint(layout.path)
     raise UnsupportedCheckpointError(f"{layout.path} is a '{layout.kind}' folder, not a DeepSpeed or FSDP one.")
+
+
+def _not_resumable(layout) -> str:
+    return (f"{layout.path} cannot be resumed: it is a model folder written by Trainer.save_model (DeepSpeed ZeRO "
+            "partitions, no trainer_state.json), not a Trainer checkpoint, so it holds no trainer state (step, "
+            f"learning-rate schedule, data position, RNG). Convert it with `hf-unified-ckpt convert {layout.path} OUT` "
+            "and load OUT with from_pretrained (to start a new run from its weights), or resume from a checkpoint-N "
+            "folder.")
