@@ -1,14 +1,34 @@
-"""hf_unified_ckpt: engine- and world-size-independent safetensors checkpoints for the Hugging Face Trainer."""
+"""hf_unified_ckpt: engine- and world-size-independent safetensors checkpoints for the Hugging Face Trainer.
 
-__version__ = "0.1.0"
+The public names below are imported on first use (PEP 562), so that importing a submodule (`hf_unified_ckpt.layout`,
+the `hf-unified-ckpt` command line) does not load transformers, accelerate or torch.
+"""
 
-from .arguments import UnifiedCheckpointArguments, UnifiedCheckpointFields, with_unified_checkpoint  # noqa: E402
-from .integration import UnifiedCheckpointCallback, UnifiedCheckpointMixin, attach  # noqa: E402
-from .layout import Layout, detect_layout, newest_complete  # noqa: E402
-from .options import UnifiedCheckpointOptions, parse_options  # noqa: E402
+from __future__ import annotations
 
-__all__ = [
-    "__version__", "UnifiedCheckpointArguments", "UnifiedCheckpointFields", "with_unified_checkpoint",
-    "UnifiedCheckpointCallback", "UnifiedCheckpointMixin", "attach", "Layout", "detect_layout",
-    "newest_complete", "UnifiedCheckpointOptions", "parse_options",
-]
+import importlib
+
+from ._version import __version__
+
+_PUBLIC = {
+    "UnifiedCheckpointArguments": "arguments", "UnifiedCheckpointFields": "arguments",
+    "with_unified_checkpoint": "arguments",
+    "UnifiedCheckpointCallback": "integration", "UnifiedCheckpointMixin": "integration", "attach": "integration",
+    "Layout": "layout", "detect_layout": "layout", "newest_complete": "layout",
+    "UnifiedCheckpointOptions": "options", "parse_options": "options",
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str):
+    """Import the submodule that defines public `name` and return it (cached in the package afterwards)."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+# `info` and `verify` read file names, JSON and safetensors headers only: keep these imports free of torch,
+# transformers and accelerate (tests/test_imports.py), so the command answers at once. `convert` imports its own.
 from .errors import UnifiedCheckpointError
 from .layout import UNIFIED, detect_layout
 from .storage.manifest import spread_hint, verify_folder

@@ -1,34 +1,43 @@
-"""Thin wrappers over torch.distributed that also work without a process group (world size 1)."""
+"""Thin wrappers over torch.distributed that also work without a process group (world size 1).
+
+torch.distributed is imported on first call, so that modules which only may communicate (`placement.py`) import
+without torch (the `hf-unified-ckpt info` / `verify` command line loads none)."""
 
 from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
+
+def _torch_dist():
+    import torch.distributed
+
+    return torch.distributed
 
 
 def is_distributed() -> bool:
+    dist = _torch_dist()
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
+    return _torch_dist().get_rank() if is_distributed() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
+    return _torch_dist().get_world_size() if is_distributed() else 1
 
 
 def barrier() -> None:
     """Collective: all ranks must call it."""
     if is_distributed():
-        dist.barrier()
+        _torch_dist().barrier()
 
 
 def all_gather_object(obj, group=None) -> list:
     """Collective (on `group`, default: all ranks): all its ranks must call it. Returns every rank's `obj`."""
     if not is_distributed():
         return [obj]
+    dist = _torch_dist()
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -39,14 +48,14 @@ def broadcast_object(obj, src: int = 0, group=None):
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    _torch_dist().broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
 def new_gloo_group():
     """A second group over all ranks, for collectives of a background thread (never interleaved with the
     training thread's collectives on the default group). Collective: all ranks must call it."""
-    return dist.new_group(backend="gloo") if is_distributed() else None
+    return _torch_dist().new_group(backend="gloo") if is_distributed() else None
 
 
 _GROUPS: dict[tuple, object] = {}
@@ -55,7 +64,7 @@ _GROUPS: dict[tuple, object] = {}
 def gloo_group(purpose: str):
     """A gloo group over all ranks for one `purpose` (a background thread's collectives, or the file service's
     messages), created once per process group and reused. Collective on first call: all ranks must call it."""
-    key = (dist.group.WORLD if is_distributed() else None, purpose)
+    key = (_torch_dist().group.WORLD if is_distributed() else None, purpose)
     if key not in _GROUPS:
         _GROUPS[key] = new_gloo_group()
     return _GROUPS[key]

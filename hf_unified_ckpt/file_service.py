@@ -3,9 +3,11 @@
 When a checkpoint's files are spread over machine-local folders (`placement.py`), a rank that does not see a
 file asks a rank that does: every rank runs a small server thread for the files of its own folder, and the
 readers of `storage/safetensors_io.ComponentReader` send it requests for a safetensors header, a slice of one
-tensor (only the rows the asking rank needs), or a whole small file. Requests and replies travel on two gloo
-groups of their own, so they never interleave with the collectives the training thread runs meanwhile (FSDP's
-state-dict load). Each request is answered before the asker sends the next; `close` stops the servers.
+tensor (only the rows the asking rank needs), or a whole small file: to a reader, `FileService` is the
+`storage.reader.FileOpener` of every file only another machine holds, and `RemoteFile` its handle. Requests and
+replies travel on two gloo groups of their own, so they never interleave with the collectives the training thread
+runs meanwhile (FSDP's state-dict load). Each request is answered before the asker sends the next; `close` stops
+the servers.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from safetensors import safe_open
 from . import dist
 from .errors import CorruptCheckpointError
 from .placement import Placement
-from .storage.safetensors_io import read_safetensors_header
+from .storage.headers import read_safetensors_header
+from .storage.reader import FileHandle, FileOpener, TensorSlice
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +33,8 @@ _MESSAGE_BYTES = 16384  # fixed size of a request and of a reply's head (JSON, z
 _TAG = 71
 
 
-class FileService:
-    """This rank's server for its folder, and its client for files other ranks hold."""
+class FileService(FileOpener):
+    """This rank's server for its folder, and its client (a `FileOpener`) for files other ranks hold."""
 
     def __init__(self, folder: str | Path, placement: Placement):
         """Start the server thread. Collective (the two groups are created on first use): all ranks must call
@@ -48,6 +51,10 @@ class FileService:
     # ---- client -----------------------------------------------------------------------------------------
     def is_local(self, file: str) -> bool:
         return self.placement.is_local(file)
+
+    def exists(self, file: str) -> bool:
+        """Whether some rank holds `file`."""
+        return bool(self.placement.holders.get(file))
 
     def header(self, file: str) -> dict:
         if file not in self._headers:
@@ -133,8 +140,8 @@ def tensor_from(reply: dict, data: torch.Tensor | None) -> torch.Tensor:
     return data.view(dtype).reshape(reply["shape"])
 
 
-class RemoteFile:
-    """A file on another machine, with the part of `safe_open`'s interface the engines use."""
+class RemoteFile(FileHandle):
+    """A file on another machine, with the part of `safe_open`'s interface readers use."""
 
     def __init__(self, service: FileService, file: str):
         self.service, self.file = service, file
@@ -146,7 +153,7 @@ class RemoteFile:
         return RemoteSlice(self.service, self.file, name)
 
 
-class RemoteSlice:
+class RemoteSlice(TensorSlice):
     """`safe_open(...).get_slice(name)` for a remote file: indexing with step-1 slices fetches only that part."""
 
     def __init__(self, service: FileService, file: str, name: str):

@@ -22,7 +22,7 @@ from pathlib import Path
 from .errors import CorruptCheckpointError, UnifiedCheckpointError
 from .storage.commit import CHECKPOINT_RE, STAGING_SUFFIX, list_checkpoints
 from .storage.manifest import MANIFEST_NAME, read_manifest
-from .storage.safetensors_io import read_safetensors_header
+from .storage.headers import read_safetensors_header
 
 UNIFIED, UNIFIED_INCOMPLETE, HF_TRAINER, DEEPSPEED, FSDP, UNKNOWN = (
     "unified", "unified-incomplete", "hf-trainer", "deepspeed", "fsdp", "unknown")

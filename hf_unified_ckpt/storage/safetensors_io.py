@@ -1,4 +1,6 @@
-"""Sharded safetensors: writing one shard durably, HF-style index files, and lazy name-keyed reading."""
+"""Sharded safetensors: writing one shard durably, HF-style index files, and lazy name-keyed reading
+(`ComponentReader`, a `storage.reader.TensorReader`). Header parsing lives in the torch-free `headers` module
+(`read_safetensors_header` is re-exported here)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,13 @@ from safetensors.torch import save_file
 
 from ..errors import CorruptCheckpointError
 from .files import FileRecord, check_plain_name, crc32_combine, file_crc32, fsync_file, read_json, write_json
+from .headers import read_safetensors_header, tensor_specs
+from .reader import FileHandle, FileOpener, LogicalReader, Specs, TensorReader, TensorSlice
+
+__all__ = ["SAFETENSORS_METADATA", "ComponentReader", "LocalFiles", "StoredFiles", "index_name",
+           "read_safetensors_header", "write_index", "write_shard"]
 
 SAFETENSORS_METADATA = {"format": "pt"}
-_MAX_HEADER = 100 * 2**20
 
 
 def _writable(tensor: torch.Tensor) -> torch.Tensor:
@@ -98,60 +104,51 @@ def write_index(folder: str | os.PathLike, file_stem: str, weight_map: Mapping[s
     return write_json(Path(folder) / index_name(file_stem), index)
 
 
-def read_safetensors_header(path: str | os.PathLike) -> dict:
-    """Read a safetensors file's JSON header without touching tensor data; raise if it is malformed."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError("file shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER:
-                raise ValueError(f"header length {n} is implausible")
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end > path.stat().st_size:
-            raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {path.stat().st_size}")
-        return header
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise CorruptCheckpointError(f"safetensors file {str(path)!r} is truncated or malformed: {e}.") from e
+class LocalFiles(FileOpener):
+    """The files of a local checkpoint folder: headers read from disk, handles from `safe_open`."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+
+    def exists(self, file: str) -> bool:
+        return (self.folder / file).is_file()
+
+    def header(self, file: str) -> dict:
+        return read_safetensors_header(self.folder / file)
+
+    def open(self, file: str) -> FileHandle:
+        return safe_open(str(self.folder / file), framework="pt")
 
 
-class ComponentReader:
-    """Lazy, name-keyed access to one component (`model`, `optimizer`, ...) of a checkpoint folder.
+class StoredFiles(TensorReader):
+    """The tensors of one component's safetensors files, as stored: named by `<stem>.safetensors.index.json` if
+    present, else by the header of the single `<stem>.safetensors`.
 
-    Reads `<stem>.safetensors.index.json` if present, else the single `<stem>.safetensors`. Files are opened
-    with `safe_open` on first use; `get_slice` reads only the requested part of a tensor. With `remote` (a
-    `file_service.FileService`), files this rank does not see are read from a rank that does.
+    Each file's header and handle come from one `FileOpener`, chosen once per file: the local folder, or `remote` (a
+    `file_service.FileService`) for a file this rank does not see. Handles are opened on first use.
     """
 
     def __init__(self, folder: str | os.PathLike, file_stem: str, remote=None):
-        self.folder = Path(folder)
-        self.file_stem = file_stem
-        self.remote = remote
-        self.metadata: dict = {}
+        self.folder, self.file_stem = Path(folder), file_stem
+        self._local, self._remote = LocalFiles(self.folder), remote
         index_path = self.folder / index_name(file_stem)
         if index_path.is_file():
-            index = read_json(index_path, "index file")
-            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-                raise CorruptCheckpointError(f"index {str(index_path)!r} has no 'weight_map' object.")
-            self.metadata = index.get("metadata") or {}
-            self.weight_map = {k: check_plain_name(v, f"index {index_path.name}") for k, v in index["weight_map"].items()}
+            self.metadata, self.weight_map = _read_index(index_path)
             self.files = sorted(set(self.weight_map.values()))
+            self._openers = {file: self._opener(file) for file in self.files}
         else:
             single = f"{file_stem}.safetensors"
-            if not self._is_remote(single) and not (self.folder / single).is_file():
+            self.metadata, self.files, self._openers = {}, [single], {single: self._opener(single)}
+            if not self._openers[single].exists(single):
                 raise FileNotFoundError(f"{self.folder} has neither {index_path.name} nor {single}.")
-            self.files = [single]
-            self.weight_map = {k: single for k in sorted(self._header(single)) if k != "__metadata__"}
-        self._handles: dict[str, object] = {}
+            self.weight_map = {k: single for k in sorted(tensor_specs(self._header(single)))}
+        self._handles: dict[str, FileHandle] = {}
 
-    def _is_remote(self, file: str) -> bool:
-        return self.remote is not None and not self.remote.is_local(file)
+    def _opener(self, file: str) -> FileOpener:
+        return self._remote if self._remote is not None and not self._remote.is_local(file) else self._local
 
     def _header(self, file: str) -> dict:
-        return self.remote.header(file) if self._is_remote(file) else read_safetensors_header(self.folder / file)
+        return self._openers[file].header(file)
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -159,36 +156,55 @@ class ComponentReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def _handle(self, name: str):
+    def specs(self) -> Specs:
+        """Shape and dtype name of every stored tensor, from the headers only (in the index's order)."""
+        headers = {file: tensor_specs(self._header(file)) for file in self.files}
+        out = {}
+        for name, file in self.weight_map.items():
+            if name not in headers[file]:
+                raise CorruptCheckpointError(f"{index_name(self.file_stem)} in {self.folder} puts {name!r} in {file}, "
+                                             "whose header does not list it.")
+            out[name] = headers[file][name]
+        return out
+
+    def _handle(self, name: str) -> FileHandle:
         try:
             file = self.weight_map[name]
         except KeyError:
             raise KeyError(f"{name!r} is not in the {self.file_stem} files of {self.folder}") from None
         if file not in self._handles:
-            self._handles[file] = self.remote.open(file) if self._is_remote(file) else \
-                safe_open(str(self.folder / file), framework="pt")
+            self._handles[file] = self._openers[file].open(file)
         return self._handles[file]
 
     def get(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
 
-    def get_slice(self, name: str):
+    def get_slice(self, name: str) -> TensorSlice:
         return self._handle(name).get_slice(name)
-
-    def specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Shape and dtype string of every tensor, from the headers only."""
-        out = {}
-        for file in self.files:
-            header = self._header(file)
-            out.update({k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"})
-        return out
 
     def close(self) -> None:
         self._handles.clear()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
+def _read_index(index_path: Path) -> tuple[dict, dict[str, str]]:
+    """The metadata and weight map of an index file, its file names checked to be plain names."""
+    index = read_json(index_path, "index file")
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise CorruptCheckpointError(f"index {str(index_path)!r} has no 'weight_map' object.")
+    weight_map = {k: check_plain_name(v, f"index {index_path.name}") for k, v in index["weight_map"].items()}
+    return index.get("metadata") or {}, weight_map
 
+
+class ComponentReader(LogicalReader):
+    """Lazy, name-keyed access to one component (`model`, `optimizer`, ...) of a checkpoint folder: the
+    `TensorReader` engines load unified checkpoints from.
+
+    The stored tensors (`StoredFiles`: the index, or the single file; with `remote`, a `file_service.FileService`,
+    files this rank does not see are read from a rank that does) are shown through `codec` (default: identity), so
+    engines see logical tensors only. `get_slice(name)[index]` reads only the requested part of a stored tensor.
+    """
+
+    def __init__(self, folder: str | os.PathLike, file_stem: str, remote=None, codec=None):
+        stored = StoredFiles(folder, file_stem, remote)
+        super().__init__(stored, codec, where=f"the {file_stem} files of {stored.folder}")
+        self.folder, self.file_stem = stored.folder, file_stem
