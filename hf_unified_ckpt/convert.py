@@ -10,10 +10,10 @@ import os
 import shutil
 from pathlib import Path
 
-from .engines.base import MASTER, MODEL, OPTIMIZER
+from .components import OPTIMIZER, Component, component
 from .errors import UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, detect_layout
-from .legacy import open_legacy
+from .legacy import legacy_components, open_legacy
 from .legacy.sources import TensorSource
 from .options import UnifiedCheckpointOptions, parse_size
 from .planning import TensorSpec
@@ -39,11 +39,8 @@ class OfflineEngine:
     def saved_by(self) -> dict:
         return dict(self._saved_by)
 
-    def components(self) -> list[str]:
-        return list(self.sources)
-
-    def file_stem(self, component: str) -> str:
-        return component
+    def components(self) -> list[Component]:
+        return [component(name) for name in self.sources]
 
     def specs(self, component: str) -> list[TensorSpec]:
         source = self.sources[component]
@@ -59,7 +56,7 @@ class OfflineEngine:
         return {n: self.sources[component].get(n) for n in names}
 
     def optimizer_metadata(self) -> dict:
-        return self.sources[OPTIMIZER].metadata
+        return self.sources[OPTIMIZER.name].metadata
 
     def write_configs(self, folder) -> None:
         """Configs are copied with the other non-tensor files."""
@@ -81,11 +78,7 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
             "ZeRO-3 without 16-bit weights) and FSDP folders (pytorch_model_fsdp_0/ + "
             "optimizer_0/, or pytorch_model_fsdp.bin + optimizer.bin).")
     legacy = open_legacy(layout, for_conversion=True)
-    sources = {MODEL: legacy.model_source()}
-    if legacy.saved_by()["master_weights"]:
-        sources[MASTER] = legacy.master_source()
-    sources[OPTIMIZER] = legacy.optimizer_source()
-    engine = OfflineEngine(sources, legacy.saved_by())
+    engine = OfflineEngine(legacy_components(legacy), legacy.saved_by())
     options = UnifiedCheckpointOptions(enabled=True, max_shard_size=parse_size(max_shard_size))
     step = layout.global_step if layout.global_step is not None else legacy.global_step
     request = SaveRequest(out_dir, step, options, show_progress=show_progress)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .errors import UnsupportedCheckpointError
-from .names import canonical_name
+from .names import NamingPolicy, canonical_name
 
 MODEL_STEM, ADAPTER_STEM = "model", "adapter_model"
 
@@ -30,6 +30,24 @@ def weights_stem(module: nn.Module) -> str:
     return ADAPTER_STEM if is_peft_model(module) else MODEL_STEM
 
 
+def naming_policy(module: nn.Module) -> NamingPolicy:
+    """The naming policy of the unwrapped `module`: a PEFT model saves its adapter keys (`adapter_model` files);
+    a transformers model leaves out the tied names it declares (`all_tied_weights_keys`, what `save_pretrained`
+    leaves out); another module leaves out every name of a parameter shared under several names but the first."""
+    if is_peft_model(module):
+        from peft import get_peft_model_state_dict
+
+        keys = frozenset(get_peft_model_state_dict(module))
+        return NamingPolicy(ADAPTER_STEM, adapter=module.active_adapter, adapter_keys=keys)
+    declared = getattr(module, "all_tied_weights_keys", None)
+    if declared is not None:
+        return NamingPolicy(MODEL_STEM, {canonical_name(t): canonical_name(s) for t, s in dict(declared).items()})
+    shared: dict[int, list[str]] = defaultdict(list)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        shared[id(param)].append(canonical_name(name))
+    return NamingPolicy(MODEL_STEM, {n: names[0] for names in shared.values() for n in names[1:]})
+
+
 def alias_groups(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     """For every name, all names whose tensors share its storage (tied weights), itself first."""
     by_storage: dict[tuple, list[str]] = defaultdict(list)
@@ -41,31 +59,20 @@ def alias_groups(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return {name: [name] + [n for n in names if n != name] for names in by_storage.values() for name in names}
 
 
-def model_state_for_save(module: nn.Module) -> dict[str, torch.Tensor]:
+def model_state_for_save(module: nn.Module, naming: NamingPolicy | None = None) -> dict[str, torch.Tensor]:
     """The tensors `save_pretrained(module)` would write, by the names it would use (references, no copies)."""
     if is_peft_model(module):
         from peft import get_peft_model_state_dict
 
         return get_peft_model_state_dict(module)
-    state = {canonical_name(k): v for k, v in module.state_dict().items()}
-    try:
-        from transformers import PreTrainedModel
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedModel = None
-    if PreTrainedModel is not None and isinstance(module, PreTrainedModel):
-        state = remove_tied_weights_from_state_dict(state, module)
-        _refuse_weight_conversions(module, state)
-        return state
-    seen, out = set(), {}
-    for name, group in alias_groups(state).items():
-        if not seen.intersection(group):
-            out[name] = state[name]
-            seen.update(group)
-    return out
+    state = (naming or naming_policy(module)).saved(module.state_dict())
+    _refuse_weight_conversions(module, state)
+    return state
 
 
 def _refuse_weight_conversions(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    if not hasattr(module, "all_tied_weights_keys"):  # not a transformers model
+        return
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
@@ -78,16 +85,10 @@ def _refuse_weight_conversions(module: nn.Module, state: dict[str, torch.Tensor]
         )
 
 
-def parameter_names(module: nn.Module, saved_names: set[str] | None = None) -> dict[int, str]:
-    """id(param) -> canonical name. A tied parameter takes the name under which the model file stores it."""
-    names: dict[int, list[str]] = defaultdict(list)
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names[id(param)].append(canonical_name(name))
-    chosen = {}
-    for pid, candidates in names.items():
-        preferred = [n for n in candidates if saved_names and n in saved_names]
-        chosen[pid] = (preferred or candidates)[0]
-    return chosen
+def parameter_names(module: nn.Module, naming: NamingPolicy) -> dict[int, str]:
+    """id(param) -> the name its optimizer state is keyed by (a tied parameter: the name its weights are saved
+    under)."""
+    return {id(param): naming.stored_key(name) for name, param in module.named_parameters()}
 
 
 def write_model_configs(module: nn.Module, folder: str | os.PathLike) -> None:

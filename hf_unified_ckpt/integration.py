@@ -34,13 +34,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import dist
 from .async_save import AsyncSaver
-from .engines.base import MODEL
+from .components import MODEL
+from .engines.base import LoadSources
 from .engines.replicated import ReplicatedEngine
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete
 from .hf_model import is_peft_model
-from .legacy import open_legacy
-from .load import LoadSources, fetch_small_files, load_checkpoint, verify_checkpoint
+from .legacy import legacy_components, open_legacy
+from .load import fetch_small_files, load_checkpoint, verify_checkpoint
 from .placement import Placement, judge_path, newest_across_machines, placement_of
 from .retention import rotate_checkpoints
 from .rng import capture_rng_state, restore_rng_state, rng_file_name
@@ -201,8 +202,7 @@ class UnifiedCheckpointMixin:
         folder = resume.layout.path
         if resume.legacy is not None:
             legacy = resume.legacy
-            self._uc_engine().load(LoadSources(legacy.model_source(), legacy.master_source(),
-                                               legacy.optimizer_source(), legacy.global_step))
+            self._uc_engine().load(LoadSources(legacy_components(legacy, for_loading=True), legacy.global_step))
         else:
             load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options,
                             placement=resume.placement)
@@ -216,7 +216,7 @@ class UnifiedCheckpointMixin:
         """Describe the prepared engine's model the way every save will, so whatever a save would refuse (an
         engine or model it cannot handle) is refused before the first step. Collective: all ranks call it."""
         if self.args.unified_checkpoint_options.enabled:
-            self._uc_engine().specs(MODEL)
+            self._uc_engine().specs(MODEL.name)
 
     def _load_best_model(self):
         """`load_best_model_at_end`: a unified best checkpoint is loaded into whatever the engine is (weights, and

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import dist
-from .engines.base import MASTER, MODEL, OPTIMIZER, EngineAdapter
+from .components import MASTER, MODEL, OPTIMIZER, Role
+from .engines.base import EngineAdapter, LoadSources
 from .errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
 from .file_service import FileService
 from .options import UnifiedCheckpointOptions
@@ -48,21 +48,6 @@ def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress:
     if all_problems:
         raise CorruptCheckpointError(describe_problems(folder, all_problems))
     return manifest
-
-
-@dataclass(frozen=True)
-class LoadSources:
-    """Readers an engine loads from.
-
-    `master` holds the best fp32 values of the trainable weights: the `master_weights` files when saved, else
-    the model weights (exact when they are fp32; a rebuild from low precision otherwise, allowed only by
-    `master_weight_compatible` or a checkpoint saved with `remove_master_weight`).
-    """
-
-    model: ComponentReader
-    master: ComponentReader
-    optimizer: ComponentReader | None
-    global_step: int
 
 
 def fetch_small_files(folder: str | Path, manifest: dict, placement: Placement) -> Placement:
@@ -127,29 +112,28 @@ def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, o
 def _load(folder: Path, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
           load_optimizer: bool, remote: FileService | None) -> None:
     components = manifest.get("components", {})
-    model_entry = components.get(MODEL)
+    model_entry = components.get(MODEL.name)
     if model_entry is None:
         raise UnsupportedCheckpointError(f"{folder} holds no model weights component; it cannot be resumed.")
-    wanted_stem = engine.file_stem(MODEL)
+    wanted_stem = next(c for c in engine.components() if c.role is Role.WEIGHTS).file_stem
     if model_entry["file_stem"] != wanted_stem:
         raise UnsupportedCheckpointError(
             f"{folder} stores its weights as '{model_entry['file_stem']}' files but the model being trained expects "
             f"'{wanted_stem}' (a PEFT adapter checkpoint needs a PEFT model, and the reverse)."
         )
-    if load_optimizer and OPTIMIZER not in components:
+    if load_optimizer and OPTIMIZER.name not in components:
         raise UnsupportedCheckpointError(
             f"{folder} has no optimizer state (it was saved with save_only_model=True), so training cannot resume "
             "exactly. Load its weights with from_pretrained and start a new run instead."
         )
+    wanted = [name for name in components if load_optimizer or name != OPTIMIZER.name]
     with ExitStack() as stack:
-        model = stack.enter_context(ComponentReader(folder, wanted_stem, remote))
-        master = stack.enter_context(ComponentReader(folder, components[MASTER]["file_stem"], remote)) \
-            if MASTER in components else model
-        if master is model:
-            _check_master_rebuild(folder, manifest, model, engine, options)
-        optimizer = stack.enter_context(ComponentReader(folder, components[OPTIMIZER]["file_stem"], remote)) \
-            if load_optimizer else None
-        engine.load(LoadSources(model, master, optimizer, int(manifest.get("global_step", 0))))
+        readers = {name: stack.enter_context(ComponentReader(folder, components[name]["file_stem"], remote))
+                   for name in wanted}
+        if MASTER.name not in readers:  # the model weights are the best fp32 values there are
+            _check_master_rebuild(folder, manifest, readers[MODEL.name], engine, options)
+            readers[MASTER.name] = readers[MODEL.name]
+        engine.load(LoadSources(readers, int(manifest.get("global_step", 0))))
 
 
 def _check_master_rebuild(folder: Path, manifest: dict, model: ComponentReader, engine, options) -> None:

@@ -1,6 +1,12 @@
-"""Canonical parameter names: what `save_pretrained` of the unwrapped model would call a tensor. Pure."""
+"""The naming policy: what `save_pretrained` of the unwrapped model would call a tensor, and the optimizer keys.
+Pure; `hf_model.naming_policy(module)` builds a `NamingPolicy` from a live model."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from .components import MODEL, Component
 
 #: Path components inserted by wrappers (torch.compile, FSDP1, activation checkpointing).
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -33,3 +39,50 @@ def split_optimizer_key(key: str) -> tuple[str, str]:
     if not sep or not param_name or not state_name:
         raise ValueError(f"optimizer key {key!r} is not of the form '<param name>/<state name>'.")
     return param_name, state_name
+
+
+@dataclass(frozen=True)
+class NamingPolicy:
+    """Which live tensor is saved under which key, decided once from the unwrapped model (`hf_model.naming_policy`)
+    and used by every engine: wrapper prefixes stripped (`canonical_name`), tied weights written once under the
+    name `save_pretrained` keeps, PEFT adapter keys as `PeftModel.save_pretrained` writes them, and the stem of
+    the weights' files.
+
+    `tied` maps each tied name that is not written to the name it shares its tensor with; `adapter` is the PEFT
+    adapter name removed from keys (None for other models) and `adapter_keys` the keys PEFT saves."""
+
+    file_stem: str = "model"
+    tied: Mapping[str, str] = field(default_factory=dict)
+    adapter: str | None = None
+    adapter_keys: frozenset[str] = frozenset()
+
+    @property
+    def weights(self) -> Component:
+        """The weights component, with this model's file stem (`adapter_model` for PEFT)."""
+        return replace(MODEL, file_stem=self.file_stem)
+
+    def key(self, live_name: str) -> str | None:
+        """The key a live state-dict name is saved under, or None when `save_pretrained` does not write it (a tied
+        name; a PEFT model's base weights)."""
+        name = canonical_name(live_name)
+        if name in self.tied:
+            return None
+        if self.adapter is None:
+            return name
+        key = name.replace(f".{self.adapter}", "")
+        return key if key in self.adapter_keys else None
+
+    def stored_key(self, live_name: str) -> str:
+        """The key a live tensor's values are stored under, and its optimizer state and master weights keyed by:
+        canonical, and for a tied name the name its tensor is saved under."""
+        name = canonical_name(live_name)
+        return self.tied.get(name, name)
+
+    def saved(self, state: Mapping[str, object]) -> dict[str, object]:
+        """`state` (live names) restricted to what is saved, by saved key, in order."""
+        return {key: value for name, value in state.items() if (key := self.key(name)) is not None}
+
+    def with_tied(self, saved: Mapping[str, object]) -> dict[str, object]:
+        """`saved` plus every tied name that is not written, sharing its source's value (what loading a state dict
+        into the live model expects)."""
+        return {**saved, **{t: saved[s] for t, s in self.tied.items() if s in saved and t not in saved}}

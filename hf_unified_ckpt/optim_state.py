@@ -69,32 +69,82 @@ def decode_hparam(value):
     return value
 
 
+class OptimizerStateEncoder:
+    """Builds the optimizer component, the same for every engine and legacy reader: `<param>/<state>` entries and
+    the index metadata (`param_groups`: hyper-parameters and parameter names; `state_types`: the Python type of
+    each scalar, "none" for a None value, which has no entry)."""
+
+    def __init__(self):
+        self.entries: dict[str, object] = {}
+        self.state_types: dict[str, str] = {}
+        self.groups: list[dict] = []
+
+    def add_group(self, hparams: Mapping, params: Sequence[str]) -> None:
+        """One param group: its hyper-parameters (`params` ignored) and the names of its parameters."""
+        self.groups.append({**{k: encode_hparam(k, v) for k, v in hparams.items() if k != "params"},
+                            "params": list(params)})
+
+    def add(self, param: str, state: str, value, stored=None) -> str:
+        """One per-parameter state value; returns its key. A tensor is kept as given, or as `stored` when the caller
+        holds it in another form (a sharded tensor, a lazy loader); a Python scalar becomes a 0-d tensor with its
+        type recorded; None is recorded only."""
+        key = optimizer_key(param, state)
+        if stored is not None:
+            self.entries[key] = stored
+        elif value is None:
+            self.state_types[key] = "none"
+        elif torch.is_tensor(value):
+            self.entries[key] = value
+        else:
+            self.entries[key], self.state_types[key] = encode_scalar(value, key)
+        return key
+
+    def metadata(self) -> dict:
+        return {"param_groups": self.groups, "state_types": self.state_types}
+
+
+class OptimizerStateDecoder:
+    """Reads the optimizer component back (a reader with `keys`, `get` and the index `metadata`)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.state_types: dict[str, str] = reader.metadata.get("state_types", {})
+        self.saved_groups: list[dict] = reader.metadata["param_groups"]
+
+    def group_hparams(self, current: Sequence[Sequence[str]]) -> list[dict]:
+        """The saved hyper-parameters of each group, after checking the groups hold the parameters `current`
+        (names, in the optimizer's order) holds."""
+        check_groups_match(group_param_names(self.reader.metadata), current)
+        return [{k: decode_hparam(v) for k, v in g.items() if k != "params"} for g in self.saved_groups]
+
+    def keys(self) -> list[str]:
+        """Every saved state key, None-valued ones included."""
+        return list(self.reader.keys()) + [k for k, t in self.state_types.items() if t == "none"]
+
+    def kind(self, key: str) -> str | None:
+        """"none", "bool", "int" or "float" for values that were not tensors; None for tensors."""
+        return self.state_types.get(key)
+
+    def value(self, key: str):
+        """The saved value: None, a Python scalar of its saved type, or the tensor (read whole)."""
+        kind = self.kind(key)
+        return None if kind == "none" else decode_scalar(self.reader.get(key), kind)
+
+
 def flatten_optimizer_state(
     state_dict: Mapping, index_to_name: Mapping[int, str]
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Turn `optimizer.state_dict()` into (`{"<param>/<state>": tensor}`, metadata).
 
     `index_to_name` maps the integer ids of `state_dict["param_groups"][*]["params"]` to canonical names.
-    The metadata holds `param_groups` (hyper-parameters + parameter names) and `state_types`.
     """
-    tensors: dict[str, torch.Tensor] = {}
-    state_types: dict[str, str] = {}
+    encoder = OptimizerStateEncoder()
     for index, per_param in state_dict["state"].items():
-        name = index_to_name[index]
         for state_name, value in per_param.items():
-            key = optimizer_key(name, state_name)
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value
-            elif value is None:
-                state_types[key] = "none"
-            else:
-                tensors[key], state_types[key] = encode_scalar(value, key)
-    groups = []
+            encoder.add(index_to_name[index], state_name, value)
     for group in state_dict["param_groups"]:
-        encoded = {k: encode_hparam(k, v) for k, v in group.items() if k != "params"}
-        encoded["params"] = [index_to_name[i] for i in group["params"]]
-        groups.append(encoded)
-    return tensors, {"param_groups": groups, "state_types": state_types}
+        encoder.add_group(group, [index_to_name[i] for i in group["params"]])
+    return encoder.entries, encoder.metadata()
 
 
 def group_param_names(metadata: Mapping) -> list[list[str]]:
@@ -119,29 +169,18 @@ def check_groups_match(saved: Sequence[Sequence[str]], current: Sequence[Sequenc
             )
 
 
-def unflatten_optimizer_state(
-    keys: Sequence[str],
-    get_tensor: Callable[[str], torch.Tensor],
-    metadata: Mapping,
-    current_groups: Sequence[Sequence[str]],
-) -> dict:
-    """Build an `optimizer.load_state_dict()` argument for an optimizer whose groups hold `current_groups`
-    (parameter names, in the optimizer's own order). State ids follow that order, so the positional mapping
-    `load_state_dict` performs is the identity."""
-    check_groups_match(group_param_names(metadata), current_groups)
+def unflatten_optimizer_state(reader, current_groups: Sequence[Sequence[str]]) -> dict:
+    """Build an `optimizer.load_state_dict()` argument, from the optimizer component `reader`, for an optimizer whose
+    groups hold `current_groups` (parameter names, in the optimizer's own order). State ids follow that order, so
+    the positional mapping `load_state_dict` performs is the identity."""
+    decoder = OptimizerStateDecoder(reader)
+    hparams = decoder.group_hparams(current_groups)
     name_to_index = {name: i for i, name in enumerate(n for group in current_groups for n in group)}
-    state_types = metadata.get("state_types", {})
     state: dict[int, dict] = {}
-    for key in list(keys) + [k for k, t in state_types.items() if t == "none"]:
+    for key in decoder.keys():
         name, state_name = split_optimizer_key(key)
         if name not in name_to_index:
             raise ValueError(f"optimizer state {key!r} belongs to no parameter of the current optimizer.")
-        kind = state_types.get(key)
-        value = None if kind == "none" else decode_scalar(get_tensor(key), kind)
-        state.setdefault(name_to_index[name], {})[state_name] = value
-    groups = []
-    for saved_group, names in zip(metadata["param_groups"], current_groups):
-        group = {k: decode_hparam(v) for k, v in saved_group.items() if k != "params"}
-        group["params"] = [name_to_index[n] for n in names]
-        groups.append(group)
+        state.setdefault(name_to_index[name], {})[state_name] = decoder.value(key)
+    groups = [{**hp, "params": [name_to_index[n] for n in names]} for hp, names in zip(hparams, current_groups)]
     return {"state": state, "param_groups": groups}

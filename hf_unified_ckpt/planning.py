@@ -7,8 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from typing import TYPE_CHECKING
+
 from huggingface_hub import split_state_dict_into_shards_factory
+
+from .storage.headers import safetensors_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 #: Below this many bytes per writer, splitting a component across ranks costs more than it saves.
 MIN_PARALLEL_SHARD_BYTES = 64 * 2**20
@@ -132,3 +138,60 @@ def _plan_pinned(component: str, specs: list[TensorSpec], writers: int, max_shar
     return ComponentPlan(component, pattern, {f: c for f, (_, c) in zip(names, chunks)},
                          {f: r for f, (r, _) in zip(names, chunks)}, sum(s.nbytes for s in specs),
                          {s.name: s for s in specs}, stem)
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """The bytes of one tensor (or of a part of it) in a file: `[start, end)` of the file's data section (after
+    the header), written by `rank`."""
+
+    name: str
+    start: int
+    end: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One file of the checkpoint, fixed before any byte is written: its component, its safetensors header
+    (every tensor's dtype, shape and data offsets, in the order safetensors lays them out: wider dtypes first,
+    then by name), the rank that writes the header and the write items that fill its data section."""
+
+    component: str
+    name: str
+    tensor_names: tuple[str, ...]  # in the component plan's order (the order of collectives that assemble them)
+    header_rank: int
+    header: dict = field(repr=False)
+    items: tuple[WriteItem, ...] = field(repr=False)
+
+    @property
+    def writers(self) -> frozenset[int]:
+        return frozenset(item.rank for item in self.items)
+
+    @property
+    def data_bytes(self) -> int:
+        return max((item.end for item in self.items), default=0)
+
+
+def file_plans(plan: ComponentPlan) -> list[FilePlan]:
+    """The files of a component plan with their headers and whole-tensor write items (each file written by its
+    owner). Pure: every rank computes the same list."""
+    out = []
+    for file, names in plan.files.items():
+        specs = [plan.specs[n] for n in names]
+        header, offsets = safetensors_header(specs)
+        items = tuple(WriteItem(s.name, *offsets[s.name], plan.owners[file]) for s in specs)
+        out.append(FilePlan(plan.component, file, tuple(names), plan.owners[file], header, items))
+    return out
+
+
+def safetensors_header(specs: list[TensorSpec]) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """The header `safetensors.torch.save_file` writes for these tensors (with `{"format": "pt"}` metadata), and
+    each tensor's byte range in the data section."""
+    offsets, start = {}, 0
+    for spec in sorted(specs, key=lambda s: (-s.dtype.itemsize, s.name)):
+        offsets[spec.name] = (start, start + spec.nbytes)
+        start += spec.nbytes
+    header = {s.name: {"dtype": safetensors_dtype(s.dtype), "shape": list(s.shape),
+                       "data_offsets": list(offsets[s.name])} for s in specs}
+    return {"__metadata__": {"format": "pt"}, **header}, offsets

@@ -30,7 +30,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from . import dist
-from .engines.base import MODEL, OPTIMIZER, EngineAdapter
+from .components import Role, component
+from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
 from .options import UnifiedCheckpointOptions
 from .planning import ComponentPlan, plan_component
@@ -70,14 +71,14 @@ class SavePlan:
 def plan_save(engine: EngineAdapter, request: SaveRequest) -> SavePlan:
     """The save plan, identical on all ranks. Collective (locality hints of sharded engines): all ranks must
     call it."""
-    components = [c for c in engine.components() if request.include_optimizer or c != OPTIMIZER]
+    components = [c for c in engine.components() if request.include_optimizer or c.role is not Role.OPTIMIZER]
     plans = {}
     for c in components:
-        plan = plan_component(c, engine.specs(c), dist.world_size(), request.options.max_shard_size,
-                              file_stem=engine.file_stem(c), owners=engine.preferred_owners(c))
-        if c == OPTIMIZER:
+        plan = plan_component(c.name, engine.specs(c.name), dist.world_size(), request.options.max_shard_size,
+                              file_stem=c.file_stem, owners=engine.preferred_owners(c.name))
+        if c.role is Role.OPTIMIZER:
             plan = dataclasses.replace(plan, index_metadata=copy.deepcopy(engine.optimizer_metadata()))
-        plans[c] = plan
+        plans[c.name] = plan
     return SavePlan(plans, copy.deepcopy(engine.saved_by()))
 
 
@@ -206,14 +207,14 @@ def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest, records: l
     files every folder holds (empty when all ranks share one folder)."""
     shards = {f for cplan in plan.components.values() for f in cplan.files}
     entries = {}
-    for component, cplan in plan.components.items():
+    for name, cplan in plan.components.items():
         index = None
-        if component != MODEL or cplan.is_sharded:
+        if component(name).role is not Role.WEIGHTS or cplan.is_sharded:  # from_pretrained: no index for one file
             records.append(write_index(staging.path, cplan.file_stem, cplan.weight_map, cplan.total_size,
                                        cplan.index_metadata))
             index = index_name(cplan.file_stem)
-        entries[component] = ComponentEntry(cplan.file_stem, tuple(cplan.files), index, len(cplan.weight_map),
-                                            cplan.total_size)
+        entries[name] = ComponentEntry(cplan.file_stem, tuple(cplan.files), index, len(cplan.weight_map),
+                                       cplan.total_size)
     manifest = build_manifest(request.global_step, plan.saved_by, request.options.as_manifest_dict(),
                               entries, records)
     write_manifest(staging.path, manifest)
@@ -242,13 +243,14 @@ def save_model_weights(engine: EngineAdapter, folder: Path, max_shard_size: int,
     then the files are moved in, replacing the model files of an earlier save. Nothing else is touched.
 
     Collective: all ranks must call it; a failure on any rank is raised on every rank."""
-    plan = plan_component(MODEL, engine.specs(MODEL), 1, max_shard_size, file_stem=engine.file_stem(MODEL))
+    weights = next(c for c in engine.components() if c.role is Role.WEIGHTS)
+    plan = plan_component(weights.name, engine.specs(weights.name), 1, max_shard_size, file_stem=weights.file_stem)
     staging = Staging(folder / f".{plan.file_stem}.incomplete", folder, 0, shared=True)
     status = guarded(lambda: prepare_staging(staging.path)) if dist.rank() == 0 else (True, None)
     raise_if_failed([dist.broadcast_object(status)], staging)
 
     def write() -> None:
-        _write_share(engine, {MODEL: plan}, staging.path, f"Saving the model to {folder}",
+        _write_share(engine, {weights.name: plan}, staging.path, f"Saving the model to {folder}",
                      show_progress and dist.rank() == 0)
         if dist.rank() == 0:
             if plan.is_sharded:

@@ -1,21 +1,51 @@
-"""The seam between the save/load algorithms and a training engine."""
+"""The seam between the save/load algorithms and a training engine.
+
+An engine holds the tensors of some components (`components.py`): it lists them, describes their tensors and
+hands them out by component name, and takes a `LoadSources` mapping back. Engines never branch on component
+names: each keeps a mapping from the names it holds to where their tensors come from (`component_source`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
+from ..components import Component
 from ..planning import TensorSpec
 
-MODEL, MASTER, OPTIMIZER = "model", "master_weights", "optimizer"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LoadSources:
+    """What an engine loads from: a reader per component name, and the global step.
+
+    The `master_weights` reader holds the best fp32 values of the trainable weights: the master weights' files
+    when saved, else the model weights (exact when they are fp32; a rebuild from low precision otherwise).
+    """
+
+    readers: Mapping[str, object]
+    global_step: int
+
+    def get(self, component: Component):
+        """The reader of `component`, or None when it is not loaded (the optimizer of a weights-only load)."""
+        return self.readers.get(component.name)
+
+
+def component_source(sources: Mapping[str, T], component: str, engine: str) -> T:
+    """`sources[component]`, or a clear error naming the components `engine` holds."""
+    try:
+        return sources[component]
+    except KeyError:
+        raise KeyError(f"the {engine} engine holds no {component!r} component (it holds {sorted(sources)})") from None
 
 
 class EngineAdapter(Protocol):
     """What the save and load algorithms need from an engine.
 
-    `components`, `specs` and `optimizer_metadata` are identical on every rank, so every rank computes the
+    `components` (with the file stem of each), `specs` and `optimizer_metadata` are identical on every rank, so every rank computes the
     same plan. `preferred_owners` and `exchange` (which assembles one file's tensors on the rank `owner` that
     writes it) may be collectives on sharded engines: all ranks call them in the same order. After `exchange`,
     `tensors` only reads what this rank holds, and may run in a writer thread.
@@ -25,9 +55,7 @@ class EngineAdapter(Protocol):
 
     def saved_by(self) -> dict: ...
 
-    def components(self) -> list[str]: ...
-
-    def file_stem(self, component: str) -> str: ...
+    def components(self) -> list[Component]: ...
 
     def specs(self, component: str) -> list[TensorSpec]: ...
 

@@ -27,14 +27,15 @@ import torch
 from torch import nn
 
 from .. import dist
+from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
-from ..hf_model import is_peft_model, write_model_configs
-from ..names import canonical_name, optimizer_key, split_optimizer_key
-from ..optim_state import check_groups_match, decode_hparam, decode_scalar, encode_hparam, encode_scalar
+from ..hf_model import is_peft_model, naming_policy, write_model_configs
+from ..names import optimizer_key, split_optimizer_key
+from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_scalar
 from ..planning import TensorSpec
 from ..storage.safetensors_io import ComponentReader
 from ..support import refuse_unsupported
-from .base import MASTER, MODEL, OPTIMIZER
+from .base import component_source
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class DeepSpeedEngine:
             raise UnsupportedCheckpointError(
                 f"unified checkpoints support DeepSpeed ZeRO stages 1, 2 and 3 with a torch optimizer; this engine "
                 f"runs stage {self.stage} with {type(self.zero).__name__}.")
+        self.naming = naming_policy(self.module)
         self._named = self._collect_params()
         self.lp_dtype = next(p.dtype for _, p in self._named)
         self.has_master = self.lp_dtype != torch.float32
@@ -98,18 +100,8 @@ class DeepSpeedEngine:
 
     # ---- parameters, names, groups -------------------------------------------------------------------
     def _collect_params(self) -> list[tuple[str, nn.Parameter]]:
-        """(canonical name, parameter) once per parameter, named as save_pretrained keeps tied weights."""
-        tied_targets = set(getattr(self.module, "all_tied_weights_keys", {}) or {})
-        names: dict[int, list[str]] = {}
-        params: dict[int, nn.Parameter] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(canonical_name(name))
-            params[id(p)] = p
-        out = []
-        for pid, candidates in names.items():
-            kept = [n for n in candidates if n not in tied_targets] or candidates
-            out.append((kept[0], params[pid]))
-        return out
+        """(saved name, parameter) once per parameter, named as the naming policy keeps tied weights."""
+        return [(self.naming.stored_key(name), p) for name, p in self.module.named_parameters()]
 
     def _trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self._named if p.requires_grad]
@@ -161,36 +153,41 @@ class DeepSpeedEngine:
 
     # ---- EngineAdapter: description --------------------------------------------------------------------
     def saved_by(self) -> dict:
-        return {"engine": "deepspeed", "world_size": dist.world_size(), "zero_stage": self.stage,
-                "fsdp_version": None, "param_dtypes": [str(self.lp_dtype).removeprefix("torch.")],
-                "master_weights": self.has_master and self.master_policy == "save",
-                "master_weights_dtype": "float32" if self.has_master else None}
+        return saved_by("deepspeed", dist.world_size(), [self.lp_dtype], zero_stage=self.stage,
+                        master_weights=self.has_master and self.master_policy == "save",
+                        master_weights_dtype="float32" if self.has_master else None)
 
     def needs_fp32_master(self) -> bool:
         """bf16 training keeps fp32 master weights; fp32 training loads them into the parameters."""
         return any(p.requires_grad for _, p in self._named)
 
-    def components(self) -> list[str]:
-        return [MODEL, MASTER, OPTIMIZER] if self.has_master and self.master_policy == "save" else [MODEL, OPTIMIZER]
+    def components(self) -> list[Component]:
+        weights = self.naming.weights
+        master = [MASTER] if self.has_master and self.master_policy == "save" else []
+        return [weights, *master, OPTIMIZER]
 
-    def file_stem(self, component: str) -> str:
-        return {MODEL: "model", MASTER: "master_weights", OPTIMIZER: "optimizer"}[component]
+    def _held(self, component: str, table: dict):
+        """`table[component]` for a component this engine writes (see `components`)."""
+        return component_source({c.name: table[c.name] for c in self.components()}, component, self.engine)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffers by canonical name (state_dict keys are valid under ZeRO-3 too)."""
         if self._buffer_map is None:
             persistent = set(self.module.state_dict(keep_vars=True).keys())
-            self._buffer_map = {canonical_name(n): b for n, b in self.module.named_buffers() if n in persistent}
+            self._buffer_map = {self.naming.stored_key(n): b for n, b in self.module.named_buffers() if n in persistent}
         return self._buffer_map
 
     def specs(self, component: str) -> list[TensorSpec]:
-        if component == MODEL:
-            dtype = torch.float32 if self.master_policy == "as_model" else None
-            return ([TensorSpec(n, self._full_shape(p), dtype or p.dtype) for n, p in self._named]
-                    + [TensorSpec.of(n, b) for n, b in self._buffers().items()])
-        if component == MASTER:
-            return [TensorSpec(n, self._full_shape(p), torch.float32) for n, p in self._trainable()]
-        return self._optimizer_specs()
+        return self._held(component, {MODEL.name: self._weights_specs, MASTER.name: self._master_specs,
+                                      OPTIMIZER.name: self._optimizer_specs})()
+
+    def _weights_specs(self) -> list[TensorSpec]:
+        dtype = torch.float32 if self.master_policy == "as_model" else None
+        return ([TensorSpec(n, self._full_shape(p), dtype or p.dtype) for n, p in self._named]
+                + [TensorSpec.of(n, b) for n, b in self._buffers().items()])
+
+    def _master_specs(self) -> list[TensorSpec]:
+        return [TensorSpec(n, self._full_shape(p), torch.float32) for n, p in self._trainable()]
 
     def _optimizer_specs(self) -> list[TensorSpec]:
         specs = []
@@ -206,30 +203,33 @@ class DeepSpeedEngine:
         return specs
 
     def optimizer_metadata(self) -> dict:
-        groups = []
+        """Param groups and scalar types (the state tensors are read from DeepSpeed's fragments, not encoded)."""
+        encoder = OptimizerStateEncoder()
         for g, names in enumerate(self._groups):
-            hp = {k: encode_hparam(k, v) for k, v in self.base.param_groups[g].items() if k != "params"}
-            groups.append({**hp, "params": list(names)})
-        state_types = {}
-        for g, (_, scalar_keys) in enumerate(self._state_keys()):
+            encoder.add_group(self.base.param_groups[g], names)
             state = self._group_state(g)
-            for k in scalar_keys:
-                kind = encode_scalar(state[k])[1]
-                if kind:
-                    state_types.update({optimizer_key(n, k): kind for n in self._groups[g]})
-        return {"param_groups": groups, "state_types": state_types}
+            for key in self._state_keys()[g][1]:  # per-group scalars, written once per parameter
+                for name in names:
+                    encoder.add(name, key, state[key])
+        return encoder.metadata()
 
     # ---- where each tensor comes from ------------------------------------------------------------------
     def _source(self, component: str, name: str) -> tuple:
         """("lp", param) | ("buffer", tensor) | ("hp", param, state key or None) | ("scalar", group, key)."""
+        return self._held(component, {MODEL.name: self._weights_source, MASTER.name: self._master_source,
+                                      OPTIMIZER.name: self._optimizer_source})(name)
+
+    def _weights_source(self, name: str) -> tuple:
+        if name not in self._by_name:
+            return ("buffer", self._buffers()[name])
+        p = self._by_name[name]
+        return ("hp", p, None) if self.master_policy == "as_model" and p.requires_grad else ("lp", p)
+
+    def _master_source(self, name: str) -> tuple:
+        return ("hp", self._by_name[name], None)
+
+    def _optimizer_source(self, name: str) -> tuple:
         by_name = self._by_name
-        if component == MODEL:
-            if name not in by_name:
-                return ("buffer", self._buffers()[name])
-            p = by_name[name]
-            return ("hp", p, None) if self.master_policy == "as_model" and p.requires_grad else ("lp", p)
-        if component == MASTER:
-            return ("hp", by_name[name], None)
         param_name, key = split_optimizer_key(name)
         g = self._group_index[param_name]
         if key in self._state_keys()[g][1]:
@@ -325,22 +325,22 @@ class DeepSpeedEngine:
     # ---- load: each rank reads only the rows it holds ------------------------------------------------------
     def load(self, sources) -> None:
         """Load from `sources` (a `load.LoadSources`). Local reads and writes only (no collectives)."""
-        model_specs = sources.model.specs()
+        model, master, optimizer = sources.get(MODEL), sources.get(MASTER), sources.get(OPTIMIZER)
+        model_specs = model.specs()
         missing = sorted((set(self._by_name) | set(self._buffers())) - set(model_specs))
         if missing:
             raise UnsupportedCheckpointError(f"the checkpoint has no weights for {count_and_first(missing)}; "
                                              "build the same "
                                              "architecture as the run that saved it.")
         for name, p in self._named:
-            src = sources.master if (p.dtype == torch.float32 and p.requires_grad) else sources.model
-            self._load_lp(src, name, p)
+            self._load_lp(master if (p.dtype == torch.float32 and p.requires_grad) else model, name, p)
         with torch.no_grad():
             for name, buf in self._buffers().items():
-                buf.copy_(sources.model.get(name))
+                buf.copy_(model.get(name))
         for name, p in self._trainable():  # the fp32 partitions are separate copies even in fp32 training
-            self._load_hp(sources.master, name, p, None, name)
-        if sources.optimizer is not None:
-            self._load_optimizer(sources.optimizer)  # a resume: the engine's counters follow the checkpoint
+            self._load_hp(master, name, p, None, name)
+        if optimizer is not None:
+            self._load_optimizer(optimizer)  # a resume: the engine's counters follow the checkpoint
             self.ds.global_steps = sources.global_step
             self.ds.global_samples = sources.global_step * self.ds.train_batch_size()
 
@@ -383,16 +383,14 @@ class DeepSpeedEngine:
             safe_set_local_optimizer_state(p, padded, key)
 
     def _load_optimizer(self, reader: ComponentReader) -> None:
-        check_groups_match([g["params"] for g in reader.metadata["param_groups"]], self._groups)
-        state_types = reader.metadata.get("state_types", {})
+        decoder = OptimizerStateDecoder(reader)
         specs = reader.specs()
-        for g, saved in enumerate(reader.metadata["param_groups"]):
-            self.base.param_groups[g].update({k: decode_hparam(v) for k, v in saved.items() if k != "params"})
+        for g, hparams in enumerate(decoder.group_hparams(self._groups)):
+            self.base.param_groups[g].update(hparams)
             tensor_keys, scalar_keys = _keys_of_group(self._groups[g], specs, self._by_name, self._full_shape)
             self._init_group_state(g, tensor_keys)
             for key in scalar_keys:
-                first = optimizer_key(self._groups[g][0], key)
-                value = decode_scalar(reader.get(first), state_types.get(first))
+                value = decoder.value(optimizer_key(self._groups[g][0], key))
                 for flat in self._group_flats(g):
                     self.base.state[flat][key] = value.clone() if torch.is_tensor(value) else value
             for name in self._groups[g]:

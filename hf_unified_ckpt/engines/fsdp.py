@@ -16,13 +16,14 @@ import torch
 from torch import nn
 
 from .. import dist
+from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
-from ..hf_model import is_peft_model, write_model_configs
-from ..names import canonical_name, optimizer_key, split_optimizer_key
-from ..optim_state import check_groups_match, decode_hparam, decode_scalar, encode_hparam, encode_scalar
+from ..hf_model import is_peft_model, naming_policy, write_model_configs
+from ..names import optimizer_key, split_optimizer_key
+from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder
 from ..planning import TensorSpec
 from ..support import refuse_unsupported
-from .base import MODEL, OPTIMIZER
+from .base import component_source
 
 
 def _is_sharded(t) -> bool:
@@ -92,8 +93,10 @@ class FSDPEngine:
         self.version = 2 if any(type(p).__name__ == "DTensor" for p in model.parameters()) else 1
         self.engine = f"fsdp{self.version}"
         self._options = StateDictOptions(full_state_dict=False)
+        self.naming = naming_policy(_unwrap(model))
         self._model_sd: dict | None = None
-        self._tied: dict[str, str] = {}
+        self._encoded: OptimizerStateEncoder | None = None
+        self._sources = {MODEL.name: self._model_state, OPTIMIZER.name: self._optim_tensors}
         self._optim_sd: dict | None = None
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -103,16 +106,8 @@ class FSDPEngine:
         if self._model_sd is None:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            tied = dict(getattr(_unwrap(self.model), "all_tied_weights_keys", {}) or {})
-            raw = {canonical_name(k): v for k, v in get_model_state_dict(self.model, options=self._options).items()}
-            self._model_sd = {k: v for k, v in raw.items() if k not in tied}
-            self._tied = {target: source for target, source in tied.items() if target in raw and source in raw}
+            self._model_sd = self.naming.saved(get_model_state_dict(self.model, options=self._options))
         return self._model_sd
-
-    def _with_tied(self, model_sd: dict) -> dict:
-        """`model_sd` plus the tied names save_pretrained leaves out (they share their source's tensor), which
-        `set_model_state_dict` expects."""
-        return {**model_sd, **{target: model_sd[source] for target, source in self._tied.items()}}
 
     def _optim_state(self) -> dict:
         """Collective on first call: all ranks must call it."""
@@ -121,54 +116,49 @@ class FSDPEngine:
 
             raw = get_optimizer_state_dict(self.model, self.optimizer, options=self._options)
             self._optim_sd = {
-                "state": {canonical_name(k): v for k, v in raw["state"].items()},
-                "param_groups": [{**g, "params": [canonical_name(p) for p in g["params"]]} for g in raw["param_groups"]],
+                "state": {self.naming.stored_key(k): v for k, v in raw["state"].items()},
+                "param_groups": [{**g, "params": [self.naming.stored_key(p) for p in g["params"]]}
+                                 for g in raw["param_groups"]],
             }
         return self._optim_sd
 
+    def _optim_encoded(self) -> OptimizerStateEncoder:
+        """The optimizer component: sharded or whole state tensors, scalars as 0-d tensors, and its metadata.
+        Collective on first call: all ranks must call it."""
+        if self._encoded is None:
+            osd, encoder = self._optim_state(), OptimizerStateEncoder()
+            for name, per_param in osd["state"].items():
+                for key, value in per_param.items():
+                    encoder.add(name, key, value, stored=value if _is_sharded(value) else None)
+            for group in osd["param_groups"]:
+                encoder.add_group(group, group["params"])
+            self._encoded = encoder
+        return self._encoded
+
     def _optim_tensors(self) -> dict[str, object]:
-        out = {}
-        for name, per_param in self._optim_state()["state"].items():
-            for key, value in per_param.items():
-                out[optimizer_key(name, key)] = value
-        return out
+        return self._optim_encoded().entries
 
     # ---- EngineAdapter: description --------------------------------------------------------------------
     def saved_by(self) -> dict:
-        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in self._model_state().values()})
-        return {"engine": "fsdp", "world_size": dist.world_size(), "zero_stage": None,
-                "fsdp_version": self.version, "param_dtypes": dtypes, "master_weights": False}
+        return saved_by("fsdp", dist.world_size(), [t.dtype for t in self._model_state().values()],
+                        fsdp_version=self.version)
 
     def needs_fp32_master(self) -> bool:
         return any(p.requires_grad and p.dtype == torch.float32 for p in self.model.parameters())
 
-    def components(self) -> list[str]:
-        return [MODEL, OPTIMIZER]
+    def components(self) -> list[Component]:
+        return [self.naming.weights, OPTIMIZER]
 
-    def file_stem(self, component: str) -> str:
-        return component
+    def _source(self, component: str) -> dict:
+        """Name -> tensor (sharded or whole) or Python scalar of `component`. Collective on first call of each
+        component: all ranks must call it."""
+        return component_source(self._sources, component, self.engine)()
 
     def specs(self, component: str) -> list[TensorSpec]:
-        if component == MODEL:
-            return [TensorSpec(n, _global_shape(t), t.dtype) for n, t in self._model_state().items()]
-        specs = []
-        for key, value in self._optim_tensors().items():
-            if torch.is_tensor(value) or _is_sharded(value):
-                specs.append(TensorSpec(key, _global_shape(value), value.dtype))
-            elif value is not None:
-                specs.append(TensorSpec(key, (), encode_scalar(value)[0].dtype))
-        return specs
+        return [TensorSpec(key, _global_shape(t), t.dtype) for key, t in self._source(component).items()]
 
     def optimizer_metadata(self) -> dict:
-        groups = [{**{k: encode_hparam(k, v) for k, v in g.items() if k != "params"}, "params": list(g["params"])}
-                  for g in self._optim_state()["param_groups"]]
-        state_types = {}
-        for key, value in self._optim_tensors().items():
-            if value is None:
-                state_types[key] = "none"
-            elif not (torch.is_tensor(value) or _is_sharded(value)):
-                state_types[key] = encode_scalar(value)[1]
-        return {"param_groups": groups, "state_types": state_types}
+        return self._optim_encoded().metadata()
 
     def preferred_owners(self, component: str) -> dict[str, int]:
         return {}
@@ -176,7 +166,7 @@ class FSDPEngine:
     def exchange(self, component: str, names: Sequence[str], owner: int) -> None:
         """Assemble on `owner` every sharded tensor of one file. Collective: all ranks must call it, in the same
         order (the loop order is the order of the collectives)."""
-        source = self._model_state() if component == MODEL else self._optim_tensors()
+        source = self._source(component)
         for name in names:
             if _is_sharded(source[name]):
                 full = _full_on(source[name], owner)
@@ -185,12 +175,11 @@ class FSDPEngine:
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Tensors this rank writes (after `exchange`); local reads only."""
-        source = self._model_state() if component == MODEL else self._optim_tensors()
+        source = self._source(component)
         out = {}
         for name in names:
             cached = self._cache.pop((component, name), None)
-            value = source[name]
-            out[name] = cached if cached is not None else (value if torch.is_tensor(value) else encode_scalar(value)[0])
+            out[name] = cached if cached is not None else source[name]
         return out
 
     def write_configs(self, folder) -> None:
@@ -202,49 +191,44 @@ class FSDPEngine:
         from torch.distributed.checkpoint.state_dict import (_init_optim_state, set_model_state_dict,
                                                             set_optimizer_state_dict)
 
+        model, master, optimizer = sources.get(MODEL), sources.get(MASTER), sources.get(OPTIMIZER)
         model_sd = self._model_state()
-        missing = sorted(set(model_sd) - set(sources.model.keys()))
+        missing = sorted(set(model_sd) - set(model.keys()))
         if missing:
             raise UnsupportedCheckpointError(f"the checkpoint has no weights for {count_and_first(missing)}; "
                                              "build the same "
                                              "architecture as the run that saved it.")
-        trainable = {canonical_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
+        trainable = {self.naming.stored_key(n) for n, p in self.model.named_parameters() if p.requires_grad}
         with torch.no_grad():
             for name, target in model_sd.items():
-                reader = sources.master if name in trainable and name in sources.master else sources.model
-                _fill(target, reader, name)
-        set_model_state_dict(self.model, self._with_tied(model_sd), options=self._options)
-        if sources.optimizer is None:
+                _fill(target, master if name in trainable and name in master else model, name)
+        set_model_state_dict(self.model, self.naming.with_tied(model_sd), options=self._options)
+        if optimizer is None:
             return
         _init_optim_state(self.optimizer)  # DCP's own: creates the state tensors a fresh optimizer lacks
-        self._optim_sd = None
+        self._optim_sd, self._encoded = None, None
         osd = self._optim_state()
-        self._fill_optimizer(osd, sources.optimizer)
+        self._fill_optimizer(osd, optimizer)
         set_optimizer_state_dict(self.model, self.optimizer, osd, options=self._options)
 
     def _fill_optimizer(self, osd: dict, reader) -> None:
-        saved = reader.metadata["param_groups"]
-        check_groups_match([g["params"] for g in saved], [g["params"] for g in osd["param_groups"]])
-        for group, saved_group in zip(osd["param_groups"], saved):
-            group.update({k: decode_hparam(v) for k, v in saved_group.items() if k != "params"})
-        state_types = reader.metadata.get("state_types", {})
+        decoder = OptimizerStateDecoder(reader)
+        for group, hparams in zip(osd["param_groups"], decoder.group_hparams([g["params"] for g in osd["param_groups"]])):
+            group.update(hparams)
         wanted = set()
-        for key in list(reader.keys()) + [k for k, t in state_types.items() if t == "none"]:
+        for key in decoder.keys():
             name, state = split_optimizer_key(key)
             if name not in osd["state"]:
                 raise UnsupportedCheckpointError(f"optimizer state {key!r} belongs to no parameter of this model.")
             wanted.add(key)
             current = osd["state"][name].get(state)
-            kind = state_types.get(key)
-            if kind == "none":
-                osd["state"][name][state] = None
-            elif kind in ("bool", "int", "float"):
-                osd["state"][name][state] = decode_scalar(reader.get(key), kind)
-            elif current is not None and (_is_sharded(current) or current.dim() > 0):
+            if decoder.kind(key) is None and current is not None and (_is_sharded(current) or current.dim() > 0):
                 with torch.no_grad():
-                    _fill(current, reader, key)
-            else:
-                osd["state"][name][state] = reader.get(key).to(current.dtype if current is not None else None)
+                    _fill(current, reader, key)  # only the slices this rank's shards cover
+                continue
+            value = decoder.value(key)
+            osd["state"][name][state] = value.to(current.dtype) if torch.is_tensor(value) and current is not None \
+                else value
         stale = sorted(optimizer_key(n, k) for n, per in osd["state"].items() for k in per
                        if optimizer_key(n, k) not in wanted)
         if stale:

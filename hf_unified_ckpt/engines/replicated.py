@@ -10,13 +10,13 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from .. import dist
+from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first, missing_and_unexpected
-from ..names import canonical_name
-from ..hf_model import alias_groups, is_peft_model, model_state_for_save, parameter_names, weights_stem, write_model_configs
+from ..hf_model import is_peft_model, model_state_for_save, naming_policy, parameter_names, write_model_configs
 from ..optim_state import flatten_optimizer_state, unflatten_optimizer_state
 from ..planning import TensorSpec
 from ..storage.safetensors_io import ComponentReader
-from .base import MODEL, OPTIMIZER
+from .base import component_source
 
 
 class ReplicatedEngine:
@@ -26,24 +26,24 @@ class ReplicatedEngine:
         self.module = extract_model_from_parallel(model)
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         self.engine = "ddp" if dist.world_size() > 1 else "single"
-        self._model_state = model_state_for_save(self.module)
-        self._names = parameter_names(self.module, set(self._model_state))
+        self.naming = naming_policy(self.module)
+        self._model_state = model_state_for_save(self.module, self.naming)
+        self._names = parameter_names(self.module, self.naming)
         self._optim: tuple[dict, dict] | None = None
+        self._sources = {MODEL.name: lambda: self._model_state, OPTIMIZER.name: lambda: self._optimizer_flat()[0]}
 
     def saved_by(self) -> dict:
-        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.module.parameters()})
-        return {"engine": self.engine, "world_size": dist.world_size(), "zero_stage": None, "fsdp_version": None,
-                "param_dtypes": dtypes, "master_weights": False}
+        return saved_by(self.engine, dist.world_size(), [p.dtype for p in self.module.parameters()])
 
     def needs_fp32_master(self) -> bool:
         """fp32 trainable parameters need fp32 values on load."""
         return any(p.requires_grad and p.dtype == torch.float32 for p in self.module.parameters())
 
-    def components(self) -> list[str]:
-        return [MODEL, OPTIMIZER]
+    def components(self) -> list[Component]:
+        return [self.naming.weights, OPTIMIZER]
 
-    def file_stem(self, component: str) -> str:
-        return weights_stem(self.module) if component == MODEL else component
+    def _source(self, component: str) -> dict:
+        return component_source(self._sources, component, self.engine)()
 
     def preferred_owners(self, component: str) -> dict[str, int]:
         return {}  # every rank holds everything
@@ -71,11 +71,10 @@ class ReplicatedEngine:
             ) from None
 
     def specs(self, component: str) -> list[TensorSpec]:
-        source = self._model_state if component == MODEL else self._optimizer_flat()[0]
-        return [TensorSpec.of(n, t) for n, t in source.items()]
+        return [TensorSpec.of(n, t) for n, t in self._source(component).items()]
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        source = self._model_state if component == MODEL else self._optimizer_flat()[0]
+        source = self._source(component)
         return {n: source[n] for n in names}
 
     def optimizer_metadata(self) -> dict:
@@ -87,21 +86,20 @@ class ReplicatedEngine:
     # ---- load -------------------------------------------------------------------------------------------
     def load(self, sources) -> None:
         """Load from `sources` (a `load.LoadSources`); local only."""
-        self.load_model(sources.model, sources.master)
-        if sources.optimizer is not None:
-            self.load_optimizer(sources.optimizer)
+        self.load_model(sources.get(MODEL), sources.get(MASTER))
+        if sources.get(OPTIMIZER) is not None:
+            self.load_optimizer(sources.get(OPTIMIZER))
 
     def load_model(self, reader: ComponentReader, master: ComponentReader | None = None) -> None:
         """Weights from `reader`; fp32 trainable parameters from `master` (exact fp32 values) when given."""
         if is_peft_model(self.module):
             return self._load_adapter(reader)
-        targets = {canonical_name(k): v for k, v in self.module.state_dict().items()}
+        targets = self.module.state_dict()
         fp32_trainable = {self._names[id(p)] for p in self.module.parameters() if p.requires_grad
                           and p.dtype == torch.float32}
-        aliases = alias_groups(targets)
-        sources = {name: next((a for a in aliases[name] if a in reader), None) for name in targets}
-        missing = sorted(n for n, s in sources.items() if s is None)
-        unexpected = sorted(set(reader.keys()) - {s for s in sources.values() if s})
+        sources = {name: self.naming.stored_key(name) for name in targets}
+        missing = sorted({s for s in sources.values() if s not in reader})
+        unexpected = sorted(set(reader.keys()) - set(sources.values()))
         if missing or unexpected:
             raise UnsupportedCheckpointError(
                 f"the checkpoint's model weights do not match the model: {missing_and_unexpected(missing, unexpected)}. "
@@ -117,7 +115,7 @@ class ReplicatedEngine:
     def _load_adapter(self, reader: ComponentReader) -> None:
         from peft import set_peft_model_state_dict
 
-        expected, found = set(model_state_for_save(self.module)), set(reader.keys())
+        expected, found = set(self._model_state), set(reader.keys())
         if expected != found:
             raise UnsupportedCheckpointError(
                 f"the checkpoint's adapter weights do not match the PEFT model: "
@@ -128,7 +126,7 @@ class ReplicatedEngine:
 
     def load_optimizer(self, reader: ComponentReader) -> None:
         current = [[self._param_name(p) for p in g["params"]] for g in self.optimizer.param_groups]
-        state = unflatten_optimizer_state(reader.keys(), reader.get, reader.metadata, current)
+        state = unflatten_optimizer_state(reader, current)
         self.optimizer.load_state_dict(state)
         self._optim = None
 

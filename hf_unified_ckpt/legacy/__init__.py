@@ -28,3 +28,15 @@ def _not_resumable(layout) -> str:
             f"learning-rate schedule, data position, RNG). Convert it with `hf-unified-ckpt convert {layout.path} OUT` "
             "and load OUT with from_pretrained (to start a new run from its weights), or resume from a checkpoint-N "
             "folder.")
+
+
+def legacy_components(legacy, for_loading: bool = False) -> dict:
+    """The components a legacy reader holds, by name: model weights, master weights (when the engine kept a
+    separate fp32 copy; for loading always, the model weights standing in for fp32 training) and optimizer."""
+    from ..components import MASTER, MODEL, OPTIMIZER
+
+    sources = {MODEL.name: legacy.model_source()}
+    if for_loading or legacy.saved_by()["master_weights"]:
+        sources[MASTER.name] = legacy.master_source()
+    sources[OPTIMIZER.name] = legacy.optimizer_source()
+    return sources

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..components import saved_by
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..names import optimizer_key
-from ..optim_state import encode_hparam, encode_scalar
+from ..optim_state import OptimizerStateEncoder
 from .sources import TensorSource
 
 _RANK_RE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -164,25 +164,17 @@ class LegacyDeepSpeedCheckpoint:
 
     def optimizer_source(self) -> TensorSource:
         """Optimizer state keyed `<param>/<state>` plus the param-group metadata of the unified format."""
-        base = self._base_state(0)
-        entries, state_types = {}, {}
+        base, encoder = self._base_state(0), OptimizerStateEncoder()
         for g, shapes in enumerate(self.param_shapes):
             state = base["state"].get(self._first_state_index(g), {})
             for key, value in state.items():
                 for name, shape in shapes.items():
-                    k = optimizer_key(name, key)
-                    if torch.is_tensor(value) and value.dim() > 0:
-                        entries[k] = (tuple(shape), torch.float32, lambda n=name, key=key: self.fp32(n, key))
-                    else:
-                        tensor, kind = encode_scalar(value, k)
-                        entries[k] = ((), tensor.dtype, lambda t=tensor: t.clone())
-                        if kind:
-                            state_types[k] = kind
-        groups = []
+                    lazy = (tuple(shape), torch.float32, lambda n=name, key=key: self.fp32(n, key)) \
+                        if torch.is_tensor(value) and value.dim() > 0 else None
+                    encoder.add(name, key, value, stored=lazy)
         for g, saved in enumerate(base["param_groups"]):
-            hp = {k: encode_hparam(k, v) for k, v in saved.items() if k != "params"}
-            groups.append({**hp, "params": list(self.param_shapes[g])})
-        return TensorSource(entries, {"param_groups": groups, "state_types": state_types})
+            encoder.add_group(saved, list(self.param_shapes[g]))
+        return TensorSource.encoded(encoder)
 
     def _first_state_index(self, g: int) -> int:
         """Index of the base-optimizer state entry that holds group g's scalars (ZeRO-3: its first sub-group)."""
@@ -192,10 +184,8 @@ class LegacyDeepSpeedCheckpoint:
         return self._z3_offsets[first][0]
 
     def saved_by(self) -> dict:
-        return {"engine": "deepspeed", "world_size": self.world_size, "zero_stage": self.stage, "fsdp_version": None,
-                "param_dtypes": [str(self.lp_dtype).removeprefix("torch.")],
-                "master_weights": self.lp_dtype != torch.float32,
-                "master_weights_dtype": "float32" if self.lp_dtype != torch.float32 else None,
-                "converted_from": "deepspeed-legacy"}
+        master = self.lp_dtype != torch.float32
+        return saved_by("deepspeed", self.world_size, [self.lp_dtype], zero_stage=self.stage, master_weights=master,
+                        master_weights_dtype="float32" if master else None, converted_from="deepspeed-legacy")
 
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from ..components import saved_by
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..names import canonical_name, optimizer_key
-from ..optim_state import encode_hparam, encode_scalar
+from ..names import canonical_name
+from ..optim_state import OptimizerStateEncoder
 from .sources import TensorSource
 
 MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"
@@ -84,9 +85,8 @@ class LegacyFSDPCheckpoint:
         return {"world_size": self.world_size, "fsdp": True}
 
     def saved_by(self) -> dict:
-        dtypes = sorted({str(d).removeprefix("torch.") for _, (_, d, _) in self._model_entries().items()})
-        return {"engine": "fsdp", "world_size": self.world_size, "zero_stage": None, "fsdp_version": None,
-                "param_dtypes": dtypes, "master_weights": False, "converted_from": f"fsdp-legacy-{self.kind}"}
+        dtypes = [d for _, (_, d, _) in self._model_entries().items()]
+        return saved_by("fsdp", self.world_size, dtypes, converted_from=f"fsdp-legacy-{self.kind}")
 
     # ---- model --------------------------------------------------------------------------------------------
     def _model_entries(self) -> dict:
@@ -104,14 +104,14 @@ class LegacyFSDPCheckpoint:
 
     # ---- optimizer ---------------------------------------------------------------------------------------
     def optimizer_source(self) -> TensorSource:
-        groups = self._param_groups()
+        groups, encoder = self._param_groups(), OptimizerStateEncoder()
         names = [n for g in groups for n in g["params"]]
-        entries, state_types = {}, {}
         if self.kind == "full":
             for name, per in self._optim_sd["state"].items():
                 for key, value in per.items():
-                    self._add(entries, state_types, optimizer_key(canonical_name(name), key), value,
-                              lambda n=name, k=key: self._optim_sd["state"][n][k])
+                    lazy = (tuple(value.shape), value.dtype, lambda n=name, k=key: self._optim_sd["state"][n][k].clone()) \
+                        if torch.is_tensor(value) else None
+                    encoder.add(canonical_name(name), key, value, stored=lazy)
         else:
             prefix = "optimizer.state."
             by_length = sorted(names, key=len, reverse=True)
@@ -120,21 +120,10 @@ class LegacyFSDPCheckpoint:
                 name = next((n for n in by_length if rest.startswith(n + ".")), None)
                 if not k.startswith(prefix) or name is None:
                     continue
-                key = optimizer_key(name, rest[len(name) + 1:])
-                entries[key] = (shape, dtype, lambda k=k: self._optim.tensor(k))
-        hp = [{**{k: encode_hparam(k, v) for k, v in g.items() if k != "params"}, "params": list(g["params"])}
-              for g in groups]
-        return TensorSource(entries, {"param_groups": hp, "state_types": state_types})
-
-    @staticmethod
-    def _add(entries, state_types, key, value, loader) -> None:
-        if torch.is_tensor(value):
-            entries[key] = (tuple(value.shape), value.dtype, lambda: loader().clone())
-        elif value is None:
-            state_types[key] = "none"
-        else:
-            tensor, state_types[key] = encode_scalar(value, key)
-            entries[key] = ((), tensor.dtype, lambda t=tensor: t.clone())
+                encoder.add(name, rest[len(name) + 1:], None, stored=(shape, dtype, lambda k=k: self._optim.tensor(k)))
+        for group in groups:
+            encoder.add_group(group, group["params"])
+        return TensorSource.encoded(encoder)
 
     def _param_groups(self) -> list[dict]:
         if self.kind == "full":
