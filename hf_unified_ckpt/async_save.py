@@ -26,8 +26,9 @@ import torch
 from . import dist
 from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
-from .save import ExtrasWriter, SaveRequest, Staging, conclude, guarded, open_staging, plan_save, raise_if_failed
-from .storage.safetensors_io import write_shard
+from .planning import FilePlan
+from .save import (WRITER, ExtrasWriter, SaveRequest, Staging, assembled_files, conclude, guarded, open_staging,
+                   plan_save, raise_if_failed)
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,8 @@ class AsyncSaver:
         final = Path(request.final_dir)
         staging = open_staging(final)
         plan = plan_save(engine, request)
-        mine = []
-        for component, cplan in plan.components.items():
-            for file, names in cplan.files.items():
-                engine.exchange(component, names, cplan.owners[file])
-                if cplan.owners[file] == dist.rank():
-                    mine.append((component, file, names))
+        mine = list(assembled_files(engine, plan.files, f"Saving {final.name}",
+                                    request.show_progress and dist.rank() == 0))
         self._snapshot_done.clear()
         self._thread = threading.Thread(target=self._run, name=f"hf_unified_ckpt-save-{final.name}",
                                         args=(engine, plan, mine, write_extras, staging, request, after_commit))
@@ -80,7 +77,7 @@ class AsyncSaver:
             self._snapshot_done.set()
         _yield_cpu_to_training()
         outcome = snapshot if not snapshot[0] else guarded(
-            lambda: [write_shard(staging.path / file, tensors) for file, tensors in snapshot[1]]
+            lambda: [WRITER.write(staging.path, file, tensors) for file, tensors in snapshot[1]]
             + write_extras(staging.path))
         try:
             reports = conclude(plan, staging, request, outcome, group=self._group, after_commit=after_commit)
@@ -88,14 +85,14 @@ class AsyncSaver:
             reports = [(False, f"rank {dist.rank()}: {type(e).__name__}: {e}")]
         self._result = (reports, staging)
 
-    def _snapshot(self, engine, mine) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    def _snapshot(self, engine, mine: list[FilePlan]) -> list[tuple[FilePlan, dict[str, torch.Tensor]]]:
         files = []
-        for component, file, names in mine:
+        for file in mine:
             tensors = {}
-            for name, tensor in engine.tensors(component, names).items():
-                buffer = self._buffers.get((component, name))
+            for name, tensor in engine.tensors(file.component, file.tensor_names).items():
+                buffer = self._buffers.get((file.component, name))
                 if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                    buffer = self._buffers[(component, name)] = torch.empty(tensor.shape, dtype=tensor.dtype)
+                    buffer = self._buffers[(file.component, name)] = torch.empty(tensor.shape, dtype=tensor.dtype)
                 buffer.copy_(tensor.detach())
                 tensors[name] = buffer
             files.append((file, tensors))

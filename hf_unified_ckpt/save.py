@@ -23,7 +23,7 @@ import shutil
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +34,16 @@ from .components import Role, component
 from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
 from .options import UnifiedCheckpointOptions
-from .planning import ComponentPlan, plan_component
+from .planning import ComponentPlan, FilePlan, file_plans, plan_component
 from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
                              remove_writer_marks, sees_writer, staging_dir)
 from .storage.files import FileRecord, write_bytes
 from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, write_manifest
-from .storage.safetensors_io import index_name, write_index, write_shard
+from .storage.safetensors_io import index_name, write_index
+from .storage.writer import StorageWriter, WholeFileWriter
+
+#: How planned files land on disk (storage/writer.py); the save loop below is the same for every strategy.
+WRITER: StorageWriter = WholeFileWriter()
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,11 @@ class SavePlan:
     components: dict[str, ComponentPlan]
     saved_by: dict
 
+    @property
+    def files(self) -> list[FilePlan]:
+        """Every file with its header and write items, in the order all ranks walk them."""
+        return [f for cplan in self.components.values() for f in file_plans(cplan)]
+
 
 def plan_save(engine: EngineAdapter, request: SaveRequest) -> SavePlan:
     """The save plan, identical on all ranks. Collective (locality hints of sharded engines): all ranks must
@@ -93,7 +102,7 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: E
     staging = open_staging(Path(request.final_dir))
     plan = plan_save(engine, request)
     show = request.show_progress and dist.rank() == 0
-    outcome = guarded(lambda: _write_share(engine, plan.components, staging.path, f"Saving {request.final_dir.name}",
+    outcome = guarded(lambda: _write_share(engine, plan.files, staging.path, f"Saving {request.final_dir.name}",
                                            show) + write_extras(staging.path))
     raise_if_failed(conclude(plan, staging, request, outcome, after_commit=after_commit), staging)
     return staging.final
@@ -185,20 +194,25 @@ def raise_if_failed(reports, staging: Staging) -> None:
     )
 
 
-def _write_share(engine: EngineAdapter, plans: dict[str, ComponentPlan], staging: Path, desc: str,
+def assembled_files(engine: EngineAdapter, files: list[FilePlan], desc: str, show: bool) -> Iterator[FilePlan]:
+    """The save loop, the same for sync and async saves: walk every file in the same order on all ranks, let the
+    storage writer assemble it (`engine.exchange` for whole files: a collective on sharded engines), and yield the
+    files this rank writes, each once it is assembled. Collective: all ranks must run it to the end."""
+    for file in tqdm(files, desc=desc, unit="file", disable=not show):
+        WRITER.assemble(engine, file)
+        if WRITER.writes(file, dist.rank()):
+            yield file
+
+
+def _write_share(engine: EngineAdapter, files: list[FilePlan], staging: Path, desc: str,
                  show: bool) -> list[FileRecord]:
-    """Walk every file of the plan in the same order on all ranks: assemble its tensors on its writer
-    (`engine.exchange`, a collective on sharded engines), and hand the files this rank owns to a writer thread,
-    so writing one file overlaps assembling the next. Collective: all ranks must call it."""
-    everything = [(c, f) for c, plan in plans.items() for f in plan.files]
+    """Write this rank's files as the save loop yields them, in a writer thread, so writing one file overlaps
+    assembling the next. Collective: all ranks must call it."""
     futures = []
-    with ThreadPoolExecutor(max_workers=1) as writer:
-        for component, file in tqdm(everything, desc=desc, unit="file", disable=not show):
-            names, owner = plans[component].files[file], plans[component].owners[file]
-            engine.exchange(component, names, owner)
-            if owner == dist.rank():
-                futures.append(writer.submit(lambda c=component, f=file, n=names:
-                                             write_shard(staging / f, engine.tensors(c, n))))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for file in assembled_files(engine, files, desc, show):
+            futures.append(pool.submit(lambda f=file: WRITER.write(staging, f, engine.tensors(f.component,
+                                                                                               f.tensor_names))))
         return [f.result() for f in futures]
 
 
@@ -250,7 +264,7 @@ def save_model_weights(engine: EngineAdapter, folder: Path, max_shard_size: int,
     raise_if_failed([dist.broadcast_object(status)], staging)
 
     def write() -> None:
-        _write_share(engine, {weights.name: plan}, staging.path, f"Saving the model to {folder}",
+        _write_share(engine, file_plans(plan), staging.path, f"Saving the model to {folder}",
                      show_progress and dist.rank() == 0)
         if dist.rank() == 0:
             if plan.is_sharded:

@@ -10,11 +10,12 @@ import hf_unified_ckpt.async_save as async_save  # noqa: E402
 import hf_unified_ckpt.integration as integration  # noqa: E402
 import hf_unified_ckpt.retention as retention  # noqa: E402
 import hf_unified_ckpt.save as save  # noqa: E402
+import hf_unified_ckpt.storage.writer as writer  # noqa: E402
 from _runs import train  # noqa: E402
 
 KILLED = 137
 state = {"saves": 0}
-ORIGINAL_WRITE_SHARD = save.write_shard
+ORIGINAL_WRITE_SHARD = writer.write_shard
 
 
 def die():
@@ -54,7 +55,7 @@ def rotation_killer(real_rmtree):
 def async_points() -> dict:
     """The same kill points inside the background writer of an async save."""
     def patch(name, wrapper):
-        return lambda: setattr(async_save, name, wrapper(getattr(async_save, name)))
+        return lambda: setattr(writer, name, wrapper(getattr(writer, name)))
     return {
         "async-between-shards": patch("write_shard", lambda f: during_second_save(f, 3)),
         "async-mid-file": patch("write_shard", lambda f: during_second_save(f, 2, before=half_file_then_die)),
@@ -71,9 +72,10 @@ def count_saves(fn):
 
 
 POINTS = {
-    "before-first-shard": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 1)),
-    "between-shards": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 3)),
-    "mid-file": lambda: setattr(save, "write_shard", during_second_save(save.write_shard, 2, before=half_file_then_die)),
+    "before-first-shard": lambda: setattr(writer, "write_shard", during_second_save(writer.write_shard, 1)),
+    "between-shards": lambda: setattr(writer, "write_shard", during_second_save(writer.write_shard, 3)),
+    "mid-file": lambda: setattr(writer, "write_shard", during_second_save(writer.write_shard, 2,
+                                                                          before=half_file_then_die)),
     "before-extras": lambda: setattr(integration, "_move_in", during_second_save(integration._move_in)),
     "before-index": lambda: setattr(save, "write_index", during_second_save(save.write_index, 1)),
     "between-indexes": lambda: setattr(save, "write_index", during_second_save(save.write_index, 2)),

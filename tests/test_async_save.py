@@ -7,8 +7,8 @@ import errno
 import pytest
 import torch
 
-import hf_unified_ckpt.async_save as async_module
 import hf_unified_ckpt.save as save_module
+import hf_unified_ckpt.storage.writer as writer_module
 from _runs import final_state, run_spec, train
 from conftest import record_fault, torchrun
 from hf_unified_ckpt.errors import UnifiedCheckpointError
@@ -27,14 +27,14 @@ def test_async_checkpoints_are_complete_and_resume_exactly(tmp_path):
 
 
 def _fail_writes_of(step: int, monkeypatch):
-    real = async_module.write_shard
+    real = writer_module.write_shard
 
     def write_shard(path, tensors):
         if f".checkpoint-{step}." in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, tensors)
 
-    monkeypatch.setattr(async_module, "write_shard", write_shard)
+    monkeypatch.setattr(writer_module, "write_shard", write_shard)
 
 
 @pytest.mark.parametrize("failing_step,surfaces_at", [(6, "end of training"), (3, "the next save")])

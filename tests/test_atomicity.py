@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hf_unified_ckpt.save as save_module
+import hf_unified_ckpt.storage.writer as writer_module
 from _runs import final_state, train
 from hf_unified_ckpt.errors import UnifiedCheckpointError
 from hf_unified_ckpt.layout import detect_layout, newest_complete
@@ -66,7 +67,7 @@ def test_runs_compute_alike_whatever_threads_the_caller_set(tmp_path, monkeypatc
 
 def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch):
     record_fault("ENOSPC (sync)", survived=False)
-    real = save_module.write_shard
+    real = writer_module.write_shard
     written = []
 
     def failing(path, tensors):
@@ -76,7 +77,7 @@ def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch)
             written.append(path)
         return real(path, tensors)
 
-    monkeypatch.setattr(save_module, "write_shard", failing)
+    monkeypatch.setattr(writer_module, "write_shard", failing)
     with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
         train(tmp_path, max_steps=6, save_steps=3, unified_checkpoint_max_shard_size="40KB")
     assert "No space left on device" in str(e.value) and "checkpoint-6" in str(e.value)

@@ -219,3 +219,26 @@ def test_write_shard_checksum_equals_reading_the_file(tmp_path):
     record = write_shard(tmp_path / "x.safetensors", tensors)
     assert record.crc32 == file_crc32(tmp_path / "x.safetensors")
     assert record.size == (tmp_path / "x.safetensors").stat().st_size
+
+
+def test_file_plan_is_the_file_save_file_writes(tmp_path):
+    """The planner fixes every file's header and byte ranges before any byte is written; the whole-file writer's
+    output has exactly that header, and the write items tile the data section."""
+    from hf_unified_ckpt.planning import file_plans
+    from hf_unified_ckpt.storage.headers import read_safetensors_header
+    from hf_unified_ckpt.storage.writer import WholeFileWriter
+
+    tensors = {"w": torch.randn(5, 3), "b": torch.randn(7, dtype=torch.float64),
+               "h": torch.zeros(3, dtype=torch.bfloat16), "m/step": torch.tensor(4), "flag": torch.tensor(True)}
+    plan = plan_component("optimizer", [TensorSpec.of(n, t) for n, t in tensors.items()], writers=3,
+                          max_shard_size=60, owners={"w": 2})
+    files = file_plans(plan)
+    assert [f.name for f in files] == list(plan.files) and {f.header_rank for f in files} <= {0, 1, 2}
+    for file in files:
+        assert file.writers <= {file.header_rank} and list(file.tensor_names) == plan.files[file.name]
+        ranges = sorted((i.start, i.end) for i in file.items)
+        assert [s for s, _ in ranges] == [0] + [e for _, e in ranges[:-1]] and file.data_bytes == sum(
+            plan.specs[n].nbytes for n in file.tensor_names)
+        WholeFileWriter().write(tmp_path, file, {n: tensors[n] for n in file.tensor_names})
+        assert read_safetensors_header(tmp_path / file.name) == file.header
+    assert files[[f.name for f in files].index(plan.weight_map["w"])].header_rank == 2
