@@ -24,6 +24,7 @@ import copy
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,7 +119,7 @@ class UnifiedCheckpointMixin:
             self._uc_resume = _Resume(layout, legacy=open_legacy(layout))
         elif layout.kind == DEEPSPEED:
             legacy = open_legacy(layout)
-            if legacy.topology() != self._uc_deepspeed_topology():
+            if legacy.topology() != _engine_of(self).topology(self):
                 self._uc_resume = _Resume(layout, legacy=legacy)  # resharded offline; native DeepSpeed refuses
                 if dist.rank() == 0:
                     logger.info("%s was written by DeepSpeed %s; this run differs, so it is read offline and "
@@ -138,14 +139,6 @@ class UnifiedCheckpointMixin:
                         "tensors they lack from ranks that hold them.", path)
         layout = Layout(UNIFIED, path, True, manifest.get("global_step"), manifest=manifest)
         return _Resume(layout, manifest=manifest, placement=placement)
-
-    def _uc_deepspeed_topology(self) -> dict | None:
-        """World size, ZeRO stage and bf16 of this run when it uses DeepSpeed, else None."""
-        if _engine_kind(self) != "deepspeed":
-            return None
-        config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        return {"world_size": dist.world_size(), "zero_stage": int(config.get("zero_optimization", {}).get("stage", 0)),
-                "bf16": bool(self.args.bf16)}
 
     def _uc_check_loadable(self, layout: Layout) -> None:
         if layout.kind == UNIFIED:  # committed: damage is reported file by file by verify_checkpoint
@@ -171,9 +164,10 @@ class UnifiedCheckpointMixin:
         if options.async_save and self.args.push_to_hub:
             raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
                                              "before the background save commits. Drop one of them.")
-        kind = _engine_kind(self)
+        engine = _engine_of(self)
+        kind = engine.name
         if options.enabled:
-            refuse_unsupported(kind, is_peft_model(_unwrapped(self.model)), fp16=kind == "deepspeed" and _ds_fp16(self))
+            refuse_unsupported(kind, is_peft_model(_unwrapped(self.model)), fp16=engine.fp16(self))
         if self.args.fsdp and kind != "fsdp" and dist.rank() == 0:
             logger.warning("FSDP was requested (the fsdp argument) but the model is trained with %s: accelerate "
                            "applies FSDP only on accelerators and falls back to DDP on CPU. Checkpoints are saved "
@@ -237,7 +231,7 @@ class UnifiedCheckpointMixin:
         (assembled by name on rank 0), with configs, tokenizer and training args, whatever the ZeRO stage or FSDP
         state-dict type. One process and DDP keep the Trainer's own `save_pretrained`. Collective under DeepSpeed
         and FSDP: all ranks call it, as the Trainer requires there."""
-        if not self.args.unified_checkpoint_options.enabled or _engine_kind(self) == "replicated":
+        if not self.args.unified_checkpoint_options.enabled or _engine_of(self).name == "replicated":
             return super().save_model(output_dir, _internal_call)
         folder = Path(output_dir if output_dir is not None else self.args.output_dir)
         engine = self._uc_engine()
@@ -290,10 +284,7 @@ class UnifiedCheckpointMixin:
 
         extras = self._uc_extras(engine)
         if options.async_save:
-            if _engine_kind(self) == "deepspeed":  # it steps inside backward, where no callback runs
-                from .engines.deepspeed import wait_before_steps
-
-                wait_before_steps(self.model_wrapped, saver.wait_for_snapshot)
+            _engine_of(self).step_barrier(self, saver.wait_for_snapshot)
             saver.start(engine, request, extras, after_commit=rotate)
             return
         save_checkpoint(engine, request, extras, after_commit=rotate)
@@ -301,16 +292,8 @@ class UnifiedCheckpointMixin:
             self._push_from_checkpoint(str(output_dir))
 
     def _uc_engine(self):
-        kind = _engine_kind(self)
-        if kind == "deepspeed":
-            from .engines.deepspeed import DeepSpeedEngine
-
-            return DeepSpeedEngine(self.model_wrapped, _master_policy(self.args.unified_checkpoint_options))
-        if kind == "fsdp":
-            from .engines.fsdp import FSDPEngine
-
-            return FSDPEngine(self.model_wrapped, self.optimizer)
-        return ReplicatedEngine(self.model_wrapped, self.optimizer)
+        """The adapter of the engine this trainer runs (a new one per save or load)."""
+        return _engine_of(self).build(self)
 
     def _uc_extras(self, engine):
         """Capture now what this rank's non-tensor files hold (its RNG state; on the saving rank also the
@@ -379,24 +362,80 @@ def _refuse_without_trainer_state(path: Path, verdict) -> None:
             "from its weights, or resume from a checkpoint-N folder.")
 
 
-def _ds_fp16(trainer) -> bool:
-    """DeepSpeed runs fp16 (its config's "auto" follows `fp16` of the arguments)."""
-    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
-    return bool(trainer.args.fp16) or config.get("fp16", {}).get("enabled") is True
-
-
 def _unwrapped(model):
     from accelerate.utils import extract_model_from_parallel
 
     return extract_model_from_parallel(model)
 
 
-def _engine_kind(trainer) -> str:
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        return "deepspeed"
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return "fsdp"
-    return "replicated"
+def _never(trainer) -> bool:
+    return False
+
+
+def _no_topology(trainer) -> None:
+    return None
+
+
+def _callback_waits(trainer, wait) -> None:
+    """The optimizer step runs outside backward: `UnifiedCheckpointCallback.on_pre_optimizer_step` waits."""
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """What the integration needs to know about one training engine, answered from the Trainer. Registered in
+    `_ENGINES` (the first that matches is the one running); nothing else in this module branches on engines."""
+
+    name: str  # as `support.refuse_unsupported` names it
+    matches: Callable[[object], bool]
+    build: Callable[[object], object]  # the EngineAdapter for this trainer's prepared engine
+    topology: Callable[[object], dict | None] = _no_topology  # what a legacy folder must match to load natively
+    fp16: Callable[[object], bool] = _never  # loss-scaled fp16, which unified checkpoints refuse
+    step_barrier: Callable[[object, Callable[[], None]], None] = _callback_waits  # async snapshot vs optimizer step
+
+
+def _build_deepspeed(trainer):
+    from .engines.deepspeed import DeepSpeedEngine
+
+    return DeepSpeedEngine(trainer.model_wrapped, _master_policy(trainer.args.unified_checkpoint_options))
+
+
+def _deepspeed_topology(trainer) -> dict:
+    """World size, ZeRO stage and bf16 of this DeepSpeed run (a legacy DeepSpeed folder that matches them is loaded
+    by DeepSpeed itself)."""
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    return {"world_size": dist.world_size(), "zero_stage": int(config.get("zero_optimization", {}).get("stage", 0)),
+            "bf16": bool(trainer.args.bf16)}
+
+
+def _deepspeed_fp16(trainer) -> bool:
+    """DeepSpeed runs fp16 (its config's "auto" follows `fp16` of the arguments)."""
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    return bool(trainer.args.fp16) or config.get("fp16", {}).get("enabled") is True
+
+
+def _deepspeed_step_barrier(trainer, wait) -> None:
+    """DeepSpeed steps inside backward, where no callback runs: its optimizer's own step waits."""
+    from .engines.deepspeed import wait_before_steps
+
+    wait_before_steps(trainer.model_wrapped, wait)
+
+
+def _build_fsdp(trainer):
+    from .engines.fsdp import FSDPEngine
+
+    return FSDPEngine(trainer.model_wrapped, trainer.optimizer)
+
+
+_ENGINES = (
+    _Engine("deepspeed", lambda t: getattr(t, "is_deepspeed_enabled", False), _build_deepspeed,
+            topology=_deepspeed_topology, fp16=_deepspeed_fp16, step_barrier=_deepspeed_step_barrier),
+    _Engine("fsdp", lambda t: getattr(t, "is_fsdp_enabled", False), _build_fsdp),
+    _Engine("replicated", lambda t: True, lambda t: ReplicatedEngine(t.model_wrapped, t.optimizer)),
+)
+
+
+def _engine_of(trainer) -> _Engine:
+    return next(engine for engine in _ENGINES if engine.matches(trainer))
 
 
 class UnifiedCheckpointCallback(TrainerCallback):
