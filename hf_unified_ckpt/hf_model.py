@@ -25,11 +25,6 @@ def is_peft_model(module: nn.Module) -> bool:
     return isinstance(module, PeftModel)
 
 
-def weights_stem(module: nn.Module) -> str:
-    """`adapter_model` for PEFT models (only trainable weights are saved), else `model`."""
-    return ADAPTER_STEM if is_peft_model(module) else MODEL_STEM
-
-
 def naming_policy(module: nn.Module) -> NamingPolicy:
     """The naming policy of the unwrapped `module`: a PEFT model saves its adapter keys (`adapter_model` files);
     a transformers model leaves out the tied names it declares (`all_tied_weights_keys`, what `save_pretrained`
@@ -46,17 +41,6 @@ def naming_policy(module: nn.Module) -> NamingPolicy:
     for name, param in module.named_parameters(remove_duplicate=False):
         shared[id(param)].append(canonical_name(name))
     return NamingPolicy(MODEL_STEM, {n: names[0] for names in shared.values() for n in names[1:]})
-
-
-def alias_groups(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
-    """For every name, all names whose tensors share its storage (tied weights), itself first."""
-    by_storage: dict[tuple, list[str]] = defaultdict(list)
-    for name, tensor in state_dict.items():
-        if tensor.device.type == "meta" or tensor.numel() == 0:
-            by_storage[("own", name)].append(name)
-        else:
-            by_storage[(tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))].append(name)
-    return {name: [name] + [n for n in names if n != name] for names in by_storage.values() for name in names}
 
 
 def model_state_for_save(module: nn.Module, naming: NamingPolicy | None = None) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ JSON with tuples and tensors tagged.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

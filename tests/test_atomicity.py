@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-import hf_unified_ckpt.save as save_module
 import hf_unified_ckpt.storage.writer as writer_module
 from _runs import final_state, train
 from hf_unified_ckpt.errors import UnifiedCheckpointError

@@ -45,8 +45,8 @@ def component_source(sources: Mapping[str, T], component: str, engine: str) -> T
 class EngineAdapter(Protocol):
     """What the save and load algorithms need from an engine.
 
-    `components` (with the file stem of each), `specs` and `optimizer_metadata` are identical on every rank, so every rank computes the
-    same plan. `preferred_owners` and `exchange` (which assembles one file's tensors on the rank `owner` that
+    `components` (with the file stem of each), `specs` and `optimizer_metadata` are identical on every rank, so
+    every rank computes the same plan. `preferred_owners` and `exchange` (which assembles one file's tensors on the rank `owner` that
     writes it) may be collectives on sharded engines: all ranks call them in the same order. After `exchange`,
     `tensors` only reads what this rank holds, and may run in a writer thread.
     """

@@ -213,7 +213,8 @@ class FSDPEngine:
 
     def _fill_optimizer(self, osd: dict, reader) -> None:
         decoder = OptimizerStateDecoder(reader)
-        for group, hparams in zip(osd["param_groups"], decoder.group_hparams([g["params"] for g in osd["param_groups"]])):
+        current = [g["params"] for g in osd["param_groups"]]
+        for group, hparams in zip(osd["param_groups"], decoder.group_hparams(current)):
             group.update(hparams)
         wanted = set()
         for key in decoder.keys():
@@ -232,9 +233,9 @@ class FSDPEngine:
         stale = sorted(optimizer_key(n, k) for n, per in osd["state"].items() for k in per
                        if optimizer_key(n, k) not in wanted)
         if stale:
-            raise UnsupportedCheckpointError(f"the checkpoint has no optimizer state for {count_and_first(stale, 'key')}"
-                                             " that this optimizer "
-                                             "keeps; build the same optimizer as the run that saved it.")
+            raise UnsupportedCheckpointError(
+                f"the checkpoint has no optimizer state for {count_and_first(stale, 'key')} that this optimizer "
+                "keeps; build the same optimizer as the run that saved it.")
 
 
 def _fill(target, reader, name: str) -> None:

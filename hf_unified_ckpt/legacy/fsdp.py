@@ -109,8 +109,8 @@ class LegacyFSDPCheckpoint:
         if self.kind == "full":
             for name, per in self._optim_sd["state"].items():
                 for key, value in per.items():
-                    lazy = (tuple(value.shape), value.dtype, lambda n=name, k=key: self._optim_sd["state"][n][k].clone()) \
-                        if torch.is_tensor(value) else None
+                    lazy = None if not torch.is_tensor(value) else \
+                        (tuple(value.shape), value.dtype, lambda n=name, k=key: self._optim_sd["state"][n][k].clone())
                     encoder.add(canonical_name(name), key, value, stored=lazy)
         else:
             prefix = "optimizer.state."
