@@ -94,6 +94,7 @@ class DeepSpeedEngine:
         self._frag_sizes: dict[str, list[int]] | None = None
         self._keys: list[tuple[list[str], list[str]]] | None = None
         self._buffer_map: dict[str, torch.Tensor] | None = None
+        self._tables: dict[str, tuple] | None = None
         if self.stage != 3:
             for g in range(len(self._groups)):
                 self._link_fragments(g)
@@ -166,9 +167,14 @@ class DeepSpeedEngine:
         master = [MASTER] if self.has_master and self.master_policy == "save" else []
         return [weights, *master, OPTIMIZER]
 
-    def _held(self, component: str, table: dict):
-        """`table[component]` for a component this engine writes (see `components`)."""
-        return component_source({c.name: table[c.name] for c in self.components()}, component, self.engine)
+    def _held(self, component: str) -> tuple:
+        """(specs, source of one tensor) of a component this engine writes (see `components`); built once."""
+        if self._tables is None:
+            every = {MODEL.name: (self._weights_specs, self._weights_source),
+                     MASTER.name: (self._master_specs, self._master_source),
+                     OPTIMIZER.name: (self._optimizer_specs, self._optimizer_source)}
+            self._tables = {c.name: every[c.name] for c in self.components()}
+        return component_source(self._tables, component, self.engine)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffers by canonical name (state_dict keys are valid under ZeRO-3 too)."""
@@ -178,8 +184,7 @@ class DeepSpeedEngine:
         return self._buffer_map
 
     def specs(self, component: str) -> list[TensorSpec]:
-        return self._held(component, {MODEL.name: self._weights_specs, MASTER.name: self._master_specs,
-                                      OPTIMIZER.name: self._optimizer_specs})()
+        return self._held(component)[0]()
 
     def _weights_specs(self) -> list[TensorSpec]:
         dtype = torch.float32 if self.master_policy == "as_model" else None
@@ -216,8 +221,7 @@ class DeepSpeedEngine:
     # ---- where each tensor comes from ------------------------------------------------------------------
     def _source(self, component: str, name: str) -> tuple:
         """("lp", param) | ("buffer", tensor) | ("hp", param, state key or None) | ("scalar", group, key)."""
-        return self._held(component, {MODEL.name: self._weights_source, MASTER.name: self._master_source,
-                                      OPTIMIZER.name: self._optimizer_source})(name)
+        return self._held(component)[1](name)
 
     def _weights_source(self, name: str) -> tuple:
         if name not in self._by_name:
