@@ -1,0 +1,297 @@
+"""Codecs: how a component's logical tensors are stored in fewer bytes, and read back. Pure (torch only, no I/O).
+
+Two codecs, each self-describing through the component's index metadata (`"codec"`), so a reader rebuilds the
+logical tensors from what the folder says, not from the options of the run that reads it:
+
+- `MomentCodec` (`ckpt_quant_stage` O1 / O2): optimizer moments as 8-bit or 4-bit (two per byte) codes with one
+  fp32 scale per block of `BLOCK_SIZE` consecutive elements of the flattened tensor. Signed moments (Adam's
+  `exp_avg`) are normalised by the block's largest magnitude and mapped to the nearest entry of a signed code
+  book; second moments (`exp_avg_sq`) are stored through their square root, normalised by its block maximum and
+  mapped to a code book *without zero*, so a non-zero `v` never decodes to 0 (the "zero-point problem": Adam's
+  `m / (sqrt(v) + eps)` would explode). Code books are written into the metadata. Why these choices:
+  `bench/codec_choice.py` and the README.
+- `ResidualCodec` (`residual_master_weight`): fp32 master weights stored as the 16-bit difference between their
+  bits and the bits of their bf16 rounding, which the model files already hold: `master = bf16 << 16 + d`. The
+  difference fits 16 bits except for exact ties rounded down (`d == 32768`, about 1 value in 130,000), listed by
+  flat index. Exact by construction, and checked on every tensor before it is written.
+
+Stored names: the codes (or the residual) keep the logical name; auxiliary tensors add a suffix (`:scales`,
+`:ties`) and are never shown to an engine (`storage.reader.LogicalReader`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .planning import TensorSpec
+from .storage.headers import TORCH_DTYPE_NAMES, safetensors_dtype
+
+BLOCK_SIZE = 128
+SCALES, TIES = ":scales", ":ties"
+
+#: Optimizer state names that are moments, by how they are coded: signed (first moments, momentum) or through the
+#: square root (non-negative running squares). Any other state (step counts, Adamax's `exp_inf`...) stays exact.
+SIGNED_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
+SQRT_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta"})
+
+_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+
+#: Code books by (kind, bits): sorted values in [-1, 1] (signed) or (0, 1] (sqrt: no zero, the top value is 1
+#: so a block's largest element is exact). 8-bit: uniform. 4-bit: NormalFloat-4 for signed moments (dense near
+#: zero, where most of a block's moments are), squares of a uniform grid for square roots (a 256:1 range).
+CODE_BOOKS: dict[tuple[str, int], list[float]] = {
+    ("signed", 8): [k / 127 for k in range(-127, 128)],
+    ("sqrt", 8): [(k + 1) / 256 for k in range(256)],
+    ("signed", 4): _NF4,
+    ("sqrt", 4): [((k + 1) / 16) ** 2 for k in range(16)],
+}
+STAGE_BITS = {"O1": 8, "O2": 4}
+
+
+def moment_kind(key: str) -> str | None:
+    """"signed", "sqrt" or None (kept exact) for optimizer state key `<param>/<state>`."""
+    state = key.rsplit("/", 1)[-1]
+    return "signed" if state in SIGNED_MOMENTS else "sqrt" if state in SQRT_MOMENTS else None
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, TORCH_DTYPE_NAMES[name])
+
+
+# ---- block-wise code-book quantisation --------------------------------------------------------------------------
+def quantize(x: torch.Tensor, book: torch.Tensor, kind: str, bits: int, block: int = BLOCK_SIZE):
+    """(codes, scales) of `x` flattened: uint8 codes (two per byte for 4 bits, low nibble first) of the nearest
+    code-book entry of each element divided by its block's scale, and one fp32 scale per block (the block's largest
+    magnitude, or largest square root). A block holding a non-finite value gets a non-finite scale and decodes as
+    NaN (the training it came from had diverged)."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, (-n) % block)).view(-1, block)
+    values = blocks.sqrt() if kind == "sqrt" else blocks.abs()
+    scales = values.amax(dim=1)
+    norm = (blocks.sqrt() if kind == "sqrt" else blocks) / torch.where(scales > 0, scales, 1.0)[:, None]
+    midpoints = (book[1:] + book[:-1]) / 2
+    codes = torch.bucketize(norm.reshape(-1)[:n], midpoints).to(torch.uint8)
+    return pack(codes, bits), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor, kind: str, bits: int, n: int,
+               block: int = BLOCK_SIZE) -> torch.Tensor:
+    """Inverse of `quantize`: the `n` decoded fp32 values (flat)."""
+    idx = unpack(codes, bits, n).long()
+    values = book[idx]
+    values = torch.nn.functional.pad(values, (0, (-n) % block)).view(-1, block) * scales[:, None]
+    values = values.reshape(-1)[:n]
+    return values.square() if kind == "sqrt" else values
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes, two per byte for 4 bits (element 2i in the low nibble)."""
+    if bits == 8:
+        return codes
+    padded = torch.nn.functional.pad(codes, (0, codes.numel() % 2))
+    return padded[0::2] | (padded[1::2] << 4)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    if bits == 8:
+        return packed[:n]
+    return torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
+
+
+# ---- the optimizer-moment codec -----------------------------------------------------------------------------------
+class MomentCodec:
+    """Save and read side of O1/O2 for the optimizer component (see the module docstring)."""
+
+    name = "blockwise_codebook"
+    version = 1
+
+    def __init__(self, stage: str, block: int = BLOCK_SIZE, books: Mapping[str, list[float]] | None = None):
+        if stage not in STAGE_BITS:
+            raise ValueError(f"no moment codec for ckpt_quant_stage {stage!r}; expected one of {list(STAGE_BITS)}")
+        self.stage, self.bits, self.block = stage, STAGE_BITS[stage], block
+        recorded = books or {kind: CODE_BOOKS[(kind, self.bits)] for kind in ("signed", "sqrt")}
+        self.book_values = {k: list(v) for k, v in recorded.items()}
+        self.books = {k: torch.tensor(v, dtype=torch.float32) for k, v in recorded.items()}
+        self.tensors: dict[str, dict] = {}
+
+    # save side
+    def encodes(self, spec: TensorSpec) -> bool:
+        return len(spec.shape) > 0 and spec.dtype.is_floating_point and moment_kind(spec.name) is not None
+
+    def stored_specs(self, spec: TensorSpec) -> list[TensorSpec]:
+        """What `spec` is stored as: itself, or its codes and scales (sizes known before any data)."""
+        if not self.encodes(spec):
+            return [spec]
+        n = _numel(spec.shape)
+        self.tensors[spec.name] = {"kind": moment_kind(spec.name), "shape": list(spec.shape),
+                                   "dtype": safetensors_dtype(spec.dtype)}
+        return [TensorSpec(spec.name, (-(-n * self.bits // 8),), torch.uint8),
+                TensorSpec(spec.name + SCALES, (-(-n // self.block),), torch.float32)]
+
+    def encode(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        entry = self.tensors.get(name)
+        if entry is None:
+            return {name: tensor}
+        codes, scales = quantize(tensor, self.books[entry["kind"]], entry["kind"], self.bits, self.block)
+        return {name: codes, name + SCALES: scales}
+
+    def metadata(self) -> dict:
+        """The `codec` entry of the index metadata: everything a reader needs to decode."""
+        return {"name": self.name, "version": self.version, "stage": self.stage, "bits": self.bits,
+                "block_size": self.block, "scale_dtype": "F32", "books": self.book_values, "tensors": self.tensors}
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping) -> "MomentCodec":
+        codec = cls(meta["stage"], int(meta["block_size"]), meta["books"])
+        codec.tensors = dict(meta["tensors"])
+        return codec
+
+    # read side (storage.reader.Codec)
+    def logical_specs(self, stored_specs, metadata) -> dict:
+        out = {n: s for n, s in stored_specs.items() if not self.hidden(n)}
+        for name, entry in self.tensors.items():
+            out[name] = (tuple(entry["shape"]), entry["dtype"])
+        return out
+
+    def hidden(self, name: str) -> bool:
+        return name.endswith(SCALES)
+
+    def decode(self, name: str, reader) -> torch.Tensor:
+        entry = self.tensors[name]
+        n = _numel(entry["shape"])
+        values = dequantize(reader.get(name), reader.get(name + SCALES), self.books[entry["kind"]], entry["kind"],
+                            self.bits, n, self.block)
+        return values.to(_dtype(entry["dtype"])).reshape(entry["shape"])
+
+
+# ---- fp32 master weights as a residual over their bf16 rounding ---------------------------------------------------
+def residual_of(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int16 residual, int64 flat indices of ties) of fp32 `master` over `master.to(bfloat16)` (round to nearest
+    even, as DeepSpeed rounds its bf16 weights). Raises if any element cannot be rebuilt exactly."""
+    flat = master.detach().reshape(-1).to(torch.float32)
+    bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = (flat.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    diff = bits - high
+    ties = (diff == 32768).nonzero().reshape(-1)
+    diff[ties] = 0
+    if diff.numel() and (diff.min() < -32768 or diff.max() > 32767):
+        raise ValueError("a master weight is not within 16 bits of its bf16 rounding (a NaN payload?)")
+    return diff.to(torch.int16).reshape(master.shape), ties
+
+
+def rebuild_master(bf16: torch.Tensor, residual: torch.Tensor, ties: torch.Tensor | None) -> torch.Tensor:
+    """Inverse of `residual_of`, given the bf16 weights."""
+    high = (bf16.reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    bits = high + residual.reshape(-1).to(torch.int64)
+    if ties is not None and ties.numel():
+        bits[ties] += 32768
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return bits.to(torch.int32).view(torch.float32).reshape(residual.shape)
+
+
+def count_ties(hp: torch.Tensor, lp: torch.Tensor) -> int | None:
+    """For a local fragment: the number of ties `residual_of` lists, or None when `lp` (the model's bf16 weights)
+    is not exactly the bf16 rounding of `hp` (the fp32 master), so the residual would not rebuild it."""
+    hp = hp.detach().reshape(-1).to(torch.float32)
+    rounded = hp.to(torch.bfloat16)
+    if not torch.equal(rounded.view(torch.int16), lp.detach().reshape(-1).to(torch.bfloat16).view(torch.int16)):
+        return None
+    try:
+        return int(residual_of(hp)[1].numel())
+    except ValueError:
+        return None
+
+
+class ResidualCodec:
+    """Save and read side of `residual_master_weight` for the master-weights component. `census` maps each
+    master tensor that qualifies to its number of ties (collected before the save, from every rank's fragments);
+    others are stored as plain fp32. On read, `anchor` is the model-weights reader (its bf16 tensors)."""
+
+    name = "bf16_residual"
+    version = 1
+
+    def __init__(self, census: Mapping[str, int] | None = None, anchor=None):
+        self.census = dict(census or {})
+        self.anchor = anchor
+        self.tensors: dict[str, dict] = {}
+
+    # save side
+    def stored_specs(self, spec: TensorSpec) -> list[TensorSpec]:
+        if spec.name not in self.census or spec.dtype != torch.float32:
+            return [spec]
+        ties = self.census[spec.name]
+        self.tensors[spec.name] = {"shape": list(spec.shape), "ties": ties}
+        out = [TensorSpec(spec.name, spec.shape, torch.int16)]
+        return out + ([TensorSpec(spec.name + TIES, (ties,), torch.int64)] if ties else [])
+
+    def encode(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        entry = self.tensors.get(name)
+        if entry is None:
+            return {name: tensor}
+        residual, ties = residual_of(tensor)
+        if ties.numel() != entry["ties"] or not torch.equal(
+                rebuild_master(tensor.to(torch.bfloat16), residual, ties).view(torch.int32),
+                tensor.reshape(residual.shape).to(torch.float32).view(torch.int32)):
+            raise ValueError(f"master weight {name!r} changed between planning the save and writing it; its residual "
+                             "would not rebuild it exactly, so it is not written.")
+        return {name: residual, **({name + TIES: ties} if entry["ties"] else {})}
+
+    def metadata(self) -> dict:
+        return {"name": self.name, "version": self.version, "anchor": "model", "tensors": self.tensors}
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping, anchor) -> "ResidualCodec":
+        codec = cls(anchor=anchor)
+        codec.tensors = dict(meta["tensors"])
+        return codec
+
+    # read side
+    def logical_specs(self, stored_specs, metadata) -> dict:
+        out = {n: s for n, s in stored_specs.items() if not self.hidden(n)}
+        for name, entry in self.tensors.items():
+            out[name] = (tuple(entry["shape"]), "F32")
+        return out
+
+    def hidden(self, name: str) -> bool:
+        return name.endswith(TIES)
+
+    def decode(self, name: str, reader) -> torch.Tensor:
+        if self.anchor is None:
+            raise UnsupportedCheckpointError(f"master weight {name!r} is stored as a residual over the bf16 model "
+                                             "weights, which are not available to this reader.")
+        bf16 = self.anchor.get(name)
+        ties = reader.get(name + TIES) if self.tensors[name]["ties"] else None
+        master = rebuild_master(bf16, reader.get(name), ties)
+        if not torch.equal(master.to(torch.bfloat16).view(torch.int16), bf16.view(torch.int16)):
+            raise CorruptCheckpointError(f"the residual of master weight {name!r} does not belong to the model "
+                                         "weights next to it (they are not its bf16 rounding).")
+        return master
+
+
+KNOWN = {MomentCodec.name: MomentCodec, ResidualCodec.name: ResidualCodec}
+
+
+def codec_from_metadata(metadata: Mapping, where: str, anchor=None):
+    """The read-side codec an index's metadata names, or None (stored as logical). A codec this version does not
+    know (or a newer version of one) is refused by name: codes are never loaded as values."""
+    meta = metadata.get("codec") if metadata else None
+    if meta is None:
+        return None
+    cls = KNOWN.get(meta.get("name"))
+    if cls is None or int(meta.get("version", 0)) > cls.version:
+        raise UnsupportedCheckpointError(
+            f"{where} is stored with codec {meta.get('name')!r} version {meta.get('version')}, which this "
+            f"hf_unified_ckpt does not know (it reads {sorted(f'{n} v{c.version}' for n, c in KNOWN.items())}). "
+            "Upgrade hf_unified_ckpt to read it.")
+    return cls.from_metadata(meta, anchor) if cls is ResidualCodec else cls.from_metadata(meta)
