@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 # `info` and `verify` read file names, JSON and safetensors headers only: keep these imports free of torch,
 # transformers and accelerate (tests/test_imports.py), so the command answers at once. `convert` imports its own.
 from .errors import UnifiedCheckpointError
 from .layout import UNIFIED, detect_layout
+from .storage.headers import read_safetensors_header, tensor_specs
 from .storage.manifest import spread_hint, verify_folder
 
 
@@ -24,11 +27,31 @@ def _info(path: str) -> dict:
             "format_version": m.get("format_version"), "library_version": m.get("library", {}).get("version"),
             "saved_by": m.get("saved_by"), "options": m.get("options"),
             "components": {k: {"file_stem": v["file_stem"], "files": len(v["files"]), "tensors": v["tensors"],
-                               "bytes": v["bytes"]} for k, v in m.get("components", {}).items()},
+                               "bytes": v["bytes"], **({"codec": v["codec"]} if v.get("codec") else {})}
+                           for k, v in m.get("components", {}).items()},
             "files": len(m.get("files", {})),
             "total_bytes": sum(f["size"] for f in m.get("files", {}).values()),
         })
+        info.update(_per_parameter(layout.path, m))
     return info
+
+
+def _per_parameter(folder, manifest: dict) -> dict:
+    """The model's parameter count (from the model files' headers) and each component's stored bytes per parameter
+    (a file's bytes, headers included, counted by its component)."""
+    model = manifest.get("components", {}).get("model")
+    if not model:
+        return {}
+    parameters = 0
+    for file in model["files"]:
+        for shape, _ in tensor_specs(read_safetensors_header(Path(folder) / file)).values():
+            parameters += math.prod(shape)
+    if not parameters:
+        return {}
+    sizes = {name: rec["size"] for name, rec in manifest.get("files", {}).items()}
+    per = {name: sum(sizes.get(f, 0) for f in c["files"]) / parameters
+           for name, c in manifest.get("components", {}).items()}
+    return {"parameters": parameters, "bytes_per_parameter": {**per, "all": sum(per.values())}}
 
 
 def _print_info(info: dict) -> None:
@@ -40,9 +63,15 @@ def _print_info(info: dict) -> None:
         print(f"  saved by:    {json.dumps(info['saved_by'], sort_keys=True)}")
         print(f"  options:     {json.dumps(info['options'], sort_keys=True)}")
         print(f"  files:       {info['files']} ({info['total_bytes']:,} bytes)")
+        per = info.get("bytes_per_parameter", {})
         for name, c in info["components"].items():
-            print(f"  {name:<12} {c['tensors']:>6} tensors {c['bytes']:>15,} bytes in {c['files']} "
-                  f"{c['file_stem']}*.safetensors file(s)")
+            print(f"  {name:<14} {c['tensors']:>6} tensors {c['bytes']:>15,} bytes in {c['files']} "
+                  f"{c['file_stem']}*.safetensors file(s)"
+                  + (f", {per[name]:.3f} bytes/parameter" if name in per else ""))
+            if c.get("codec"):
+                print(f"  {'':<14} codec: {json.dumps(c['codec'], sort_keys=True)}")
+        if per:
+            print(f"  parameters:  {info['parameters']:,}; all components: {per['all']:.3f} bytes/parameter")
 
 
 def _verify(path: str) -> int:

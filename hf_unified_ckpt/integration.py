@@ -35,13 +35,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import dist
 from .async_save import AsyncSaver
-from .components import MODEL
+from .components import MASTER, MODEL
 from .engines.base import LoadSources
 from .engines.replicated import ReplicatedEngine
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete
 from .hf_model import is_peft_model
 from .legacy import legacy_components, open_legacy
+from .lineage import error_half_life, options_for_save, restored_step
 from .load import fetch_small_files, load_checkpoint, verify_checkpoint
 from .placement import Placement, judge_path, newest_across_machines, placement_of
 from .retention import rotate_checkpoints
@@ -83,6 +84,7 @@ class UnifiedCheckpointMixin:
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """`Trainer.train`, with the resume folder resolved and verified first. Collective: all ranks call it."""
         self._uc_resume = None
+        self._uc_quantized_restore = None  # lineage guard (lineage.py): step of the latest compressed restore
         self._uc_refuse_unsupported()
         path = self._uc_resolve(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=path, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
@@ -200,6 +202,7 @@ class UnifiedCheckpointMixin:
         else:
             load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options,
                             placement=resume.placement)
+            self._uc_quantized_restore = restored_step(resume.manifest)
         if self.lr_scheduler is not None and (folder / SCHEDULER_FILE).is_file():
             self.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
         self._load_scaler(str(folder))
@@ -209,8 +212,14 @@ class UnifiedCheckpointMixin:
     def _uc_preflight(self) -> None:
         """Describe the prepared engine's model the way every save will, so whatever a save would refuse (an
         engine or model it cannot handle) is refused before the first step. Collective: all ranks call it."""
-        if self.args.unified_checkpoint_options.enabled:
-            self._uc_engine().specs(MODEL.name)
+        options = self.args.unified_checkpoint_options
+        if options.enabled:
+            engine = self._uc_engine()
+            engine.specs(MODEL.name)
+            if options.residual_master_weight and MASTER not in engine.components() and dist.rank() == 0:
+                logger.warning("residual_master_weight has no effect in this run: it keeps no fp32 master weights "
+                               "apart from its weights (only DeepSpeed bf16 training does), so there is nothing to "
+                               "store as a residual.")
 
     def _load_best_model(self):
         """`load_best_model_at_end`: a unified best checkpoint is loaded into whatever the engine is (weights, and
@@ -265,6 +274,7 @@ class UnifiedCheckpointMixin:
         options = self.args.unified_checkpoint_options
         if not options.enabled:
             return super()._save_checkpoint(model, trial)
+        options = self._uc_save_options(options)
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = Path(self._get_output_dir(trial=trial))
@@ -290,6 +300,18 @@ class UnifiedCheckpointMixin:
         save_checkpoint(engine, request, extras, after_commit=rotate)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
+
+    def _uc_save_options(self, options):
+        """The options of this save: the lineage guard may write it at O0 (lineage.py), said once per run."""
+        restore = getattr(self, "_uc_quantized_restore", None)
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        chosen = options_for_save(options, self.state.global_step, restore, error_half_life(groups))
+        if chosen.quant_stage_requested and not getattr(self, "_uc_guard_said", False) and dist.rank() == 0:
+            self._uc_guard_said = True
+            logger.info("Checkpoint compression: saves are written at O0 (not %s) until the quantisation error of "
+                        "the restore at step %d has halved (%.0f steps for this optimizer's slowest moment), so "
+                        "errors never stack.", options.quant_stage, restore, error_half_life(groups))
+        return chosen
 
     def _uc_engine(self):
         """The adapter of the engine this trainer runs (a new one per save or load)."""

@@ -128,7 +128,9 @@ def _load(folder: Path, engine: EngineAdapter, manifest: dict, options: UnifiedC
         )
     wanted = [name for name in components if load_optimizer or name != OPTIMIZER.name]
     with ExitStack() as stack:
-        readers = {name: stack.enter_context(ComponentReader(folder, components[name]["file_stem"], remote))
+        model = stack.enter_context(ComponentReader(folder, model_entry["file_stem"], remote))
+        readers = {name: model if name == MODEL.name else
+                   stack.enter_context(ComponentReader(folder, components[name]["file_stem"], remote, anchor=model))
                    for name in wanted}
         if MASTER.name not in readers:  # the model weights are the best fp32 values there are
             _check_master_rebuild(folder, manifest, readers[MODEL.name], engine, options)

@@ -18,6 +18,8 @@ CONFIG_WORDS: dict[str, str] = {
     "master_weight_compatible": "build missing master weights from the model weights on load",
     "remove_master_weight": "do not save master weights; rebuild them from the model weights on load",
     "enable_all_options": "skip_save_model_weight + master_weight_compatible",
+    "residual_master_weight": "store the fp32 master weights as a 16-bit residual over their bf16 rounding in the "
+                              "model files (exact, 2 bytes per parameter instead of 4)",
 }
 
 #: Words whose implementation has not landed yet: accepted by the parser, refused by `validate_supported`.
@@ -40,6 +42,7 @@ class UnifiedCheckpointOptions:
         skip_save_model_weight: save master weights in place of the model weights when they exist.
         master_weight_compatible: rebuild missing master weights from model weights on load.
         remove_master_weight: never save master weights.
+        residual_master_weight: store master weights as a 16-bit residual over the bf16 model weights (exact).
         quant_stage: optimizer-moment compression, "O0" (none), "O1" (int8) or "O2" (int4).
         max_shard_size: upper bound, in bytes, of one safetensors file.
     """
@@ -49,15 +52,24 @@ class UnifiedCheckpointOptions:
     skip_save_model_weight: bool = False
     master_weight_compatible: bool = False
     remove_master_weight: bool = False
+    residual_master_weight: bool = False
     quant_stage: str = "O0"
     max_shard_size: int = 5 * 10**9
+    #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
+    #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
+    quant_stage_requested: str | None = None
+    quantized_restore_step: int | None = None
 
     def as_manifest_dict(self) -> dict:
         """The options recorded in the manifest (what a reader must know to interpret the files)."""
         return {
             "ckpt_quant_stage": self.quant_stage,
+            **({"ckpt_quant_stage_requested": self.quant_stage_requested} if self.quant_stage_requested else {}),
+            **({"quantized_restore_step": self.quantized_restore_step}
+               if self.quantized_restore_step is not None else {}),
             "skip_save_model_weight": self.skip_save_model_weight,
             "remove_master_weight": self.remove_master_weight,
+            "residual_master_weight": self.residual_master_weight,
             "async_save": self.async_save,
             "ema": False,
         }
@@ -126,6 +138,7 @@ def parse_options(
             "unified_checkpoint_config: 'skip_save_model_weight' (or 'enable_all_options') together with "
             "'remove_master_weight' would save no weights at all. Keep one of them."
         )
+    _refuse_contradictions(chosen, set(words))
     stage = (ckpt_quant_stage or "O0").strip().upper()
     if stage not in QUANT_STAGES:
         raise ValueError(
@@ -141,11 +154,27 @@ def parse_options(
         skip_save_model_weight="skip_save_model_weight" in chosen,
         master_weight_compatible="master_weight_compatible" in chosen,
         remove_master_weight="remove_master_weight" in chosen,
+        residual_master_weight="residual_master_weight" in chosen,
         quant_stage=stage,
         max_shard_size=parse_size(max_shard_size),
     )
     validate_supported(options, words)
     return options
+
+
+def _refuse_contradictions(chosen: set[str], given: set[str]) -> None:
+    """Word pairs that ask for two different things; the error names both words as the user wrote them."""
+    if "residual_master_weight" not in chosen:
+        return
+    for other, why in (("remove_master_weight", "keeps no master weights at all"),
+                       ("skip_save_model_weight", "writes the fp32 master weights as the model weights, leaving no "
+                                                  "bf16 model weights for a residual to refine")):
+        if other in chosen:
+            named = f"'{other}'" if other in given else f"'enable_all_options' (which implies '{other}')"
+            raise ValueError(
+                f"unified_checkpoint_config: 'residual_master_weight' stores exact fp32 master weights as a residual "
+                f"over the bf16 model weights, but {named} {why}. Keep one of them (residual_master_weight alone "
+                "already keeps both the bf16 weights and the exact fp32 master weights, in 4 bytes per parameter).")
 
 
 def validate_supported(options: UnifiedCheckpointOptions, words: list[str]) -> None:
@@ -156,9 +185,4 @@ def validate_supported(options: UnifiedCheckpointOptions, words: list[str]) -> N
         raise UnsupportedOptionError(
             f"unified_checkpoint_config: {sorted(set(pending))} not supported yet in this version "
             f"({'; '.join(what)}). Remove the word(s) to save and resume without them."
-        )
-    if options.quant_stage != "O0":
-        raise UnsupportedOptionError(
-            f"ckpt_quant_stage={options.quant_stage!r}: int8/int4 optimizer compression is not supported yet "
-            "in this version. Use 'O0' (or set disable_ckpt_quant=True)."
         )

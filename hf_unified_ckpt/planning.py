@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
@@ -18,6 +18,17 @@ if TYPE_CHECKING:
 
 #: Below this many bytes per writer, splitting a component across ranks costs more than it saves.
 MIN_PARALLEL_SHARD_BYTES = 64 * 2**20
+
+
+class Encoder(Protocol):
+    """The save side of a codec (`codecs.py`): what a logical tensor is stored as, known before any data (so every
+    rank plans the same files), and the stored tensors made of it when it is written."""
+
+    def stored_specs(self, spec: TensorSpec) -> list[TensorSpec]: ...
+
+    def encode(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def metadata(self) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -52,10 +63,17 @@ class ComponentPlan:
     specs: dict[str, TensorSpec] = field(repr=False, default_factory=dict)
     file_stem: str = ""
     index_metadata: dict = field(repr=False, default_factory=dict)  # extra keys of the index file
+    codec: Encoder | None = field(repr=False, default=None)  # how logical tensors are stored (None: as they are)
+    stored: dict[str, list[TensorSpec]] = field(repr=False, default_factory=dict)  # logical name -> stored specs
+
+    def stored_specs(self, name: str) -> list[TensorSpec]:
+        """What logical tensor `name` is stored as (itself without a codec)."""
+        return self.stored.get(name) or [self.specs[name]]
 
     @property
     def weight_map(self) -> dict[str, str]:
-        return {name: file for file, names in self.files.items() for name in names}
+        """Stored tensor name -> file (the index's weight map: codes and scales included)."""
+        return {s.name: file for file, names in self.files.items() for n in names for s in self.stored_specs(n)}
 
     @property
     def is_sharded(self) -> bool:
@@ -82,62 +100,65 @@ def assign_owners(file_sizes: dict[str, int], writers: int) -> dict[str, int]:
 
 def plan_component(component: str, specs: list[TensorSpec], writers: int, max_shard_size: int,
                    file_stem: str | None = None, min_parallel: int = MIN_PARALLEL_SHARD_BYTES,
-                   owners: dict[str, int] | None = None) -> ComponentPlan:
+                   owners: dict[str, int] | None = None, codec: Encoder | None = None) -> ComponentPlan:
     """Split `specs` (in their order) into files named like HF shards (`<stem>-0000k-of-0000n.safetensors`,
     or `<stem>.safetensors` for one file) and assign each file to a writer.
 
     `owners` pins tensors to the rank that holds them (sharded engines); the others are spread to balance
-    bytes, then each rank's tensors are cut into files of at most `max_shard_size`."""
+    bytes, then each rank's tensors are cut into files of at most `max_shard_size`. With a `codec`, files are sized
+    by the stored bytes, and a logical tensor's stored tensors (codes and scales) stay in one file."""
     stem = file_stem or component
     pattern = stem + "{suffix}.safetensors"
     by_name = {s.name: s for s in specs}
     if len(by_name) != len(specs):
         raise ValueError(f"{component}: duplicate tensor names in the plan.")
+    stored = {s.name: codec.stored_specs(s) for s in specs} if codec is not None else {}
+    size = {s.name: sum(x.nbytes for x in stored.get(s.name, [s])) for s in specs}
+    extra = {"specs": by_name, "file_stem": stem, "codec": codec, "stored": stored}
     if owners:
-        return _plan_pinned(component, specs, writers, max_shard_size, pattern, owners, stem)
-    total = sum(s.nbytes for s in specs)
+        files, file_owners = _plan_pinned(specs, size, writers, max_shard_size, pattern, owners)
+        return ComponentPlan(component, pattern, files, file_owners, sum(size.values()), **extra)
+    total = sum(size.values())
     split = split_state_dict_into_shards_factory(
-        by_name, get_storage_size=lambda s: s.nbytes, filename_pattern=pattern,
+        by_name, get_storage_size=lambda s: size[s.name], filename_pattern=pattern,
         max_shard_size=target_shard_size(total, writers, max_shard_size, min_parallel),
     )
     files = {f: list(names) for f, names in split.filename_to_tensors.items()}
     if not files:  # a component with no tensors still gets one (empty) file, so it is self-describing
         files = {pattern.format(suffix=""): []}
-    sizes = {f: sum(by_name[n].nbytes for n in names) for f, names in files.items()}
-    return ComponentPlan(component, pattern, files, assign_owners(sizes, writers), total, by_name, stem)
+    sizes = {f: sum(size[n] for n in names) for f, names in files.items()}
+    return ComponentPlan(component, pattern, files, assign_owners(sizes, writers), total, **extra)
 
 
-def _plan_pinned(component: str, specs: list[TensorSpec], writers: int, max_shard_size: int, pattern: str,
-                 owners: dict[str, int], stem: str) -> ComponentPlan:
+def _plan_pinned(specs: list[TensorSpec], size: dict[str, int], writers: int, max_shard_size: int, pattern: str,
+                 owners: dict[str, int]) -> tuple[dict[str, list[str]], dict[str, int]]:
     load = [0] * writers
     for s in specs:
         if s.name in owners:
-            load[owners[s.name]] += s.nbytes
+            load[owners[s.name]] += size[s.name]
     rank_of = {}
     for s in specs:
         if s.name in owners:
             rank_of[s.name] = owners[s.name]
         else:
             rank_of[s.name] = min(range(writers), key=lambda r: (load[r], r))
-            load[rank_of[s.name]] += s.nbytes
+            load[rank_of[s.name]] += size[s.name]
     chunks: list[tuple[int, list[str]]] = []
     for rank in range(writers):
-        current, size = [], 0
+        current, used = [], 0
         for s in (s for s in specs if rank_of[s.name] == rank):
-            if current and size + s.nbytes > max_shard_size:
+            if current and used + size[s.name] > max_shard_size:
                 chunks.append((rank, current))
-                current, size = [], 0
+                current, used = [], 0
             current.append(s.name)
-            size += s.nbytes
+            used += size[s.name]
         if current:
             chunks.append((rank, current))
     if not chunks:
         chunks = [(0, [])]
     n = len(chunks)
     names = [pattern.format(suffix="" if n == 1 else f"-{i + 1:05d}-of-{n:05d}") for i in range(n)]
-    return ComponentPlan(component, pattern, {f: c for f, (_, c) in zip(names, chunks)},
-                         {f: r for f, (r, _) in zip(names, chunks)}, sum(s.nbytes for s in specs),
-                         {s.name: s for s in specs}, stem)
+    return {f: c for f, (_, c) in zip(names, chunks)}, {f: r for f, (r, _) in zip(names, chunks)}
 
 
 @dataclass(frozen=True)
@@ -163,6 +184,13 @@ class FilePlan:
     header_rank: int
     header: dict = field(repr=False)
     items: tuple[WriteItem, ...] = field(repr=False)
+    codec: Encoder | None = field(repr=False, default=None)
+
+    def stored_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors to write for the logical `tensors` (name -> tensor): encoded by the codec, if any."""
+        if self.codec is None:
+            return tensors
+        return {n: t for name, tensor in tensors.items() for n, t in self.codec.encode(name, tensor).items()}
 
     @property
     def writers(self) -> frozenset[int]:
@@ -175,13 +203,13 @@ class FilePlan:
 
 def file_plans(plan: ComponentPlan) -> list[FilePlan]:
     """The files of a component plan with their headers and whole-tensor write items (each file written by its
-    owner). Pure: every rank computes the same list."""
+    owner; stored tensors, after the codec). Pure: every rank computes the same list."""
     out = []
     for file, names in plan.files.items():
-        specs = [plan.specs[n] for n in names]
+        specs = [s for n in names for s in plan.stored_specs(n)]
         header, offsets = safetensors_header(specs)
         items = tuple(WriteItem(s.name, *offsets[s.name], plan.owners[file]) for s in specs)
-        out.append(FilePlan(plan.component, file, tuple(names), plan.owners[file], header, items))
+        out.append(FilePlan(plan.component, file, tuple(names), plan.owners[file], header, items, plan.codec))
     return out
 
 

@@ -30,15 +30,16 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from . import dist
-from .components import Role, component
+from .codecs import MomentCodec, ResidualCodec, count_ties
+from .components import MASTER, Component, Role, component
 from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
 from .options import UnifiedCheckpointOptions
-from .planning import ComponentPlan, FilePlan, file_plans, plan_component
+from .planning import ComponentPlan, Encoder, FilePlan, file_plans, plan_component
 from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
                              remove_writer_marks, sees_writer, staging_dir)
 from .storage.files import FileRecord, write_bytes
-from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, write_manifest
+from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .storage.safetensors_io import index_name, write_index
 from .storage.writer import StorageWriter, WholeFileWriter
 
@@ -83,12 +84,37 @@ def plan_save(engine: EngineAdapter, request: SaveRequest) -> SavePlan:
     components = [c for c in engine.components() if request.include_optimizer or c.role is not Role.OPTIMIZER]
     plans = {}
     for c in components:
+        codec = encoder_for(c, engine, request.options)
         plan = plan_component(c.name, engine.specs(c.name), dist.world_size(), request.options.max_shard_size,
-                              file_stem=c.file_stem, owners=engine.preferred_owners(c.name))
-        if c.role is Role.OPTIMIZER:
-            plan = dataclasses.replace(plan, index_metadata=copy.deepcopy(engine.optimizer_metadata()))
-        plans[c.name] = plan
+                              file_stem=c.file_stem, owners=engine.preferred_owners(c.name), codec=codec)
+        metadata = copy.deepcopy(engine.optimizer_metadata()) if c.role is Role.OPTIMIZER else {}
+        if codec is not None:
+            metadata["codec"] = codec.metadata()
+        plans[c.name] = dataclasses.replace(plan, index_metadata=metadata)
     return SavePlan(plans, copy.deepcopy(engine.saved_by()))
+
+
+def encoder_for(c: Component, engine: EngineAdapter, options: UnifiedCheckpointOptions) -> Encoder | None:
+    """The codec that stores component `c` (None: stored as it is): O1/O2 for optimizer moments, the bf16 residual
+    for master weights. Collective for the residual (a census of every rank's fragments): all ranks must call it."""
+    if c.role is Role.OPTIMIZER and options.quant_stage != "O0":
+        return MomentCodec(options.quant_stage)
+    if c.name == MASTER.name and options.residual_master_weight:
+        return ResidualCodec(residual_census(engine))
+    return None
+
+
+def residual_census(engine: EngineAdapter) -> dict[str, int]:
+    """Master tensors whose every element the bf16 residual rebuilds exactly (the engine's bf16 weights are exactly
+    their rounding), with their number of ties, summed over the fragments of every rank; a tensor that fails on
+    any rank is left out (stored as plain fp32). Collective: all ranks must call it."""
+    fragments = getattr(engine, "master_fragments", None)
+    local = {name: count_ties(hp, lp) for name, hp, lp in (fragments() if fragments else [])}
+    census: dict[str, int | None] = {}
+    for share in dist.all_gather_object(local):
+        for name, ties in share.items():
+            census[name] = None if ties is None or census.get(name, 0) is None else census.get(name, 0) + ties
+    return {name: ties for name, ties in census.items() if ties is not None}
 
 
 def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter,
@@ -227,8 +253,9 @@ def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest, records: l
             records.append(write_index(staging.path, cplan.file_stem, cplan.weight_map, cplan.total_size,
                                        cplan.index_metadata))
             index = index_name(cplan.file_stem)
-        entries[name] = ComponentEntry(cplan.file_stem, tuple(cplan.files), index, len(cplan.weight_map),
-                                       cplan.total_size)
+        codec = cplan.codec.metadata() if cplan.codec is not None else None
+        entries[name] = ComponentEntry(cplan.file_stem, tuple(cplan.files), index, len(cplan.specs),
+                                       cplan.total_size, codec_summary(codec))
     manifest = build_manifest(request.global_step, plan.saved_by, request.options.as_manifest_dict(),
                               entries, records)
     write_manifest(staging.path, manifest)

@@ -265,12 +265,31 @@ def run_spec(run: dict, world_size: int) -> dict:
         trainer = make_trainer(run["output_dir"], model, world_size, run.get("optim", "adamw_torch"), **overrides)
         if run.get("expect_error"):
             return _refused(trainer, run.get("resume"), run["expect_error"])
+        at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None
         trainer.train(resume_from_checkpoint=run.get("resume"))
     if shim:
         assert_sharded(trainer)
     if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
         trainer.save_model(run["save_model"])
-    return record(trainer, losses_of(trainer))
+    return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {})}
+
+
+class RecordAt:
+    """Records weights and optimizer state (what the save at that step writes) at the end of step `step`, on every
+    rank (a collective under DeepSpeed and FSDP: callbacks run on all ranks)."""
+
+    def __init__(self, trainer, step: int):
+        from transformers import TrainerCallback
+
+        self.record = None
+        outer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == step:
+                    outer.record = {"state": final_state(trainer), "optim": optimizer_state(trainer)}
+
+        trainer.add_callback(_Callback())
 
 
 def _refused(trainer, resume, expected: str) -> dict:

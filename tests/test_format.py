@@ -72,7 +72,7 @@ def test_golden_manifest(golden_checkpoint):
         "saved_by": {"engine": "single", "world_size": 1, "zero_stage": None, "fsdp_version": None,
                      "param_dtypes": ["float32"], "master_weights": False},
         "options": {"ckpt_quant_stage": "O0", "skip_save_model_weight": False, "remove_master_weight": False,
-                    "async_save": False, "ema": False},
+                    "residual_master_weight": False, "async_save": False, "ema": False},
         "components": {
             "model": {"file_stem": "model", "index": "model.safetensors.index.json", "tensors": 4, "bytes": 264,
                       "files": ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]},

@@ -6,7 +6,6 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_unified_ckpt import UnifiedCheckpointArguments, UnifiedCheckpointOptions, parse_options, with_unified_checkpoint
-from hf_unified_ckpt.errors import UnsupportedOptionError
 from hf_unified_ckpt.options import parse_size
 
 
@@ -61,9 +60,19 @@ def test_master_weight_words():
 def test_quant_stage_validation():
     with pytest.raises(ValueError, match="O3"):
         parse_options(True, "", ckpt_quant_stage="O3")
-    with pytest.raises(UnsupportedOptionError, match="int8/int4"):
-        parse_options(True, "", ckpt_quant_stage="O1")
+    assert parse_options(True, "", ckpt_quant_stage="o1").quant_stage == "O1"
     assert parse_options(True, "", ckpt_quant_stage="O2", disable_ckpt_quant=True).quant_stage == "O0"
+
+
+@pytest.mark.parametrize("words,named", [("residual_master_weight remove_master_weight", "'remove_master_weight'"),
+                                         ("residual_master_weight,skip_save_model_weight", "'skip_save_model_weight'"),
+                                         ("enable_all_options residual_master_weight",
+                                          "'enable_all_options' (which implies 'skip_save_model_weight')")])
+def test_residual_master_weight_contradictions_name_both_words(words, named):
+    with pytest.raises(ValueError) as e:
+        parse_options(True, words)
+    assert "'residual_master_weight'" in str(e.value) and named in str(e.value)
+    assert parse_options(True, "residual_master_weight master_weight_compatible").residual_master_weight
 
 
 @pytest.mark.parametrize("text,expected", [("5GB", 5 * 10**9), ("512MiB", 512 * 2**20), ("1000", 1000),

@@ -326,6 +326,25 @@ class DeepSpeedEngine:
     def write_configs(self, folder) -> None:
         write_model_configs(self.module, folder)
 
+    def master_fragments(self):
+        """(name, this rank's fp32 master elements, the bf16 weight elements at the same flat positions) of every
+        trainable parameter that has a master copy and a fragment here (what `save.residual_census` checks). Local
+        reads only."""
+        if not self.has_master:
+            return
+        for name, p in self._trainable():
+            if self.stage == 3:
+                from deepspeed.utils import safe_get_local_fp32_param
+
+                count = self._partition(p)[2]
+                yield name, safe_get_local_fp32_param(p).reshape(-1)[:count], p.ds_tensor.data.reshape(-1)[:count]
+                continue
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is not None:
+                address = mapping.lp_fragment_address
+                yield (name, mapping.get_hp_fragment(),
+                       p.data.reshape(-1)[address.start:address.start + address.numel])
+
     # ---- load: each rank reads only the rows it holds ------------------------------------------------------
     def load(self, sources) -> None:
         """Load from `sources` (a `load.LoadSources`). Local reads and writes only (no collectives)."""

@@ -20,7 +20,10 @@ from .headers import read_safetensors_header
 MANIFEST_NAME = "unified_checkpoint.json"
 FORMAT_NAME = "hf-unified-checkpoint"
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+#: Version 2 = version 1 + codecs: written only when a component is stored through a codec (O1/O2 optimizer
+#: moments, residual master weights), so that a reader of version 1, which would load codes as values, refuses it.
+CODEC_FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -32,10 +35,21 @@ class ComponentEntry:
     index: str | None
     tensors: int
     bytes: int
+    codec: dict | None = None  # `codec_summary` of the codec its tensors are stored with; None: stored as they are
 
     def as_dict(self) -> dict:
-        return {"file_stem": self.file_stem, "files": list(self.files), "index": self.index,
-                "tensors": self.tensors, "bytes": self.bytes}
+        out = {"file_stem": self.file_stem, "files": list(self.files), "index": self.index,
+               "tensors": self.tensors, "bytes": self.bytes}
+        return out if self.codec is None else {**out, "codec": self.codec}
+
+
+def codec_summary(codec_metadata: Mapping | None) -> dict | None:
+    """What the manifest records of a component's codec (its index metadata holds the full description)."""
+    if codec_metadata is None:
+        return None
+    keep = ("name", "version", "stage", "bits", "block_size", "scale_dtype", "anchor")
+    out = {k: codec_metadata[k] for k in keep if k in codec_metadata}
+    return {**out, "encoded_tensors": len(codec_metadata.get("tensors", {}))}
 
 
 def build_manifest(global_step: int, saved_by: Mapping, options: Mapping,
@@ -47,7 +61,7 @@ def build_manifest(global_step: int, saved_by: Mapping, options: Mapping,
         raise ValueError(f"two writers recorded the same file: {sorted({n for n in names if names.count(n) > 1})}")
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": CODEC_FORMAT_VERSION if any(c.codec for c in components.values()) else FORMAT_VERSION,
         "library": {"name": "hf_unified_ckpt", "version": __version__},
         "global_step": int(global_step),
         "saved_by": dict(saved_by),

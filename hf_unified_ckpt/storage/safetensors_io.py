@@ -200,11 +200,18 @@ class ComponentReader(LogicalReader):
     `TensorReader` engines load unified checkpoints from.
 
     The stored tensors (`StoredFiles`: the index, or the single file; with `remote`, a `file_service.FileService`,
-    files this rank does not see are read from a rank that does) are shown through `codec` (default: identity), so
-    engines see logical tensors only. `get_slice(name)[index]` reads only the requested part of a stored tensor.
+    files this rank does not see are read from a rank that does) are shown through the codec their index metadata
+    names (`codecs.codec_from_metadata`; identity when none), so engines see logical tensors only: decoded moments,
+    rebuilt master weights (whose codec reads the bf16 weights from `anchor`, the model's reader), never scales;
+    an explicit `codec` overrides the metadata's.
+    `get_slice(name)[index]` reads only the requested part of a tensor stored as it is.
     """
 
-    def __init__(self, folder: str | os.PathLike, file_stem: str, remote=None, codec=None):
+    def __init__(self, folder: str | os.PathLike, file_stem: str, remote=None, codec=None, anchor=None):
+        from ..codecs import codec_from_metadata
+
         stored = StoredFiles(folder, file_stem, remote)
-        super().__init__(stored, codec, where=f"the {file_stem} files of {stored.folder}")
+        where = f"the {file_stem} files of {stored.folder}"
+        codec = codec if codec is not None else codec_from_metadata(stored.metadata, where, anchor)
+        super().__init__(stored, codec, where=where)
         self.folder, self.file_stem = stored.folder, file_stem

@@ -48,7 +48,7 @@ class WholeFileWriter:
         return owner_of(file) == rank
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> FileRecord:
-        return write_shard(Path(folder) / file.name, tensors)
+        return write_shard(Path(folder) / file.name, file.stored_tensors(dict(tensors)))
 
 
 def owner_of(file: FilePlan) -> int:
