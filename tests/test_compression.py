@@ -108,7 +108,9 @@ def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     train(tmp / "o1", ckpt_quant_stage="O1")
     train(tmp / "guarded", resume=str(tmp / "o1" / "checkpoint-3"), ckpt_quant_stage="O1")
-    train(tmp / "fast", resume=str(tmp / "o1" / "checkpoint-3"), ckpt_quant_stage="O1", adam_beta1=0.5, adam_beta2=0.5)
+    fast = {"ckpt_quant_stage": "O1", "adam_beta1": 0.5, "adam_beta2": 0.5}  # resuming restores the saved betas
+    train(tmp / "o1-fast", **fast)
+    train(tmp / "fast", resume=str(tmp / "o1-fast" / "checkpoint-3"), **fast)
     return tmp
 
 
