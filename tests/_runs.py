@@ -275,8 +275,9 @@ def run_spec(run: dict, world_size: int) -> dict:
 
 
 class RecordAt:
-    """Records weights and optimizer state (what the save at that step writes) at the end of step `step`, on every
-    rank (a collective under DeepSpeed and FSDP: callbacks run on all ranks)."""
+    """Records weights and optimizer state at step `step`: at the end of that step (what the save at that step
+    writes), or when training begins there (what a resume from that step loaded). On every rank (a collective under
+    DeepSpeed and FSDP: callbacks run on all ranks)."""
 
     def __init__(self, trainer, step: int):
         from transformers import TrainerCallback
@@ -288,6 +289,8 @@ class RecordAt:
             def on_step_end(self, args, state, control, **kwargs):
                 if state.global_step == step:
                     outer.record = {"state": final_state(trainer), "optim": optimizer_state(trainer)}
+
+            on_train_begin = on_step_end
 
         trainer.add_callback(_Callback())
 
