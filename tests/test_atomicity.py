@@ -14,7 +14,7 @@ from _runs import final_state, train
 from hf_unified_ckpt.errors import UnifiedCheckpointError
 from hf_unified_ckpt.layout import detect_layout, newest_complete
 from conftest import record_fault
-from kill_worker import ASYNC_POINTS, KILLED, POINTS
+from kill_worker import ASYNC_POINTS, COMPRESSED_POINTS, KILLED, POINTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,9 +26,20 @@ def uninterrupted(tmp_path_factory):
     return losses, final_state(trainer)
 
 
-@pytest.mark.parametrize("point", list(POINTS) + list(ASYNC_POINTS))
-def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, uninterrupted, caplog):
-    """kill (os._exit: no clean-up runs, as with SIGKILL) at `point` of the step-6 save, sync or async."""
+@pytest.fixture(scope="module")
+def resumed_from_o1(tmp_path_factory):
+    """What a compressed run killed after its step-3 save must continue as: an O1 run resumed from its step 3."""
+    base = tmp_path_factory.mktemp("o1")
+    train(base / "first", max_steps=9, save_steps=3, ckpt_quant_stage="O1", unified_checkpoint_max_shard_size="40KB")
+    trainer, losses = train(base / "then", max_steps=9, save_steps=3, resume=str(base / "first" / "checkpoint-3"),
+                            ckpt_quant_stage="O1", unified_checkpoint_max_shard_size="40KB")
+    return losses, final_state(trainer)
+
+
+@pytest.mark.parametrize("point", list(POINTS) + list(ASYNC_POINTS) + list(COMPRESSED_POINTS))
+def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, request, caplog):
+    """kill (os._exit: no clean-up runs, as with SIGKILL) at `point` of the step-6 save, sync or async, plain or
+    with O1-compressed moments (whose resume must then continue exactly as any resume from that checkpoint)."""
     record_fault(point, survived=False)
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "kill_worker.py"), str(run), point],
@@ -40,8 +51,10 @@ def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, uninte
     if point != "during-rotation":
         six = run / "checkpoint-6"
         assert not six.exists() or not detect_layout(six).complete
-    trainer, losses = train(run, max_steps=9, save_steps=3, resume=True, unified_checkpoint_max_shard_size="40KB")
-    base_losses, base_state = uninterrupted
+    quant = "O1" if point in COMPRESSED_POINTS else "O0"
+    trainer, losses = train(run, max_steps=9, save_steps=3, resume=True, unified_checkpoint_max_shard_size="40KB",
+                            ckpt_quant_stage=quant)
+    base_losses, base_state = request.getfixturevalue("resumed_from_o1" if quant == "O1" else "uninterrupted")
     assert all(losses[s] == base_losses[s] for s in range(expected_step + 1, 10))
     state = final_state(trainer)
     assert all(torch.equal(state[k], base_state[k]) for k in base_state)
