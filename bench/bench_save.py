@@ -1,6 +1,7 @@
 """Save/resume benchmark: unified checkpoint vs the plain Trainer's native DeepSpeed checkpoint.
 
     python bench/bench_save.py [--engine zero2|fsdp2] [--reps 5] [--dtype fp32|bf16] [--out DIR]
+    python bench/bench_save.py --quant [--reps 5] [--dtype fp32|bf16]     O1/O2 save and load time vs O0
 
 Launches `torchrun --nproc_per_node 2` (DeepSpeed ZeRO-2, or FSDP2 through the Trainer with the tests' CPU
 shim; CPU, gloo) on a ~103M-parameter Llama-style model and, in the same launch, alternates per repetition:
@@ -285,6 +286,60 @@ def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int 
     dist.destroy_process_group()
 
 
+def quant_worker(out: Path, reps: int, dtype: str) -> None:
+    """Runs under torchrun with 2 ranks (ZeRO-2): alternates unified saves at O0, O1 and O2, then times verify + load
+    of each at the same topology; the codec must not make saving slower than the bytes it saves."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from hf_unified_ckpt.engines.deepspeed import DeepSpeedEngine
+    from hf_unified_ckpt.integration import _master_policy
+    from hf_unified_ckpt.load import load_checkpoint, verify_checkpoint
+
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = build_trainer(out / "train", dtype, world)
+    model, rank = trainer.model_wrapped, dist.get_rank()
+    base = trainer.args.unified_checkpoint_options
+    stages = ("O0", "O1", "O2")
+    results = {f"save_{s}": [] for s in stages} | {f"load_{s}": [] for s in stages} | {"bytes": {}}
+    for rep in range(reps):
+        for stage in stages[rep % 3:] + stages[:rep % 3]:  # rotate the order: no stage always goes first
+            trainer.args._unified_checkpoint_options = dataclasses.replace(base, quant_stage=stage)
+            trainer.args.output_dir = str(out / f"{stage}-{rep}")
+            folder = out / f"{stage}-{rep}" / "checkpoint-1"
+            results[f"save_{stage}"].append(max_over_ranks(timed(lambda: trainer._save_checkpoint(model, None))[0]))
+            if rank == 0:
+                results["bytes"][stage] = folder_bytes(folder)
+
+            def load():
+                manifest = verify_checkpoint(folder)
+                load_checkpoint(folder, DeepSpeedEngine(model, _master_policy(base)), manifest, base)
+            results[f"load_{stage}"].append(max_over_ranks(timed(load)[0]))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(folder.parent)
+    if rank == 0:
+        (out / "quant_results.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def quant_report(out: Path, dtype: str) -> None:
+    r = json.loads((out / "quant_results.json").read_text())
+    med = {k: statistics.median(v) for k, v in r.items() if k != "bytes"}
+    print(f"\nDeepSpeed ZeRO-2, 2 ranks, ~103M Llama, {dtype}: O1/O2 optimizer-moment compression vs O0, medians of "
+          f"{len(r['save_O0'])} rotating repetitions (save to durable storage; load = verify + load, 2 ranks)")
+    for stage in ("O1", "O2"):
+        print(f"{stage}: save time {stage}/O0 = {med[f'save_{stage}'] / med['save_O0']:.2f} "
+              f"({med[f'save_{stage}']:.2f} s vs {med['save_O0']:.2f} s)   target <= 1.0;  "
+              f"load time {stage}/O0 = {med[f'load_{stage}'] / med['load_O0']:.2f} "
+              f"({med[f'load_{stage}']:.2f} s vs {med['load_O0']:.2f} s);  "
+              f"bytes {stage}/O0 = {r['bytes'][stage] / r['bytes']['O0']:.2f} "
+              f"({r['bytes'][stage] / 1e9:.2f} GB vs {r['bytes']['O0'] / 1e9:.2f} GB)")
+    print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in r.items() if k != 'bytes'})}")
+
+
 def _largest_share(manifest: dict, world: int) -> int:
     """Bytes the busiest rank wrote: the plan gives each rank whole files; approximate by balancing files."""
     sizes = sorted((rec["size"] for name, rec in manifest["files"].items() if name.endswith(".safetensors")),
@@ -348,7 +403,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--engine", choices=["zero2", "fsdp2"], default="zero2")
     parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
-    parser.add_argument("--worker", choices=["save", "resume", "async", "throughput"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["save", "resume", "async", "throughput", "quant"], help=argparse.SUPPRESS)
+    parser.add_argument("--quant", action="store_true",
+                        help="ZeRO-2: save and load time of O1/O2-compressed optimizer moments vs O0")
     parser.add_argument("--throughput", action="store_true",
                         help="training throughput with an async save every --save-every steps vs no saves")
     parser.add_argument("--steps", type=int, default=20, help="--throughput: training steps per run")
@@ -365,6 +422,8 @@ def main() -> None:
         return async_worker(out, args.reps, args.dtype, args.engine)
     if args.worker == "throughput":
         return throughput_worker(out, args.reps, args.dtype, args.engine, args.steps, args.save_every)
+    if args.worker == "quant":
+        return quant_worker(out, args.reps, args.dtype)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     try:
@@ -373,6 +432,8 @@ def main() -> None:
             launches = ((2, "async"),)
         if args.throughput:
             launches = ((2, "throughput"),)
+        if args.quant:
+            launches = ((2, "quant"),)
         for nproc, worker in launches:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", args.dtype,
@@ -383,7 +444,9 @@ def main() -> None:
                 sys.exit(f"benchmark {worker} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
             if worker in ("async", "throughput"):
                 print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))
-        if not (args.async_save or args.throughput):
+        if args.quant:
+            quant_report(out, args.dtype)
+        elif not (args.async_save or args.throughput):
             report(out, args.dtype, args.engine)
     finally:
         shutil.rmtree(out, ignore_errors=True)

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from hf_unified_ckpt.codecs import CODE_BOOKS, dequantize, quantize
+from hf_unified_ckpt.codecs import CODE_BOOKS, Grid, dequantize, quantize
 
 
 def trained_states(steps: int, seed: int = 0):
@@ -38,37 +38,49 @@ def trained_states(steps: int, seed: int = 0):
     return [(s["exp_avg"], s["exp_avg_sq"], s["step"]) for s in opt.state.values()], opt.defaults
 
 
+NF4 = [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379, 0.4407,
+       0.5626, 0.7230, 1.0]  # QLoRA's NormalFloat-4, for comparison
+S8, Q8, S4, Q4 = (CODE_BOOKS[k] for k in (("signed", 8), ("sqrt", 8), ("signed", 4), ("sqrt", 4)))
 CANDIDATES = {
-    # name: (m coding, v coding, block); a coding is (kind, book) with kind "signed" | "sqrt" | "v" (v itself)
-    "O1 int8 linear m, sqrt(v) no-zero, B128 (chosen)": (("signed", CODE_BOOKS[("signed", 8)]),
-                                                          ("sqrt", CODE_BOOKS[("sqrt", 8)]), 128),
-    "int8 per-tensor scale (block = whole tensor)": (("signed", CODE_BOOKS[("signed", 8)]),
-                                                     ("sqrt", CODE_BOOKS[("sqrt", 8)]), None),
-    "int8 B2048": (("signed", CODE_BOOKS[("signed", 8)]), ("sqrt", CODE_BOOKS[("sqrt", 8)]), 2048),
-    "int8, v linear with zero, B128": (("signed", CODE_BOOKS[("signed", 8)]),
-                                       ("v", [k / 255 for k in range(256)]), 128),
-    "O2 int4 NF4 m, sqrt(v) squared-grid no-zero, B128 (chosen)": (("signed", CODE_BOOKS[("signed", 4)]),
-                                                                    ("sqrt", CODE_BOOKS[("sqrt", 4)]), 128),
+    # name: (m coding, v coding, block); a coding is (kind, book): kind "signed" | "sqrt" | "v" (v itself, linear),
+    # book a codecs.Grid (the library's own quantizer) or a list of values (nearest value, by search)
+    "O1: int8 linear m, sqrt(v) no-zero, B128 (chosen)": (("signed", S8), ("sqrt", Q8), 128),
+    "int8, one scale per tensor": (("signed", S8), ("sqrt", Q8), None),
+    "int8 B2048": (("signed", S8), ("sqrt", Q8), 2048),
+    "int8, v linear with zero, B128": (("signed", S8), ("v", [k / 255 for k in range(256)]), 128),
+    "O2: int4 squared-grid m, sqrt(v) squared-grid no-zero, B128 (chosen)": (("signed", S4), ("sqrt", Q4), 128),
+    "int4 NF4 m, sqrt(v) squared-grid no-zero, B128": (("signed", NF4), ("sqrt", Q4), 128),
     "int4 linear m, sqrt(v) linear no-zero, B128": (("signed", [k / 7 for k in range(-7, 8)]),
                                                     ("sqrt", [(k + 1) / 16 for k in range(16)]), 128),
-    "int4 NF4 m, v linear with zero, B128": (("signed", CODE_BOOKS[("signed", 4)]),
-                                             ("v", [k / 15 for k in range(16)]), 128),
-    "int4 NF4 m, sqrt(v) linear no-zero, B128": (("signed", CODE_BOOKS[("signed", 4)]),
-                                                 ("sqrt", [(k + 1) / 16 for k in range(16)]), 128),
-    "int4 NF4 m, sqrt(v) squared-grid, B2048": (("signed", CODE_BOOKS[("signed", 4)]),
-                                                ("sqrt", CODE_BOOKS[("sqrt", 4)]), 2048),
+    "int4 squared-grid m, v linear with zero, B128": (("signed", S4), ("v", [k / 15 for k in range(16)]), 128),
+    "int4 squared-grid m and sqrt(v), B2048": (("signed", S4), ("sqrt", Q4), 2048),
 }
+
+
+def nearest(x: torch.Tensor, book: list[float], kind: str, block: int) -> torch.Tensor:
+    """Round trip through a list code book (nearest value), block-wise absmax scaling."""
+    values = torch.tensor(book)
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, (-n) % block)).view(-1, block)
+    domain = blocks.sqrt() if kind == "sqrt" else blocks
+    scale = domain.abs().amax(1, keepdim=True)
+    norm = domain / torch.where(scale > 0, scale, 1.0)
+    idx = torch.bucketize(norm, (values[1:] + values[:-1]) / 2)
+    out = (values[idx] * scale).reshape(-1)[:n]
+    return (out.square() if kind == "sqrt" else out).reshape(x.shape)
 
 
 def round_trip(x: torch.Tensor, coding, block) -> tuple[torch.Tensor, int]:
     kind, book = coding
-    book = torch.tensor(book)
-    bits = 8 if len(book) > 16 else 4
     block = block or x.numel()
-    qkind = "signed" if kind == "v" else kind
-    codes, scales = quantize(x, book, qkind, bits, block)
-    out = dequantize(codes, scales, book, qkind, bits, x.numel(), block).reshape(x.shape)
-    return out, codes.numel() + 4 * scales.numel()
+    kind = "signed" if kind == "v" else kind
+    bits = 4 if len(book.values() if isinstance(book, Grid) else book) <= 16 else 8
+    size = -(-x.numel() * bits // 8) + 4 * -(-x.numel() // block)
+    if isinstance(book, Grid):
+        codes, scales = quantize(x, book, kind, block)
+        return dequantize(codes, scales, book, kind, x.numel(), block).reshape(x.shape), size
+    return nearest(x, book, kind, block), size
 
 
 def main() -> None:
@@ -79,7 +91,7 @@ def main() -> None:
     eps, (b1, b2) = defaults["eps"], defaults["betas"]
     n = sum(m.numel() for m, _, _ in states)
     print(f"{len(states)} parameters, {n:,} values, AdamW after {args.steps} steps")
-    print(f"{'candidate':<60} {'B/value':>8} {'update rel. L2 err':>18} {'max |u|/max|u_ref|':>18} "
+    print(f"{'candidate':<70} {'B/value':>8} {'update rel. L2 err':>18} {'max |u|/max|u_ref|':>18} "
           f"{'v>0 decoded as 0':>16}")
     for name, (mc, vc, block) in CANDIDATES.items():
         err2 = ref2 = 0.0
@@ -96,7 +108,7 @@ def main() -> None:
             worst = max(worst, float(u2.abs().max() / u.abs().max().clamp_min(1e-30)))
             size += s1 + s2
             zeroed += int(((v > 0) & (v2 == 0)).sum())
-        print(f"{name:<60} {size / (2 * n):>8.3f} {(err2 / ref2) ** 0.5:>18.4f} {worst:>18.1f} {zeroed:>16,}")
+        print(f"{name:<70} {size / (2 * n):>8.3f} {(err2 / ref2) ** 0.5:>18.4f} {worst:>18.1f} {zeroed:>16,}")
 
 
 if __name__ == "__main__":

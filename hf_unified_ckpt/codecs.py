@@ -8,7 +8,7 @@ logical tensors from what the folder says, not from the options of the run that 
   `exp_avg`) are normalised by the block's largest magnitude and mapped to the nearest entry of a signed code
   book; second moments (`exp_avg_sq`) are stored through their square root, normalised by its block maximum and
   mapped to a code book *without zero*, so a non-zero `v` never decodes to 0 (the "zero-point problem": Adam's
-  `m / (sqrt(v) + eps)` would explode). Code books are written into the metadata. Why these choices:
+  `m / (sqrt(v) + eps)` would explode). Code books are grids (`Grid`) written into the metadata. Why these choices:
   `bench/codec_choice.py` and the README.
 - `ResidualCodec` (`residual_master_weight`): fp32 master weights stored as the 16-bit difference between their
   bits and the bits of their bf16 rounding, which the model files already hold: `master = bf16 << 16 + d`. The
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -38,18 +39,32 @@ SCALES, TIES = ":scales", ":ties"
 SIGNED_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
 SQRT_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta"})
 
-_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+@dataclass(frozen=True)
+class Grid:
+    """A code book whose entries are `sign(t) * |t| ** power` for `t = first + k * step`, k = 0 .. count - 1: codes
+    are computed by arithmetic (nearest t after taking the power's root), not by a search, and decoded likewise."""
 
-#: Code books by (kind, bits): sorted values in [-1, 1] (signed) or (0, 1] (sqrt: no zero, the top value is 1
-#: so a block's largest element is exact). 8-bit: uniform. 4-bit: NormalFloat-4 for signed moments (dense near
-#: zero, where most of a block's moments are), squares of a uniform grid for square roots (a 256:1 range).
-CODE_BOOKS: dict[tuple[str, int], list[float]] = {
-    ("signed", 8): [k / 127 for k in range(-127, 128)],
-    ("sqrt", 8): [(k + 1) / 256 for k in range(256)],
-    ("signed", 4): _NF4,
-    ("sqrt", 4): [((k + 1) / 16) ** 2 for k in range(16)],
+    first: float
+    step: float
+    count: int
+    power: int = 1
+
+    def values(self) -> list[float]:
+        ts = [self.first + k * self.step for k in range(self.count)]
+        return [math.copysign(abs(t) ** self.power, t) for t in ts]
+
+    def as_dict(self) -> dict:
+        return {"first": self.first, "step": self.step, "count": self.count, "power": self.power}
+
+
+#: Code books by (kind, bits), values in [-1, 1] (signed) or (0, 1] (sqrt: no zero; the top value is 1 so a block's
+#: largest element is exact). 8-bit: uniform. 4-bit: squares of a uniform grid, dense near zero where most of a
+#: block's values are (signed: 15 levels, 0 and +-1 exact; square roots: a 256:1 range instead of 16:1).
+CODE_BOOKS: dict[tuple[str, int], Grid] = {
+    ("signed", 8): Grid(-1.0, 1 / 127, 255),
+    ("sqrt", 8): Grid(1 / 256, 1 / 256, 256),
+    ("signed", 4): Grid(-1.0, 1 / 7, 15, power=2),
+    ("sqrt", 4): Grid(1 / 16, 1 / 16, 16, power=2),
 }
 STAGE_BITS = {"O1": 8, "O2": 4}
 
@@ -69,30 +84,71 @@ def _dtype(name: str) -> torch.dtype:
 
 
 # ---- block-wise code-book quantisation --------------------------------------------------------------------------
-def quantize(x: torch.Tensor, book: torch.Tensor, kind: str, bits: int, block: int = BLOCK_SIZE):
-    """(codes, scales) of `x` flattened: uint8 codes (two per byte for 4 bits, low nibble first) of the nearest
-    code-book entry of each element divided by its block's scale, and one fp32 scale per block (the block's largest
-    magnitude, or largest square root). A block holding a non-finite value gets a non-finite scale and decodes as
-    NaN (the training it came from had diverged)."""
-    flat = x.detach().reshape(-1).to(torch.float32)
+#: Elements encoded or decoded at a time, in reused buffers: temporaries stay in cache (a fresh multi-MB tensor per
+#: operation costs more in page faults than the arithmetic), and memory stays bounded by a chunk.
+CHUNK = 2**18
+
+
+def quantize(x: torch.Tensor, grid: Grid, kind: str, block: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of `x` flattened: uint8 codes (two per byte when the grid has at most 16 entries, low nibble
+    first) of the nearest grid entry of each element divided by its block's scale, and one fp32 scale per block
+    (the block's largest magnitude, or largest square root). A block holding a non-finite value gets a non-finite
+    scale and does not decode to finite values (the training it came from had diverged)."""
+    flat = x.detach().reshape(-1)
     n = flat.numel()
-    blocks = torch.nn.functional.pad(flat, (0, (-n) % block)).view(-1, block)
-    values = blocks.sqrt() if kind == "sqrt" else blocks.abs()
-    scales = values.amax(dim=1)
-    norm = (blocks.sqrt() if kind == "sqrt" else blocks) / torch.where(scales > 0, scales, 1.0)[:, None]
-    midpoints = (book[1:] + book[:-1]) / 2
-    codes = torch.bucketize(norm.reshape(-1)[:n], midpoints).to(torch.uint8)
-    return pack(codes, bits), scales
+    codes = torch.empty(n, dtype=torch.uint8)
+    scales = torch.empty(-(-n // block), dtype=torch.float32)
+    step = max(block, CHUNK // block * block)
+    work = torch.empty(min(n, step), dtype=torch.float32)
+    for start in range(0, n, step):
+        part = flat[start:start + step].to(torch.float32)
+        full = part.numel() // block * block
+        for lo, hi in ((0, full), (full, part.numel())):  # whole blocks, then a ragged last block
+            if hi > lo:
+                width = block if hi - lo >= block else hi - lo
+                first = (start + lo) // block
+                rows = part[lo:hi].view(-1, width)
+                w = work[:hi - lo].view(-1, width)
+                scales[first:first + rows.shape[0]] = _encode_rows(rows, w, grid, kind)
+                codes[start + lo:start + hi].copy_(w.view(-1))
+    return pack(codes, _bits(grid)), scales
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor, kind: str, bits: int, n: int,
+def _encode_rows(rows: torch.Tensor, w: torch.Tensor, grid: Grid, kind: str) -> torch.Tensor:
+    """Leave in `w` the codes (as floats) of `rows`, one block per row; return the scale of each row."""
+    torch.sqrt(rows, out=w) if kind == "sqrt" else torch.abs(rows, out=w)
+    scale = w.amax(dim=1)
+    w.mul_(torch.where(scale > 0, 1.0 / scale, 0.0)[:, None])  # |value| / scale, in [0, 1]
+    if grid.power == 2:
+        w.sqrt_()
+    if kind != "sqrt" and grid.first < 0:
+        w.copysign_(rows)
+    w.sub_(grid.first).div_(grid.step).round_().clamp_(0, grid.count - 1)
+    return scale
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, grid: Grid, kind: str, n: int,
                block: int = BLOCK_SIZE) -> torch.Tensor:
-    """Inverse of `quantize`: the `n` decoded fp32 values (flat)."""
-    idx = unpack(codes, bits, n).long()
-    values = book[idx]
-    values = torch.nn.functional.pad(values, (0, (-n) % block)).view(-1, block) * scales[:, None]
-    values = values.reshape(-1)[:n]
-    return values.square() if kind == "sqrt" else values
+    """Inverse of `quantize`: the `n` decoded fp32 values (flat), chunk by chunk."""
+    out = torch.empty(n, dtype=torch.float32)
+    step = max(block, CHUNK // block * block)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        values = out[start:stop]
+        values.copy_(unpack(codes, _bits(grid), n, start, stop))
+        values.mul_(grid.step).add_(grid.first)
+        if grid.power == 2:
+            values.mul_(values.abs())
+        full = (stop - start) // block * block  # chunks start on a block: only the last block may be ragged
+        values[:full].view(-1, block).mul_(scales[start // block:(start + full) // block, None])
+        values[full:].mul_(scales[(start + full) // block:(start + full) // block + 1])
+        if kind == "sqrt":
+            values.square_()
+    return out
+
+
+def _bits(grid: Grid) -> int:
+    return 4 if grid.count <= 16 else 8
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -103,10 +159,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return padded[0::2] | (padded[1::2] << 4)
 
 
-def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+def unpack(packed: torch.Tensor, bits: int, n: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Codes `start:stop` (default: all `n`) of `pack`ed codes."""
+    stop = n if stop is None else stop
     if bits == 8:
-        return packed[:n]
-    return torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
+        return packed[start:stop]
+    first = start // 2
+    pairs = packed[first:-(-stop // 2)]
+    return torch.stack([pairs & 0x0F, pairs >> 4], dim=1).reshape(-1)[start - 2 * first:stop - 2 * first]
 
 
 # ---- the optimizer-moment codec -----------------------------------------------------------------------------------
@@ -116,13 +176,11 @@ class MomentCodec:
     name = "blockwise_codebook"
     version = 1
 
-    def __init__(self, stage: str, block: int = BLOCK_SIZE, books: Mapping[str, list[float]] | None = None):
+    def __init__(self, stage: str, block: int = BLOCK_SIZE, grids: Mapping[str, Grid] | None = None):
         if stage not in STAGE_BITS:
             raise ValueError(f"no moment codec for ckpt_quant_stage {stage!r}; expected one of {list(STAGE_BITS)}")
         self.stage, self.bits, self.block = stage, STAGE_BITS[stage], block
-        recorded = books or {kind: CODE_BOOKS[(kind, self.bits)] for kind in ("signed", "sqrt")}
-        self.book_values = {k: list(v) for k, v in recorded.items()}
-        self.books = {k: torch.tensor(v, dtype=torch.float32) for k, v in recorded.items()}
+        self.grids = dict(grids or {kind: CODE_BOOKS[(kind, self.bits)] for kind in ("signed", "sqrt")})
         self.tensors: dict[str, dict] = {}
 
     # save side
@@ -143,17 +201,19 @@ class MomentCodec:
         entry = self.tensors.get(name)
         if entry is None:
             return {name: tensor}
-        codes, scales = quantize(tensor, self.books[entry["kind"]], entry["kind"], self.bits, self.block)
+        codes, scales = quantize(tensor, self.grids[entry["kind"]], entry["kind"], self.block)
         return {name: codes, name + SCALES: scales}
 
     def metadata(self) -> dict:
         """The `codec` entry of the index metadata: everything a reader needs to decode."""
         return {"name": self.name, "version": self.version, "stage": self.stage, "bits": self.bits,
-                "block_size": self.block, "scale_dtype": "F32", "books": self.book_values, "tensors": self.tensors}
+                "block_size": self.block, "scale_dtype": "F32",
+                "grids": {k: g.as_dict() for k, g in self.grids.items()},
+                "books": {k: g.values() for k, g in self.grids.items()}, "tensors": self.tensors}
 
     @classmethod
     def from_metadata(cls, meta: Mapping) -> "MomentCodec":
-        codec = cls(meta["stage"], int(meta["block_size"]), meta["books"])
+        codec = cls(meta["stage"], int(meta["block_size"]), {k: Grid(**g) for k, g in meta["grids"].items()})
         codec.tensors = dict(meta["tensors"])
         return codec
 
@@ -170,8 +230,8 @@ class MomentCodec:
     def decode(self, name: str, reader) -> torch.Tensor:
         entry = self.tensors[name]
         n = _numel(entry["shape"])
-        values = dequantize(reader.get(name), reader.get(name + SCALES), self.books[entry["kind"]], entry["kind"],
-                            self.bits, n, self.block)
+        values = dequantize(reader.get(name), reader.get(name + SCALES), self.grids[entry["kind"]], entry["kind"], n,
+                            self.block)
         return values.to(_dtype(entry["dtype"])).reshape(entry["shape"])
 
 

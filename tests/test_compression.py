@@ -46,18 +46,25 @@ def round_trip(stage: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("kind", ["signed", "sqrt"])
 def test_round_trip_error_is_bounded_per_block(kind, bits):
+    """Each value lands on the nearest grid point in the grid's own coordinate t (v's square root, then the
+    power's root, over the block's scale): |t - t'| <= step / 2, or <= first below the zero-free grid's first."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1000, generator=g) * torch.logspace(-6, 0, 1000)  # blocks of very different magnitudes
     x = x.abs() if kind == "sqrt" else x
-    book = torch.tensor(CODE_BOOKS[(kind, bits)])
-    codes, scales = quantize(x, book, kind, bits, 128)
-    y = dequantize(codes, scales, book, kind, bits, x.numel(), 128)
-    gaps = torch.cat([book[:1] if kind == "sqrt" else book[:0], (book[1:] - book[:-1]) / 2])
-    worst = float(gaps.max())  # the largest distance from a normalised value to its code
-    domain_x, domain_y = (x.sqrt(), y.sqrt()) if kind == "sqrt" else (x, y)
-    for b in range(math.ceil(x.numel() / 128)):
-        sl = slice(128 * b, 128 * (b + 1))
-        assert float((domain_x[sl] - domain_y[sl]).abs().max()) <= worst * float(scales[b]) * (1 + 1e-6)
+    grid = CODE_BOOKS[(kind, bits)]
+    codes, scales = quantize(x, grid, kind, 128)
+    y = dequantize(codes, scales, grid, kind, x.numel(), 128)
+    book = torch.tensor(grid.values(), dtype=torch.float64)
+    assert bool((book[1:] > book[:-1]).all()) and float(book[-1]) == 1.0 and (kind == "signed") == (book[0] < 0)
+    per_element = scales.repeat_interleave(128)[:1000].double()
+
+    def t(values):
+        domain = values.double().sqrt() if kind == "sqrt" else values.double()
+        return torch.sign(domain) * (domain.abs() / per_element) ** (1 / grid.power)
+
+    tx, ty = t(x), t(y)
+    bound = torch.where(tx < grid.first - grid.step / 2, grid.first, grid.step / 2)
+    assert bool(((tx - ty).abs() <= bound * (1 + 1e-5) + 1e-7).all())
     assert codes.numel() == math.ceil(x.numel() * bits / 8) and scales.numel() == math.ceil(1000 / 128)
 
 
