@@ -95,35 +95,45 @@ def quantize(x: torch.Tensor, grid: Grid, kind: str, block: int = BLOCK_SIZE) ->
     (the block's largest magnitude, or largest square root). A block holding a non-finite value gets a non-finite
     scale and does not decode to finite values (the training it came from had diverged)."""
     flat = x.detach().reshape(-1)
-    n = flat.numel()
-    codes = torch.empty(n, dtype=torch.uint8)
+    n, bits = flat.numel(), _bits(grid)
+    codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
     scales = torch.empty(-(-n // block), dtype=torch.float32)
-    step = max(block, CHUNK // block * block)
+    step = max(block, CHUNK // block * block)  # even, and a whole number of blocks
     work = torch.empty(min(n, step), dtype=torch.float32)
+    integers = torch.zeros(min(n, step) + 1, dtype=torch.int32)  # float -> int32 -> uint8: 3x faster than direct
     for start in range(0, n, step):
         part = flat[start:start + step].to(torch.float32)
-        full = part.numel() // block * block
-        for lo, hi in ((0, full), (full, part.numel())):  # whole blocks, then a ragged last block
+        m = part.numel()
+        full = m // block * block
+        for lo, hi in ((0, full), (full, m)):  # whole blocks, then a ragged last block
             if hi > lo:
                 width = block if hi - lo >= block else hi - lo
                 first = (start + lo) // block
-                rows = part[lo:hi].view(-1, width)
-                w = work[:hi - lo].view(-1, width)
-                scales[first:first + rows.shape[0]] = _encode_rows(rows, w, grid, kind)
-                codes[start + lo:start + hi].copy_(w.view(-1))
-    return pack(codes, _bits(grid)), scales
+                w = work[lo:hi].view(-1, width)
+                scales[first:first + w.shape[0]] = _encode_rows(part[lo:hi].view(-1, width), w, grid, kind)
+        ints = integers[:m]
+        ints.copy_(work[:m])
+        if bits == 8:
+            codes[start:start + m].copy_(ints)
+        else:
+            integers[m] = 0  # an odd last chunk pairs its last code with 0
+            pairs = integers[:m + m % 2]
+            codes[start // 2:start // 2 + len(pairs) // 2].copy_(pairs[0::2] | (pairs[1::2] << 4))
+    return codes, scales
 
 
 def _encode_rows(rows: torch.Tensor, w: torch.Tensor, grid: Grid, kind: str) -> torch.Tensor:
     """Leave in `w` the codes (as floats) of `rows`, one block per row; return the scale of each row."""
     torch.sqrt(rows, out=w) if kind == "sqrt" else torch.abs(rows, out=w)
     scale = w.amax(dim=1)
-    w.mul_(torch.where(scale > 0, 1.0 / scale, 0.0)[:, None])  # |value| / scale, in [0, 1]
+    inverse = torch.where(scale > 0, 1.0 / scale, 0.0)
     if grid.power == 2:
-        w.sqrt_()
+        w.mul_(inverse[:, None]).sqrt_().div_(grid.step)  # t / step, t = (|value| / scale) ** (1 / 2)
+    else:
+        w.mul_((inverse / grid.step)[:, None])  # t / step, t = |value| / scale
     if kind != "sqrt" and grid.first < 0:
         w.copysign_(rows)
-    w.sub_(grid.first).div_(grid.step).round_().clamp_(0, grid.count - 1)
+    w.sub_(grid.first / grid.step).round_().clamp_(0, grid.count - 1)  # the nearest k of t = first + k * step
     return scale
 
 
@@ -151,16 +161,8 @@ def _bits(grid: Grid) -> int:
     return 4 if grid.count <= 16 else 8
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes, two per byte for 4 bits (element 2i in the low nibble)."""
-    if bits == 8:
-        return codes
-    padded = torch.nn.functional.pad(codes, (0, codes.numel() % 2))
-    return padded[0::2] | (padded[1::2] << 4)
-
-
 def unpack(packed: torch.Tensor, bits: int, n: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """Codes `start:stop` (default: all `n`) of `pack`ed codes."""
+    """Codes `start:stop` (default: all `n`) of `quantize`'s codes (two per byte for 4 bits, low nibble first)."""
     stop = n if stop is None else stop
     if bits == 8:
         return packed[start:stop]
