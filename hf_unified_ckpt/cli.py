@@ -1,4 +1,4 @@
-"""`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`, `convert LEGACY_DIR OUT_DIR`."""
+"""`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`, `convert LEGACY_DIR OUT_DIR [--ckpt-quant-stage]`."""
 
 from __future__ import annotations
 
@@ -104,13 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("legacy_dir")
     p_convert.add_argument("out_dir", help="new folder to create (must not exist or be empty)")
     p_convert.add_argument("--max-shard-size", default="1GB", help="largest file written (default 1GB)")
+    p_convert.add_argument("--ckpt-quant-stage", choices=["O0", "O1", "O2"], default="O0",
+                           help="compress the optimizer moments: O1 int8, O2 int4 (default O0: exact)")
     p_convert.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
         if args.command == "convert":
             from .convert import convert
 
-            out = convert(args.legacy_dir, args.out_dir, args.max_shard_size, show_progress=not args.quiet)
+            out = convert(args.legacy_dir, args.out_dir, args.max_shard_size, show_progress=not args.quiet,
+                          ckpt_quant_stage=args.ckpt_quant_stage)
             print(f"converted {args.legacy_dir} -> {out}")
             return _verify(str(out))
         if args.command == "info":

@@ -15,7 +15,7 @@ from .errors import UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, detect_layout
 from .legacy import legacy_components, open_legacy
 from .legacy.sources import TensorSource
-from .options import UnifiedCheckpointOptions, parse_size
+from .options import parse_options
 from .planning import TensorSpec
 from .save import SaveRequest, save_checkpoint
 from .storage.files import FileRecord, record_file
@@ -63,9 +63,9 @@ class OfflineEngine:
 
 
 def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "1GB",
-            show_progress: bool = True) -> Path:
+            show_progress: bool = True, ckpt_quant_stage: str = "O0") -> Path:
     """Convert `legacy_dir` (a DeepSpeed `checkpoint-N` or save_model folder, or an FSDP `checkpoint-N` folder)
-    into a complete unified folder `out_dir`."""
+    into a complete unified folder `out_dir`, its optimizer moments compressed at `ckpt_quant_stage` (O0/O1/O2)."""
     legacy_dir, out_dir = Path(legacy_dir), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new folder (nothing was written).")
@@ -79,7 +79,7 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
             "optimizer_0/, or pytorch_model_fsdp.bin + optimizer.bin).")
     legacy = open_legacy(layout, for_conversion=True)
     engine = OfflineEngine(legacy_components(legacy), legacy.saved_by())
-    options = UnifiedCheckpointOptions(enabled=True, max_shard_size=parse_size(max_shard_size))
+    options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size)
     step = layout.global_step if layout.global_step is not None else legacy.global_step
     request = SaveRequest(out_dir, step, options, show_progress=show_progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

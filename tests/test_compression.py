@@ -160,12 +160,21 @@ def test_the_save_after_a_compressed_restore_is_exact_until_the_error_halved(sin
     assert fast["options"]["quantized_restore_step"] == 3
 
 
+def test_residual_master_weight_without_master_weights_says_so_once(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="hf_unified_ckpt"):
+        train(tmp_path, max_steps=1, save_steps=1, unified_checkpoint_config="residual_master_weight")
+    assert caplog.text.count("residual_master_weight has no effect") == 1
+    assert "master_weights" not in detect_layout(tmp_path / "checkpoint-1").manifest["components"]
+
+
 # ---- real engines: save at 2 ranks, load at 3 ranks (another engine) and in one process ---------------------------
 SAVES = {  # name: (engine spec, precision, options)
     "z2-o1": ({"zero": 2}, {"bf16": True}, {"ckpt_quant_stage": "O1",
                                              "unified_checkpoint_config": "residual_master_weight"}),
     "z2-res": ({"zero": 2}, {"bf16": True}, {"unified_checkpoint_config": "residual_master_weight"}),
     "z3-o2": ({"zero": 3}, {}, {"ckpt_quant_stage": "O2"}),
+    "z3-res": ({"zero": 3}, {"bf16": True}, {"ckpt_quant_stage": "O1",
+                                             "unified_checkpoint_config": "residual_master_weight"}),
     "fsdp2-o1": ({"fsdp": 2}, {}, {"ckpt_quant_stage": "O1"}),
     "ddp-o2": ({}, {}, {"ckpt_quant_stage": "O2"}),
 }
@@ -174,6 +183,7 @@ LOADS = {  # name: (saved by, engine spec at 3 ranks, precision); each records w
     "z2-o1>z2": ("z2-o1", {"zero": 2}, {"bf16": True}),
     "z2-res>z2": ("z2-res", {"zero": 2}, {"bf16": True}),
     "z3-o2>z2": ("z3-o2", {"zero": 2}, {}),
+    "z3-res>z2": ("z3-res", {"zero": 2}, {"bf16": True}),
     "fsdp2-o1>z3": ("fsdp2-o1", {"zero": 3}, {}),
     "ddp-o2>fsdp2": ("ddp-o2", {"fsdp": 2}, {}),
 }
@@ -213,16 +223,23 @@ def test_a_compressed_checkpoint_loads_on_another_engine_and_world_size_exactly_
 
 
 @pytest.mark.dist
-def test_residual_master_weights_come_back_bit_exact_at_another_world_size(engines):
+@pytest.mark.parametrize("saved,loaded", [("z2-res", "z2-res>z2"), ("z3-res", "z3-res>z2")])
+def test_residual_master_weights_come_back_bit_exact_at_another_world_size(engines, saved, loaded):
     tmp, out = engines
-    manifest = detect_layout(tmp / "z2-res" / "checkpoint-3").manifest
-    assert manifest["components"]["master_weights"]["codec"]["name"] == "bf16_residual"
-    assert manifest["components"]["master_weights"]["bytes"] < 0.55 * manifest["components"]["model"]["bytes"] * 2
-    truth, loaded = out["z2-res"]["at"], out["z2-res>z2"]["at"]
+    manifest = detect_layout(tmp / saved / "checkpoint-3").manifest
+    codec = manifest["components"]["master_weights"]["codec"]
+    assert codec["name"] == "bf16_residual" and codec["encoded_tensors"] == manifest["components"]["master_weights"]["tensors"]
+    assert manifest["components"]["master_weights"]["bytes"] < 1.1 * manifest["components"]["model"]["bytes"]
+    truth, after = out[saved]["at"], out[loaded]["at"]
     masters = {k: v for k, v in truth["optim"].items() if k.endswith("/master")}
-    assert masters and all(torch.equal(loaded["optim"][k], v) for k, v in masters.items())
-    assert all(torch.equal(loaded["state"][k], v) for k, v in truth["state"].items())
-    o1 = out["z2-o1>fsdp2"]["at"]["state"]  # O1 + residual into fp32 FSDP2: the exact fp32 master becomes the weights
+    assert masters and all(torch.equal(after["optim"][k], v) for k, v in masters.items())
+    assert all(torch.equal(after["state"][k], v) for k, v in truth["state"].items())
+
+
+@pytest.mark.dist
+def test_o1_with_residual_master_weights_into_fp32_fsdp2(engines):
+    _, out = engines
+    o1 = out["z2-o1>fsdp2"]["at"]["state"]  # the exact fp32 master becomes the fp32 weights
     assert all(torch.equal(o1[k[:-len("/master")]], v)
                for k, v in out["z2-o1"]["at"]["optim"].items() if k.endswith("/master"))
 

@@ -114,6 +114,25 @@ def test_convert_matches_zero_to_fp32_and_verifies(legacy, name, tmp_path, capsy
     assert "not empty" in capsys.readouterr().err
 
 
+def test_convert_can_compress_the_optimizer_moments(legacy, tmp_path):
+    from hf_unified_ckpt.storage.safetensors_io import ComponentReader
+    from test_compression import round_trip
+
+    src = legacy[0] / "z2bf16" / "checkpoint-3"
+    exact, small = tmp_path / "exact", tmp_path / "o1"
+    assert cli(["convert", str(src), str(exact), "--quiet"]) == 0
+    assert cli(["convert", str(src), str(small), "--ckpt-quant-stage", "O1", "--quiet"]) == 0
+    assert cli(["verify", str(small)]) == 0
+    assert detect_layout(small).manifest["components"]["optimizer"]["codec"]["stage"] == "O1"
+    with ComponentReader(exact, "optimizer") as a, ComponentReader(small, "optimizer") as b:
+        assert a.keys() == b.keys()
+        moments = [k for k in a.keys() if k.endswith(("/exp_avg", "/exp_avg_sq"))]
+        assert moments
+        for key in a.keys():
+            expected = round_trip("O1", key, a.get(key)) if key in moments else a.get(key)
+            assert torch.equal(b.get(key), expected), key
+
+
 def test_converted_folder_resumes_on_one_process(legacy, tmp_path):
     tmp, out = legacy
     converted = tmp_path / "run" / "checkpoint-3"
