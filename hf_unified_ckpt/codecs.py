@@ -229,6 +229,23 @@ class MomentCodec:
     def hidden(self, name: str) -> bool:
         return name.endswith(SCALES)
 
+    def decode_rows(self, name: str, reader, rows: slice) -> torch.Tensor:
+        """Rows `rows` of moment `name`, decoded from the codes and scales of the blocks that cover them only."""
+        entry = self.tensors[name]
+        shape = entry["shape"]
+        start, stop, _ = rows.indices(shape[0])
+        stop = max(start, stop)
+        width = _numel(shape[1:])
+        lo, hi = start * width, stop * width
+        first, last = lo // self.block, -(-hi // self.block)
+        begin, end = first * self.block, min(_numel(shape), last * self.block)  # begin: even (whole blocks)
+        per_byte = 8 // self.bits
+        codes = reader.get_slice(name)[begin // per_byte:-(-end // per_byte)] if end > begin else torch.empty(0)
+        scales = reader.get_slice(name + SCALES)[first:last] if end > begin else torch.empty(0)
+        values = dequantize(codes.to(torch.uint8), scales, self.grids[entry["kind"]], entry["kind"], end - begin,
+                            self.block)
+        return values[lo - begin:hi - begin].to(_dtype(entry["dtype"])).reshape(stop - start, *shape[1:])
+
     def decode(self, name: str, reader) -> torch.Tensor:
         entry = self.tensors[name]
         n = _numel(entry["shape"])
@@ -329,13 +346,28 @@ class ResidualCodec:
         return name.endswith(TIES)
 
     def decode(self, name: str, reader) -> torch.Tensor:
+        return self.decode_rows(name, reader, slice(None))
+
+    def decode_rows(self, name: str, reader, rows: slice) -> torch.Tensor:
+        """Rows `rows` of master weight `name`: those rows of the residual and of the bf16 weights, and the ties
+        among them."""
         if self.anchor is None:
             raise UnsupportedCheckpointError(f"master weight {name!r} is stored as a residual over the bf16 model "
                                              "weights, which are not available to this reader.")
-        bf16 = self.anchor.get(name)
+        shape = self.tensors[name]["shape"]
+        if not shape:  # a 0-d weight: no rows to slice
+            bf16, residual, lo, hi = self.anchor.get(name), reader.get(name), 0, 1
+        else:
+            start, stop, _ = rows.indices(shape[0])
+            stop = max(start, stop)
+            width = _numel(shape[1:])
+            lo, hi = start * width, stop * width
+            bf16, residual = self.anchor.get_slice(name)[start:stop], reader.get_slice(name)[start:stop]
         ties = reader.get(name + TIES) if self.tensors[name]["ties"] else None
-        master = rebuild_master(bf16, reader.get(name), ties)
-        if not torch.equal(master.to(torch.bfloat16).view(torch.int16), bf16.view(torch.int16)):
+        if ties is not None:
+            ties = ties[(ties >= lo) & (ties < hi)] - lo
+        master = rebuild_master(bf16, residual, ties)
+        if not torch.equal(master.to(torch.bfloat16).view(torch.int16), bf16.reshape(master.shape).view(torch.int16)):
             raise CorruptCheckpointError(f"the residual of master weight {name!r} does not belong to the model "
                                          "weights next to it (they are not its bf16 rounding).")
         return master

@@ -20,8 +20,8 @@ import torch
 from _runs import train
 from conftest import torchrun
 from hf_unified_ckpt.cli import _info, main as cli_main
-from hf_unified_ckpt.codecs import (CODE_BOOKS, MomentCodec, count_ties, dequantize, quantize, rebuild_master,
-                                    residual_of)
+from hf_unified_ckpt.codecs import (CODE_BOOKS, MomentCodec, ResidualCodec, count_ties, dequantize, quantize,
+                                    rebuild_master, residual_of)
 from hf_unified_ckpt.layout import detect_layout
 from hf_unified_ckpt.planning import TensorSpec
 
@@ -33,6 +33,9 @@ class _Stored:
         self.tensors = tensors
 
     def get(self, name):
+        return self.tensors[name]
+
+    def get_slice(self, name):
         return self.tensors[name]
 
 
@@ -93,11 +96,34 @@ def test_zero_empty_ragged_scalar_and_bf16_tensors():
         assert codec.stored_specs(spec) == [spec]  # scalars, unknown states and integers stay exact
 
 
+@pytest.mark.parametrize("stage", ["O1", "O2"])
+def test_rows_decode_from_the_blocks_that_cover_them_only(stage):
+    """What a rank loading its rows reads: equal to decoding the whole tensor, then slicing."""
+    x = torch.randn(37, 29)  # rows of 29 values: rows start mid-block and mid-byte
+    for key, value in (("w/exp_avg", x), ("w/exp_avg_sq", x.square())):
+        codec = MomentCodec(stage)
+        codec.stored_specs(TensorSpec(key, tuple(value.shape), value.dtype))
+        stored = _Stored(codec.encode(key, value))
+        whole = codec.decode(key, stored)
+        for rows in (slice(0, 37), slice(3, 4), slice(5, 22), slice(36, 37), slice(10, 10), slice(30, None)):
+            assert torch.equal(codec.decode_rows(key, stored, rows), whole[rows]), (key, rows)
+    master = torch.randn(37, 29)
+    master.view(-1)[7] = 1.00390625  # 0x3F808000: a tie rounded down to even, listed by index
+    census = {"w": count_ties(master, master.to(torch.bfloat16))}
+    residual = ResidualCodec(census)
+    residual.stored_specs(TensorSpec("w", (37, 29), torch.float32))
+    stored = _Stored(residual.encode("w", master))
+    reader = ResidualCodec.from_metadata(residual.metadata(), anchor=_Stored({"w": master.to(torch.bfloat16)}))
+    assert census["w"] == 1 and torch.equal(reader.decode("w", stored).view(torch.int32), master.view(torch.int32))
+    for rows in (slice(0, 1), slice(4, 9), slice(36, 37)):
+        assert torch.equal(reader.decode_rows("w", stored, rows).view(torch.int32), master[rows].view(torch.int32))
+
+
 def test_the_residual_rebuilds_every_fp32_value_exactly():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2_000_000, generator=g) * torch.logspace(-30, 30, 2_000_000)
     special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45,
-                            1.0000152587890625, 1.0000457763671875, -1.0000152587890625])  # ties both ways
+                            1.00390625, 1.01171875, -1.00390625])  # ties rounded down (listed) and up
     x = torch.cat([x, special])
     residual, ties = residual_of(x)
     assert residual.dtype == torch.int16 and ties.numel() > 0  # ties rounded down are the only exceptions

@@ -123,6 +123,11 @@ class Codec(Protocol):
         """Whether stored tensor `name` is auxiliary (codes, scales): never shown to an engine."""
         ...
 
+    def decode_rows(self, name: str, reader: TensorReader, rows: slice) -> torch.Tensor:
+        """Rows `rows` (a slice of the first dimension) of logical tensor `name`, reading only the stored bytes
+        that cover them. Optional: a codec without it is decoded whole, then indexed."""
+        ...
+
 
 class IdentityCodec(Codec):
     """The stored tensors are the logical ones (every checkpoint this version writes)."""
@@ -138,6 +143,20 @@ class IdentityCodec(Codec):
 
 
 IDENTITY = IdentityCodec()
+
+
+class DecodedSlice(TensorSlice):
+    """A logical tensor a codec builds: a slice of rows is decoded from the stored bytes that cover it when the
+    codec can (`decode_rows`), anything else is decoded whole, then indexed."""
+
+    def __init__(self, codec: Codec, name: str, stored: TensorReader):
+        self._codec, self._name, self._stored = codec, name, stored
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows = getattr(self._codec, "decode_rows", None)
+        if rows is not None and isinstance(index, slice) and index.step in (None, 1):
+            return rows(self._name, self._stored, index)
+        return self._codec.decode(self._name, self._stored)[index]
 
 
 class LoadedSlice(TensorSlice):
@@ -186,7 +205,7 @@ class LogicalReader(TensorReader):
     def get_slice(self, name: str) -> TensorSlice:
         if self._read_as_stored(name):
             return self.stored.get_slice(name)
-        return LoadedSlice(lambda: self.codec.decode(name, self.stored))
+        return DecodedSlice(self.codec, name, self.stored)
 
     def _read_as_stored(self, name: str) -> bool:
         """Whether logical tensor `name` is read as stored (else decoded); KeyError when there is no such tensor."""
