@@ -27,7 +27,7 @@ stops) to 300. Prints one table, the targets and PASS/FAIL:
   (3) lineage: five restores vs one; the O0 lineage must be bit-exact with the single O0 resume, and the O1/O2
       lineages must stay within the same eval-loss targets (the error does not compound)
 
-Total runtime about 13 minutes on a 2-core CPU machine (measured: 793 s). The scratch folder (default: a new one
+Total runtime about 13 minutes on a 2-core CPU machine (measured: 793 s alone, 1000 s beside the test suite). The scratch folder (default: a new one
 under /tmp, about 1.5 GB of checkpoints) is removed afterwards unless --keep.
 """
 
