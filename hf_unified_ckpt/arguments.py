@@ -34,6 +34,12 @@ class UnifiedCheckpointFields:
     disable_ckpt_quant: bool = field(
         default=False, metadata={"help": "Turn checkpoint compression off whatever ckpt_quant_stage says."}
     )
+    ema_decay: float = field(
+        default=0.999, metadata={"help": "With the word 'ema': the EMA's decay per update, in (0, 1)."}
+    )
+    ema_interval: int = field(
+        default=1, metadata={"help": "With the word 'ema': update the EMA every this many optimizer steps (>= 1)."}
+    )
     unified_checkpoint_max_shard_size: str = field(
         default=DEFAULT_MAX_SHARD_SIZE,
         metadata={"help": "Largest safetensors file written, e.g. '5GB' or '512MiB'. Files are also split so "
@@ -48,6 +54,8 @@ class UnifiedCheckpointFields:
             ckpt_quant_stage=self.ckpt_quant_stage,
             disable_ckpt_quant=self.disable_ckpt_quant,
             max_shard_size=self.unified_checkpoint_max_shard_size,
+            ema_decay=self.ema_decay,
+            ema_interval=self.ema_interval,
         )
 
     @property

@@ -5,7 +5,7 @@ its own entry in the manifest. Its *role* says how its tensors are keyed, which 
 need to know about it:
 
 - `WEIGHTS`: the model's tensors, named as `save_pretrained` names them (the model files; a PEFT model's adapter);
-- `PARAMETER_STATE`: one tensor per trainable parameter, keyed like the weights (fp32 master weights; EMA next);
+- `PARAMETER_STATE`: one tensor per trainable parameter, keyed like the weights (fp32 master weights, EMA);
 - `OPTIMIZER`: `<param name>/<state name>` keys, param groups and scalar types in the index metadata.
 
 Engines give the save a mapping `{component name: its tensors}` and take one back on load; adding a component
@@ -37,9 +37,10 @@ class Component:
 MODEL = Component("model", "model", Role.WEIGHTS)
 MASTER = Component("master_weights", "master_weights", Role.PARAMETER_STATE)
 OPTIMIZER = Component("optimizer", "optimizer", Role.OPTIMIZER)
+EMA = Component("ema", "ema", Role.PARAMETER_STATE)
 
 #: Every component this version writes or reads, by name (the manifest's `components` keys).
-REGISTRY: dict[str, Component] = {c.name: c for c in (MODEL, MASTER, OPTIMIZER)}
+REGISTRY: dict[str, Component] = {c.name: c for c in (MODEL, MASTER, OPTIMIZER, EMA)}
 
 
 def component(name: str) -> Component:

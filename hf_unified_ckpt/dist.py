@@ -52,6 +52,13 @@ def broadcast_object(obj, src: int = 0, group=None):
     return box[0]
 
 
+def reduce_to(tensor, owner: int) -> None:
+    """Sum `tensor` over all ranks into rank `owner`'s copy (others' copies are left undefined). Collective: all
+    ranks must call it; without a process group, nothing to do."""
+    if is_distributed():
+        _torch_dist().reduce(tensor, dst=owner)
+
+
 def new_gloo_group():
     """A second group over all ranks, for collectives of a background thread (never interleaved with the
     training thread's collectives on the default group). Collective: all ranks must call it."""

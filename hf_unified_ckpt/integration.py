@@ -43,6 +43,7 @@ from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, La
 from .hf_model import is_peft_model
 from .legacy import legacy_components, open_legacy
 from .lineage import error_half_life, options_for_save, restored_step
+from .ema import ExponentialAverage, WithEma
 from .load import fetch_small_files, load_checkpoint, verify_checkpoint
 from .placement import Placement, judge_path, newest_across_machines, placement_of
 from .retention import rotate_checkpoints
@@ -85,6 +86,10 @@ class UnifiedCheckpointMixin:
         """`Trainer.train`, with the resume folder resolved and verified first. Collective: all ranks call it."""
         self._uc_resume = None
         self._uc_quantized_restore = None  # lineage guard (lineage.py): step of the latest compressed restore
+        options = self.args.unified_checkpoint_options
+        self._uc_average = ExponentialAverage(options.ema_decay, options.ema_interval) if (
+            options.enabled and options.ema) else None
+        self._uc_fragments = None
         self._uc_refuse_unsupported()
         path = self._uc_resolve(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=path, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
@@ -203,6 +208,9 @@ class UnifiedCheckpointMixin:
             load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options,
                             placement=resume.placement)
             self._uc_quantized_restore = restored_step(resume.manifest)
+        if self._uc_average is not None and not self._uc_average.parts and dist.rank() == 0:
+            logger.warning("Resuming from %s, which holds no EMA of the weights: the EMA starts again from the "
+                           "weights at its first update.", folder)
         if self.lr_scheduler is not None and (folder / SCHEDULER_FILE).is_file():
             self.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
         self._load_scaler(str(folder))
@@ -216,6 +224,8 @@ class UnifiedCheckpointMixin:
         if options.enabled:
             engine = self._uc_engine()
             engine.specs(MODEL.name)
+            if options.ema:
+                engine.parameter_fragments()  # refuses an engine the EMA cannot follow (FSDP1)
             if options.residual_master_weight and MASTER not in engine.components() and dist.rank() == 0:
                 logger.warning("residual_master_weight has no effect in this run: it keeps no fp32 master weights "
                                "apart from its weights (only DeepSpeed bf16 training does), so there is nothing to "
@@ -281,6 +291,8 @@ class UnifiedCheckpointMixin:
         output_dir = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         saver = _saver(self)
         saver.wait()  # one save in flight: the previous one commits (or raises) before this one starts
+        if getattr(self, "_uc_average", None) is not None and not self._uc_average.parts:
+            self._uc_ema_step(self.state.global_step, force=True)
         self._uc_track_best(run_dir)
         self._uc_export_callback_states()
         request = SaveRequest(output_dir, self.state.global_step, options,
@@ -314,8 +326,21 @@ class UnifiedCheckpointMixin:
         return chosen
 
     def _uc_engine(self):
-        """The adapter of the engine this trainer runs (a new one per save or load)."""
-        return _engine_of(self).build(self)
+        """The adapter of the engine this trainer runs (a new one per save or load), with the EMA component when
+        the EMA is on."""
+        engine = _engine_of(self).build(self)
+        average = getattr(self, "_uc_average", None)
+        return engine if average is None else WithEma(engine, average)
+
+    def _uc_ema_step(self, step: int, force: bool = False) -> None:
+        """Fold this rank's weights into the EMA when an update is due after optimizer step `step` (or `force`d:
+        a save before the first update starts the average there). Local only."""
+        average = getattr(self, "_uc_average", None)
+        if average is None or not (force or average.due(step)):
+            return
+        if self._uc_fragments is None:
+            self._uc_fragments = _engine_of(self).build(self).parameter_fragments()
+        average.update(self._uc_fragments)
 
     def _uc_extras(self, engine):
         """Capture now what this rank's non-tensor files hold (its RNG state; on the saving rank also the
@@ -467,6 +492,7 @@ class UnifiedCheckpointCallback(TrainerCallback):
     def __init__(self):
         self.attached = False
         self.saver: AsyncSaver | None = None
+        self.trainer = None
 
     @classmethod
     def attach(cls, trainer):
@@ -476,6 +502,11 @@ class UnifiedCheckpointCallback(TrainerCallback):
         """An in-flight async save copies live weights and optimizer state: the step waits for that copy."""
         if self.saver is not None:
             self.saver.wait_for_snapshot()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """After each optimizer step: the EMA of the weights, when due (before the step's save, if any)."""
+        if self.trainer is not None:
+            self.trainer._uc_ema_step(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         """The end of training waits for the in-flight async save and raises its error."""
@@ -514,6 +545,7 @@ def attach(trainer):
         callback = UnifiedCheckpointCallback()
         trainer.add_callback(callback)
     callback.attached = True
+    callback.trainer = trainer
     if callback.saver is None:
         callback.saver = AsyncSaver()
         atexit.register(callback.saver.close)

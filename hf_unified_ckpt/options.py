@@ -18,6 +18,8 @@ CONFIG_WORDS: dict[str, str] = {
     "master_weight_compatible": "build missing master weights from the model weights on load",
     "remove_master_weight": "do not save master weights; rebuild them from the model weights on load",
     "enable_all_options": "skip_save_model_weight + master_weight_compatible",
+    "ema": "keep an exponential moving average of the weights (ema_decay, ema_interval) and save it in every "
+           "checkpoint as ema*.safetensors",
     "residual_master_weight": "store the fp32 master weights as a 16-bit residual over their bf16 rounding in the "
                               "model files (exact, 2 bytes per parameter instead of 4)",
 }
@@ -43,6 +45,7 @@ class UnifiedCheckpointOptions:
         master_weight_compatible: rebuild missing master weights from model weights on load.
         remove_master_weight: never save master weights.
         residual_master_weight: store master weights as a 16-bit residual over the bf16 model weights (exact).
+        ema, ema_decay, ema_interval: keep (and save) an EMA of the weights, updated every `ema_interval` steps.
         quant_stage: optimizer-moment compression, "O0" (none), "O1" (int8) or "O2" (int4).
         max_shard_size: upper bound, in bytes, of one safetensors file.
     """
@@ -53,6 +56,9 @@ class UnifiedCheckpointOptions:
     master_weight_compatible: bool = False
     remove_master_weight: bool = False
     residual_master_weight: bool = False
+    ema: bool = False
+    ema_decay: float = 0.999
+    ema_interval: int = 1
     quant_stage: str = "O0"
     max_shard_size: int = 5 * 10**9
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
@@ -71,7 +77,8 @@ class UnifiedCheckpointOptions:
             "remove_master_weight": self.remove_master_weight,
             "residual_master_weight": self.residual_master_weight,
             "async_save": self.async_save,
-            "ema": False,
+            "ema": self.ema,
+            **({"ema_decay": self.ema_decay, "ema_interval": self.ema_interval} if self.ema else {}),
         }
 
 
@@ -114,6 +121,8 @@ def parse_options(
     ckpt_quant_stage: str = "O0",
     disable_ckpt_quant: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    ema_decay: float = 0.999,
+    ema_interval: int = 1,
 ) -> UnifiedCheckpointOptions:
     """Parse the raw argument values into `UnifiedCheckpointOptions`.
 
@@ -148,6 +157,11 @@ def parse_options(
         )
     if disable_ckpt_quant:
         stage = "O0"
+    if not 0 < float(ema_decay) < 1:
+        raise ValueError(f"ema_decay={ema_decay!r} is not in (0, 1); an EMA keeps decay * average + (1 - decay) * "
+                         "weights, e.g. ema_decay=0.999.")
+    if int(ema_interval) != ema_interval or ema_interval < 1:
+        raise ValueError(f"ema_interval={ema_interval!r}: expected a whole number of optimizer steps >= 1.")
     options = UnifiedCheckpointOptions(
         enabled=bool(unified_checkpoint),
         async_save="async_save" in chosen,
@@ -155,6 +169,9 @@ def parse_options(
         master_weight_compatible="master_weight_compatible" in chosen,
         remove_master_weight="remove_master_weight" in chosen,
         residual_master_weight="residual_master_weight" in chosen,
+        ema="ema" in chosen,
+        ema_decay=float(ema_decay),
+        ema_interval=int(ema_interval),
         quant_stage=stage,
         max_shard_size=parse_size(max_shard_size),
     )

@@ -266,12 +266,45 @@ def run_spec(run: dict, world_size: int) -> dict:
         if run.get("expect_error"):
             return _refused(trainer, run.get("resume"), run["expect_error"])
         at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None
+        every = RecordWeights(trainer) if run.get("record_weights") else None
         trainer.train(resume_from_checkpoint=run.get("resume"))
     if shim:
         assert_sharded(trainer)
     if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
         trainer.save_model(run["save_model"])
-    return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {})}
+    return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {}),
+            **({"weights": every.record} if every else {})}
+
+
+def trainable_fp32(trainer) -> dict[str, torch.Tensor]:
+    """The fp32 values the optimizer updates, by name, full, on every rank: DeepSpeed's fp32 master weights, else
+    the trainable parameters. Collective under DeepSpeed and FSDP."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).detach().cpu().clone()
+                for n, p in trainer.model_wrapped.module.named_parameters() if p.requires_grad}
+    from accelerate.utils import extract_model_from_parallel
+
+    state = final_state(trainer)
+    names = [n for n, p in extract_model_from_parallel(trainer.model_wrapped).named_parameters() if p.requires_grad]
+    return {n: state[n].float() for n in names}
+
+
+class RecordWeights:
+    """Records `trainable_fp32` after every optimizer step, by step (what an EMA averages)."""
+
+    def __init__(self, trainer):
+        from transformers import TrainerCallback
+
+        self.record = {}
+        outer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                outer.record[state.global_step] = trainable_fp32(trainer)
+
+        trainer.add_callback(_Callback())
 
 
 class RecordAt:

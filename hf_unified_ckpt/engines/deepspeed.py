@@ -326,6 +326,24 @@ class DeepSpeedEngine:
     def write_configs(self, folder) -> None:
         write_model_configs(self.module, folder)
 
+    def parameter_fragments(self) -> dict:
+        """This rank's fp32 fragment (ZeRO-1/2) or partition (ZeRO-3) of every trainable parameter, as
+        `ema.Fragment`s (an empty one where it holds none, so every rank lists every parameter). Local only."""
+        from ..ema import Fragment
+
+        out = {}
+        for name, p in self._trainable():
+            if self.stage == 3:
+                from deepspeed.utils import safe_get_local_fp32_param
+
+                _, start, count = self._partition(p)
+                out[name] = Fragment(tuple(p.ds_shape), start, safe_get_local_fp32_param(p).reshape(-1)[:count])
+                continue
+            mapping = getattr(p, "_hp_mapping", None)
+            values = mapping.get_hp_fragment().reshape(-1) if mapping is not None else torch.empty(0)
+            out[name] = Fragment(tuple(p.shape), mapping.lp_fragment_address.start if mapping else 0, values)
+        return out
+
     def master_fragments(self):
         """(name, this rank's fp32 master elements, the bf16 weight elements at the same flat positions) of every
         trainable parameter that has a master copy and a fragment here (what `save.residual_census` checks). Local

@@ -182,6 +182,24 @@ class FSDPEngine:
             out[name] = cached if cached is not None else source[name]
         return out
 
+    def parameter_fragments(self) -> dict:
+        """This rank's rows of every trainable FSDP2 parameter (its DTensor's local shard), as `ema.Fragment`s
+        (an empty one where it holds no row). Local only."""
+        from ..ema import Fragment
+
+        if self.version != 2:
+            raise UnsupportedCheckpointError("an EMA of the weights needs FSDP2 (fsdp_version 2) under FSDP; FSDP1's "
+                                             "flat parameters are not supported. Use FSDP2 or drop the word 'ema'.")
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                chunks = local_chunks(p)
+                shape = _global_shape(p)
+                start = chunks[0][0][0] * int(torch.Size(shape[1:]).numel()) if chunks and shape else 0
+                values = chunks[0][2].detach().reshape(-1) if chunks else torch.empty(0)
+                out[self.naming.stored_key(name)] = Fragment(shape, start, values)
+        return out
+
     def write_configs(self, folder) -> None:
         write_model_configs(_unwrap(self.model), folder)
 

@@ -80,6 +80,13 @@ class ReplicatedEngine:
     def optimizer_metadata(self) -> dict:
         return self._optimizer_flat()[1]
 
+    def parameter_fragments(self) -> dict:
+        """Every trainable parameter, whole (every rank holds it), as `ema.Fragment`s. Local only."""
+        from ..ema import Fragment
+
+        return {self._names[id(p)]: Fragment(tuple(p.shape), 0, p.detach().reshape(-1), replicated=True)
+                for p in self.module.parameters() if p.requires_grad}
+
     def write_configs(self, folder) -> None:
         write_model_configs(self.module, folder)
 

@@ -1,0 +1,128 @@
+"""Exponential moving average (EMA) of the weights, kept per rank and saved as the `ema` component.
+
+Each rank averages only what it holds of the fp32 values the optimizer updates: DeepSpeed's fp32 master fragments
+or partitions, FSDP2's local rows, or (one process, DDP) whole parameters. An engine describes what it holds as
+`Fragment`s (elements `[start, start + numel)` of a flattened full tensor) through `parameter_fragments()`; the
+average is fp32, started from the weights at its first update (so no bias correction is needed), and updated as
+`ema = decay * ema + (1 - decay) * weights` every `interval` optimizer steps. What a checkpoint at step N holds is
+the average after the last update at or before N.
+
+`WithEma` wraps an engine adapter so that the save and load algorithms see one more component, keyed like the
+model weights: on save each tensor is assembled on its writer by a sum of the ranks' zero-padded fragments (no
+communication when every rank holds it whole); on load each rank reads only its ranges.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import dist
+from .components import EMA, Component
+from .engines.base import LoadSources
+from .errors import UnsupportedCheckpointError, count_and_first
+from .planning import TensorSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """What this rank holds of one tensor: elements `[start, start + values.numel())` of its flattened full
+    tensor of shape `shape`; `replicated` when every rank holds the whole tensor."""
+
+    shape: tuple[int, ...]
+    start: int
+    values: torch.Tensor
+    replicated: bool = False
+
+
+class ExponentialAverage:
+    """This rank's part of the EMA (fp32, on the host), by saved parameter name."""
+
+    def __init__(self, decay: float, interval: int = 1):
+        self.decay, self.interval = decay, interval
+        self.parts: dict[str, Fragment] = {}
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def update(self, fragments: Mapping[str, Fragment]) -> None:
+        """Fold in the current values; the first update (or a parameter seen for the first time) copies them."""
+        with torch.no_grad():
+            for name, frag in fragments.items():
+                part = self.parts.get(name)
+                values = frag.values.detach().reshape(-1)
+                if part is None:
+                    self.parts[name] = replace(frag, values=values.to("cpu", torch.float32, copy=True))
+                else:
+                    part.values.mul_(self.decay).add_(values.to(torch.float32), alpha=1 - self.decay)
+
+    def load(self, reader, fragments: Mapping[str, Fragment]) -> None:
+        """Read this rank's ranges of every fragment from the `ema` component `reader`."""
+        from .engines.deepspeed import read_flat_range
+
+        missing = sorted(set(fragments) - set(reader.keys()))
+        if missing:
+            raise UnsupportedCheckpointError(f"the checkpoint's EMA has no average for {count_and_first(missing)}; "
+                                             "it was saved for another model or set of trainable parameters.")
+        self.parts = {}
+        for name, frag in fragments.items():
+            values = read_flat_range(reader, name, frag.shape, frag.start, frag.values.numel())
+            self.parts[name] = replace(frag, values=values.to(torch.float32).clone())
+
+
+class WithEma:
+    """An engine adapter plus the `ema` component (see the module docstring); everything else is the engine's."""
+
+    def __init__(self, engine, average: ExponentialAverage, load_average: bool = True):
+        self._engine, self._average, self._load_average = engine, average, load_average
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def components(self) -> list[Component]:
+        own = self._engine.components()
+        return own + [EMA] if self._average.parts else own
+
+    def specs(self, component: str) -> list[TensorSpec]:
+        if component != EMA.name:
+            return self._engine.specs(component)
+        return [TensorSpec(n, tuple(f.shape), torch.float32) for n, f in self._average.parts.items()]
+
+    def preferred_owners(self, component: str) -> dict[str, int]:
+        return {} if component == EMA.name else self._engine.preferred_owners(component)
+
+    def exchange(self, component: str, names: Sequence[str], owner: int) -> None:
+        """The engine's exchange; for EMA, each sharded tensor is summed from the ranks' zero-padded fragments into
+        `owner`. Collective: all ranks must call it, in the same order."""
+        if component != EMA.name:
+            return self._engine.exchange(component, names, owner)
+        for name in names:
+            part = self._average.parts[name]
+            if part.replicated:
+                continue
+            full = torch.zeros(math.prod(part.shape), dtype=torch.float32)
+            full[part.start:part.start + part.values.numel()] = part.values
+            dist.reduce_to(full, owner)
+            if dist.rank() == owner:
+                self._cache[name] = full.view(part.shape)
+
+    def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        if component != EMA.name:
+            return self._engine.tensors(component, names)
+        return {n: self._cache.pop(n, None) if n in self._cache else self._average.parts[n].values.view(
+            self._average.parts[n].shape) for n in names}
+
+    def load(self, sources: LoadSources) -> None:
+        """The engine's load; then this rank's EMA ranges (on a resume: when the optimizer is loaded too)."""
+        readers = dict(sources.readers)
+        reader = readers.pop(EMA.name, None)
+        self._engine.load(LoadSources(readers, sources.global_step))
+        if reader is not None and self._load_average and sources.readers.get("optimizer") is not None:
+            self._average.load(reader, self._engine.parameter_fragments())

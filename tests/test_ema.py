@@ -1,0 +1,103 @@
+"""EMA of the weights (word `ema`): the saved average equals one computed in float64 from the weights recorded at
+every step, on one process, DDP, DeepSpeed ZeRO-2 bf16 (average of the fp32 master weights), ZeRO-3 and FSDP2;
+it continues across a resume at the same world size (==) and at another one (tolerance); `ema_interval > 1`;
+a checkpoint without an EMA resumed with one says so once."""
+
+import pytest
+import torch
+
+from _runs import RecordWeights, make_trainer
+from conftest import torchrun
+from hf_unified_ckpt.layout import detect_layout
+from hf_unified_ckpt.storage.safetensors_io import ComponentReader
+
+DECAY = 0.8
+EMA = {"unified_checkpoint_config": "ema", "ema_decay": DECAY}
+REL = 1e-6  # fp32 average vs the float64 reference, relative to the largest weight of the tensor
+
+
+def reference(weights: dict, step: int, interval: int = 1) -> dict:
+    """EMA after the last update at or before `step`: the first update copies, then decay."""
+    average = None
+    for s in sorted(k for k in weights if k <= step and k % interval == 0):
+        w = {n: t.double() for n, t in weights[s].items()}
+        average = w if average is None else {n: DECAY * average[n] + (1 - DECAY) * w[n] for n in w}
+    return average
+
+
+def saved_ema(ckpt) -> dict:
+    with ComponentReader(ckpt, "ema") as reader:
+        return {n: reader.get(n) for n in reader.keys()}
+
+
+def assert_close(saved: dict, expected: dict, rel: float = REL) -> None:
+    assert saved.keys() == expected.keys()
+    for n, e in expected.items():
+        assert saved[n].dtype == torch.float32
+        assert float((saved[n].double() - e).abs().max()) <= rel * max(float(e.abs().max()), 1e-12), n
+
+
+def test_one_process_average_and_interval(tmp_path, caplog):
+    trainer = make_trainer(tmp_path / "a", **EMA)
+    weights = RecordWeights(trainer)
+    trainer.train()
+    assert_close(saved_ema(tmp_path / "a" / "checkpoint-3"), reference(weights.record, 3))
+    assert_close(saved_ema(tmp_path / "a" / "checkpoint-6"), reference(weights.record, 6))
+    manifest = detect_layout(tmp_path / "a" / "checkpoint-6").manifest
+    assert manifest["options"]["ema"] is True and manifest["options"]["ema_decay"] == DECAY
+    trainer = make_trainer(tmp_path / "b", ema_interval=2, **EMA)
+    weights = RecordWeights(trainer)
+    trainer.train()
+    assert_close(saved_ema(tmp_path / "b" / "checkpoint-3"), reference(weights.record, 3, 2))  # updated at 2
+    assert_close(saved_ema(tmp_path / "b" / "checkpoint-6"), reference(weights.record, 6, 2))
+    trainer = make_trainer(tmp_path / "plain")
+    trainer.train()
+    with caplog.at_level("WARNING", logger="hf_unified_ckpt"):
+        make_trainer(tmp_path / "c", **EMA).train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-3"))
+    assert caplog.text.count("holds no EMA of the weights") == 1
+
+
+SAVERS = {"ddp": {}, "z2bf16": {"zero": 2, "overrides": {"bf16": True}}, "z3": {"zero": 3}, "f2": {"fsdp": 2}}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ema")
+
+    def spec(name, engine, resume=None):
+        return {**engine, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"), "record_weights": True,
+                "overrides": {**engine.get("overrides", {}), **EMA},
+                **({"resume": str(tmp / resume / "checkpoint-3")} if resume else {})}
+
+    torchrun(2, [spec(n, e) for n, e in SAVERS.items()] + [spec("ddp-r", SAVERS["ddp"], "ddp")], tmp)
+    torchrun(3, [spec("z2bf16-r3", SAVERS["z2bf16"], "z2bf16"), spec("f2-to-z3", SAVERS["z3"], "f2")], tmp)
+    out = {p.stem: torch.load(p, weights_only=False) for p in tmp.glob("*.pt")}
+    return tmp, out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(SAVERS))
+def test_saved_average_matches_float64_reference(engines, name):
+    tmp, out = engines
+    for step in (3, 6):
+        assert_close(saved_ema(tmp / name / "checkpoint-3" if step == 3 else tmp / name / "checkpoint-6"),
+                     reference(out[name]["weights"], step))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("resumed,saved,atol", [("ddp-r", "ddp", 0.0), ("z2bf16-r3", "z2bf16", 4e-3),
+                                                ("f2-to-z3", "f2", 1e-5)])
+def test_average_continues_across_a_resume(engines, resumed, saved, atol):
+    """The resumed run's average = the checkpoint's average at 3 folded with the resumed run's own weights at 4-6
+    (relative 1e-6), and is within the resume tolerance of the uninterrupted run's (== at the same topology; bf16
+    at another world size: one bf16 ulp, 4e-3, as in test_deepspeed.py; fp32: 1e-5)."""
+    tmp, out = engines
+    start = {n: t.double() for n, t in saved_ema(tmp / saved / "checkpoint-3").items()}
+    continued = dict(start)
+    for step in (4, 5, 6):
+        w = out[resumed]["weights"][step]
+        continued = {n: DECAY * continued[n] + (1 - DECAY) * w[n].double() for n in continued}
+    after = saved_ema(tmp / resumed / "checkpoint-6")
+    assert_close(after, continued)
+    base = saved_ema(tmp / saved / "checkpoint-6")
+    assert all(float((after[n] - base[n]).abs().max()) <= atol for n in base)
