@@ -4,8 +4,9 @@ Each rank averages only what it holds of the fp32 values the optimizer updates: 
 or partitions, FSDP2's local rows, or (one process, DDP) whole parameters. An engine describes what it holds as
 `Fragment`s (elements `[start, start + numel)` of a flattened full tensor) through `parameter_fragments()`; the
 average is fp32, started from the weights at its first update (so no bias correction is needed), and updated as
-`ema = decay * ema + (1 - decay) * weights` every `interval` optimizer steps. What a checkpoint at step N holds is
-the average after the last update at or before N.
+`ema = decay * ema + (1 - decay) * weights` every `interval` optimizer steps, off the training thread
+(`BackgroundUpdates`). What a checkpoint at step N holds is the average after the last update at or before N (a
+save before the first update starts the average from the weights there).
 
 `WithEma` wraps an engine adapter so that the save and load algorithms see one more component, keyed like the
 model weights: on save each tensor is assembled on its writer by a sum of the ranks' zero-padded fragments (no
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -74,6 +77,66 @@ class ExponentialAverage:
         for name, frag in fragments.items():
             values = read_flat_range(reader, name, frag.shape, frag.start, frag.values.numel())
             self.parts[name] = replace(frag, values=values.to(torch.float32).clone())
+
+
+class BackgroundUpdates:
+    """Runs the updates of an `ExponentialAverage` off the training thread, the way an async save takes its
+    snapshot: `submit` starts a thread that copies the fragments into reused host buffers, signals the copy done,
+    then folds the copy into the average at low CPU priority. The next optimizer step waits only for the copy
+    (`wait_for_copy`); a save waits for the whole update (`wait`), which also raises an update's error."""
+
+    def __init__(self, average: ExponentialAverage):
+        self.average = average
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._copied = threading.Event()
+        self._copied.set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, fragments: Mapping[str, Fragment]) -> None:
+        """Start one update from `fragments` (live views), after the previous one finished."""
+        self.wait()
+        self._copied.clear()
+        self._thread = threading.Thread(target=self._run, args=(fragments,), name="hf_unified_ckpt-ema", daemon=True)
+        self._thread.start()
+
+    def _run(self, fragments: Mapping[str, Fragment]) -> None:
+        try:
+            try:
+                copy = {name: replace(frag, values=self._copy(name, frag.values)) for name, frag in fragments.items()}
+            finally:
+                self._copied.set()
+            _lower_priority()
+            self.average.update(copy)
+        except BaseException as e:  # surfaced by wait() on the training thread
+            self._error = e
+
+    def _copy(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() != values.numel():
+            buffer = self._buffers[name] = torch.empty(values.numel(), dtype=torch.float32)
+        return buffer.copy_(values.detach().reshape(-1))
+
+    def wait_for_copy(self) -> None:
+        """Block until the update in flight has copied the weights (call before the optimizer changes them)."""
+        self._copied.wait()
+
+    def wait(self) -> None:
+        """Block until the update in flight is folded in; raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"updating the EMA of the weights failed: {error}") from error
+
+
+def _lower_priority() -> None:
+    """Once the copy is taken, nothing waits for this thread: take idle cycles, not training's (Linux)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 class WithEma:

@@ -43,7 +43,7 @@ from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, La
 from .hf_model import is_peft_model
 from .legacy import legacy_components, open_legacy
 from .lineage import error_half_life, options_for_save, restored_step
-from .ema import ExponentialAverage, WithEma
+from .ema import BackgroundUpdates, ExponentialAverage, WithEma
 from .load import fetch_small_files, load_checkpoint, verify_checkpoint
 from .placement import Placement, judge_path, newest_across_machines, placement_of
 from .retention import rotate_checkpoints
@@ -89,6 +89,7 @@ class UnifiedCheckpointMixin:
         options = self.args.unified_checkpoint_options
         self._uc_average = ExponentialAverage(options.ema_decay, options.ema_interval) if (
             options.enabled and options.ema) else None
+        self._uc_updates = BackgroundUpdates(self._uc_average) if self._uc_average is not None else None
         self._uc_fragments = None
         self._uc_refuse_unsupported()
         path = self._uc_resolve(resume_from_checkpoint)
@@ -226,6 +227,7 @@ class UnifiedCheckpointMixin:
             engine.specs(MODEL.name)
             if options.ema:
                 engine.parameter_fragments()  # refuses an engine the EMA cannot follow (FSDP1)
+                _engine_of(self).step_barrier(self, self._uc_wait_for_copies)
             if options.residual_master_weight and MASTER not in engine.components() and dist.rank() == 0:
                 logger.warning("residual_master_weight has no effect in this run: it keeps no fp32 master weights "
                                "apart from its weights (only DeepSpeed bf16 training does), so there is nothing to "
@@ -291,8 +293,7 @@ class UnifiedCheckpointMixin:
         output_dir = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         saver = _saver(self)
         saver.wait()  # one save in flight: the previous one commits (or raises) before this one starts
-        if getattr(self, "_uc_average", None) is not None and not self._uc_average.parts:
-            self._uc_ema_step(self.state.global_step, force=True)
+        self._uc_ema_ready()
         self._uc_track_best(run_dir)
         self._uc_export_callback_states()
         request = SaveRequest(output_dir, self.state.global_step, options,
@@ -306,7 +307,7 @@ class UnifiedCheckpointMixin:
 
         extras = self._uc_extras(engine)
         if options.async_save:
-            _engine_of(self).step_barrier(self, saver.wait_for_snapshot)
+            _engine_of(self).step_barrier(self, self._uc_wait_for_copies)
             saver.start(engine, request, extras, after_commit=rotate)
             return
         save_checkpoint(engine, request, extras, after_commit=rotate)
@@ -332,15 +333,31 @@ class UnifiedCheckpointMixin:
         average = getattr(self, "_uc_average", None)
         return engine if average is None else WithEma(engine, average)
 
-    def _uc_ema_step(self, step: int, force: bool = False) -> None:
-        """Fold this rank's weights into the EMA when an update is due after optimizer step `step` (or `force`d:
-        a save before the first update starts the average there). Local only."""
+    def _uc_ema_step(self, step: int) -> None:
+        """Start folding this rank's weights into the EMA, in the background, when an update is due after
+        optimizer step `step`. Local only."""
         average = getattr(self, "_uc_average", None)
-        if average is None or not (force or average.due(step)):
-            return
+        if average is not None and average.due(step):
+            self._uc_updates.submit(self._uc_ema_fragments())
+
+    def _uc_ema_fragments(self) -> dict:
         if self._uc_fragments is None:
             self._uc_fragments = _engine_of(self).build(self).parameter_fragments()
-        average.update(self._uc_fragments)
+        return self._uc_fragments
+
+    def _uc_ema_ready(self) -> None:
+        """Before a save: the update in flight is folded in; a save before the first update starts the average
+        from the weights there."""
+        if getattr(self, "_uc_average", None) is not None:
+            self._uc_updates.wait()
+            if not self._uc_average.parts:
+                self._uc_average.update(self._uc_ema_fragments())
+
+    def _uc_wait_for_copies(self) -> None:
+        """Before an optimizer step: the async save's snapshot and the EMA's copy of the weights are taken."""
+        _saver(self).wait_for_snapshot()
+        if getattr(self, "_uc_updates", None) is not None:
+            self._uc_updates.wait_for_copy()
 
     def _uc_extras(self, engine):
         """Capture now what this rank's non-tensor files hold (its RNG state; on the saving rank also the
@@ -499,8 +516,11 @@ class UnifiedCheckpointCallback(TrainerCallback):
         return attach(trainer)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """An in-flight async save copies live weights and optimizer state: the step waits for that copy."""
-        if self.saver is not None:
+        """An in-flight async save, and an EMA update, copy live weights (and optimizer state): the step waits
+        for those copies."""
+        if self.trainer is not None:
+            self.trainer._uc_wait_for_copies()
+        elif self.saver is not None:
             self.saver.wait_for_snapshot()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -509,9 +529,11 @@ class UnifiedCheckpointCallback(TrainerCallback):
             self.trainer._uc_ema_step(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
-        """The end of training waits for the in-flight async save and raises its error."""
+        """The end of training waits for the in-flight async save and EMA update, and raises their errors."""
         if self.saver is not None:
             self.saver.wait()
+        if self.trainer is not None and getattr(self.trainer, "_uc_updates", None) is not None:
+            self.trainer._uc_updates.wait()
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.attached:
