@@ -88,17 +88,20 @@ POINTS = {
 ASYNC_POINTS = async_points()
 #: The same kills in a run saving O1-compressed optimizer moments ("o1-" + a point).
 COMPRESSED_POINTS = ("o1-mid-file", "o1-async-mid-file")
+#: The same kills in a run keeping an EMA of the weights ("ema-" + a point).
+EMA_POINTS = ("ema-mid-file", "ema-async-mid-file", "ema-before-manifest")
 
 if __name__ == "__main__":
     run_dir, point = sys.argv[1], sys.argv[2]
     quant = "O1" if point.startswith("o1-") else "O0"
-    point = point.removeprefix("o1-")
+    words = ["ema"] if point.startswith("ema-") else []
+    point = point.removeprefix("o1-").removeprefix("ema-")
     {**POINTS, **ASYNC_POINTS}[point]()
     integration.save_checkpoint = count_saves(integration.save_checkpoint)
     async_save.AsyncSaver.start = count_saves(async_save.AsyncSaver.start)
     limit = 1 if point == "during-rotation" else None
-    config = "async_save" if point.startswith("async-") else ""
+    words += ["async_save"] if point.startswith("async-") else []
     train(run_dir, max_steps=9, save_steps=3, save_total_limit=limit, unified_checkpoint_max_shard_size="40KB",
-          unified_checkpoint_config=config, ckpt_quant_stage=quant)
+          unified_checkpoint_config=" ".join(words), ckpt_quant_stage=quant)
     print("training finished without being killed", flush=True)
     sys.exit(3)

@@ -13,8 +13,9 @@ import hf_unified_ckpt.storage.writer as writer_module
 from _runs import final_state, train
 from hf_unified_ckpt.errors import UnifiedCheckpointError
 from hf_unified_ckpt.layout import detect_layout, newest_complete
+from hf_unified_ckpt.storage.safetensors_io import ComponentReader
 from conftest import record_fault
-from kill_worker import ASYNC_POINTS, COMPRESSED_POINTS, KILLED, POINTS
+from kill_worker import ASYNC_POINTS, COMPRESSED_POINTS, EMA_POINTS, KILLED, POINTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,7 +37,16 @@ def resumed_from_o1(tmp_path_factory):
     return losses, final_state(trainer)
 
 
-@pytest.mark.parametrize("point", list(POINTS) + list(ASYNC_POINTS) + list(COMPRESSED_POINTS))
+@pytest.fixture(scope="module")
+def uninterrupted_ema(tmp_path_factory):
+    """The EMA an interrupted run with the word 'ema' must end with: an uninterrupted one's, at step 9."""
+    run = tmp_path_factory.mktemp("ema")
+    train(run, max_steps=9, save_steps=3, unified_checkpoint_config="ema", unified_checkpoint_max_shard_size="40KB")
+    with ComponentReader(run / "checkpoint-9", "ema") as reader:
+        return {n: reader.get(n) for n in reader.keys()}
+
+
+@pytest.mark.parametrize("point", list(POINTS) + list(ASYNC_POINTS) + list(COMPRESSED_POINTS) + list(EMA_POINTS))
 def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, request, caplog):
     """kill (os._exit: no clean-up runs, as with SIGKILL) at `point` of the step-6 save, sync or async, plain or
     with O1-compressed moments (whose resume must then continue exactly as any resume from that checkpoint)."""
@@ -52,8 +62,13 @@ def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, reques
         six = run / "checkpoint-6"
         assert not six.exists() or not detect_layout(six).complete
     quant = "O1" if point in COMPRESSED_POINTS else "O0"
+    words = "ema" if point in EMA_POINTS else ""
     trainer, losses = train(run, max_steps=9, save_steps=3, resume=True, unified_checkpoint_max_shard_size="40KB",
-                            ckpt_quant_stage=quant)
+                            ckpt_quant_stage=quant, unified_checkpoint_config=words)
+    if words:  # the EMA continued from the complete checkpoint exactly as if nothing had happened
+        expected = request.getfixturevalue("uninterrupted_ema")
+        with ComponentReader(run / "checkpoint-9", "ema") as reader:
+            assert reader.keys() == list(expected) and all(torch.equal(reader.get(n), expected[n]) for n in expected)
     base_losses, base_state = request.getfixturevalue("resumed_from_o1" if quant == "O1" else "uninterrupted")
     assert all(losses[s] == base_losses[s] for s in range(expected_step + 1, 10))
     state = final_state(trainer)
