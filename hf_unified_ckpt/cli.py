@@ -1,4 +1,5 @@
-"""`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`, `convert LEGACY_DIR OUT_DIR [--ckpt-quant-stage]`."""
+"""`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`, `convert LEGACY_DIR OUT_DIR [--ckpt-quant-stage]`,
+`export CHECKPOINT OUT_DIR [--weights model|master|ema] [--dtype]`."""
 
 from __future__ import annotations
 
@@ -107,8 +108,25 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("--ckpt-quant-stage", choices=["O0", "O1", "O2"], default="O0",
                            help="compress the optimizer moments: O1 int8, O2 int4 (default O0: exact)")
     p_convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    p_export = sub.add_parser("export", help="a unified checkpoint's weights (model, fp32 master or EMA) as a plain "
+                                             "Hugging Face model folder that from_pretrained loads")
+    p_export.add_argument("checkpoint")
+    p_export.add_argument("out_dir", help="new folder to create (must not exist or be empty)")
+    p_export.add_argument("--weights", choices=["model", "master", "ema"], default="model",
+                          help="which weights: the model files (default), the fp32 master weights or the EMA")
+    p_export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                          help="cast to this dtype (default: each tensor's own; master and EMA are fp32)")
+    p_export.add_argument("--max-shard-size", default="5GB", help="largest file written (default 5GB)")
+    p_export.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
+        if args.command == "export":
+            from .export import export
+
+            out = export(args.checkpoint, args.out_dir, args.weights, args.dtype, args.max_shard_size,
+                         show_progress=not args.quiet)
+            print(f"exported the {args.weights} weights of {args.checkpoint} -> {out}")
+            return 0
         if args.command == "convert":
             from .convert import convert
 

@@ -8,6 +8,7 @@ import torch
 
 from _runs import RecordWeights, make_trainer
 from conftest import torchrun
+from hf_unified_ckpt.cli import _info, main as cli
 from hf_unified_ckpt.layout import detect_layout
 from hf_unified_ckpt.storage.safetensors_io import ComponentReader
 
@@ -101,3 +102,60 @@ def test_average_continues_across_a_resume(engines, resumed, saved, atol):
     assert_close(after, continued)
     base = saved_ema(tmp / saved / "checkpoint-6")
     assert all(float((after[n] - base[n]).abs().max()) <= atol for n in base)
+
+
+def _loaded(folder, dtype="auto") -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).state_dict()
+
+
+@pytest.mark.dist
+def test_export_ema_and_master_as_model_folders(engines, tmp_path, capsys):
+    tmp, _ = engines
+    ckpt = tmp / "z3" / "checkpoint-6"
+    assert "ema" in _info(str(ckpt))["components"]
+    out = tmp_path / "ema-bf16"
+    assert cli(["export", str(ckpt), str(out), "--weights", "ema", "--dtype", "bf16", "--max-shard-size", "20KB",
+                "--quiet"]) == 0
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    state, ema = _loaded(out), saved_ema(ckpt)
+    assert all(state[n].dtype == torch.bfloat16 and torch.equal(state[n], t.to(torch.bfloat16)) for n, t in ema.items())
+    master_ckpt = tmp / "z2bf16" / "checkpoint-6"
+    assert cli(["export", str(master_ckpt), str(tmp_path / "master"), "--weights", "master", "--quiet"]) == 0
+    with ComponentReader(master_ckpt, "master_weights") as reader:
+        state = _loaded(tmp_path / "master", torch.float32)
+        assert all(torch.equal(state[n], reader.get(n)) for n in reader.keys())
+    assert cli(["export", str(ckpt), str(out), "--quiet"]) == 1  # never over an existing folder
+    assert "not empty" in capsys.readouterr().err
+
+
+def test_export_of_a_tied_model_and_of_a_checkpoint_without_ema(tmp_path, capsys):
+    trainer = make_trainer(tmp_path / "run", "gpt2", **EMA)
+    trainer.train()
+    out = tmp_path / "out"
+    assert cli(["export", str(tmp_path / "run" / "checkpoint-6"), str(out), "--weights", "ema", "--quiet"]) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert torch.equal(model.transformer.wte.weight, saved_ema(tmp_path / "run" / "checkpoint-6")["transformer.wte.weight"])
+    make_trainer(tmp_path / "plain").train()
+    assert cli(["export", str(tmp_path / "plain" / "checkpoint-6"), str(tmp_path / "x"), "--weights", "ema"]) == 1
+    assert "has no 'ema' weights" in capsys.readouterr().err
+
+
+def test_ema_fields_parse_from_the_command_line_and_are_validated():
+    from transformers import HfArgumentParser
+
+    from hf_unified_ckpt import UnifiedCheckpointArguments
+
+    (args,) = HfArgumentParser(UnifiedCheckpointArguments).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/x", "--unified_checkpoint", "true", "--unified_checkpoint_config", "ema",
+         "--ema_decay", "0.99", "--ema_interval", "4", "--use_cpu", "true"])
+    options = args.unified_checkpoint_options
+    assert options.ema and options.ema_decay == 0.99 and options.ema_interval == 4
+    for bad in (["--ema_decay", "1.0"], ["--ema_interval", "0"]):
+        with pytest.raises(ValueError, match=bad[0].removeprefix("--")):
+            HfArgumentParser(UnifiedCheckpointArguments).parse_args_into_dataclasses(
+                ["--output_dir", "/tmp/x", "--unified_checkpoint_config", "ema", "--use_cpu", "true", *bad])

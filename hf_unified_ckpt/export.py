@@ -1,0 +1,107 @@
+"""`hf-unified-ckpt export`: a unified checkpoint's weights as a plain Hugging Face model folder.
+
+The folder holds what `from_pretrained` (or `PeftModel.from_pretrained`, for an adapter checkpoint) and
+`push_to_hub` expect: sharded safetensors + index (or one file), `config.json`, `generation_config.json`, tokenizer
+files. `--weights ema` or `master` takes each tensor from that component where it has one (the trainable
+parameters) and from the model weights otherwise (buffers, frozen parameters); decoded through the codecs like any
+read. Memory is bounded by one shard; nothing is written over an existing folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .components import EMA, MASTER, MODEL
+from .errors import UnsupportedCheckpointError
+from .layout import UNIFIED, detect_layout
+from .options import parse_size
+from .planning import TensorSpec, plan_component
+from .storage.headers import TORCH_DTYPE_NAMES
+from .storage.manifest import MANIFEST_NAME
+from .storage.safetensors_io import ComponentReader, write_index, write_shard
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = {"model": MODEL.name, "master": MASTER.name, "ema": EMA.name}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Files of a checkpoint that belong to training, not to a model folder.
+_TRAINING_FILES = ("trainer_state.json", "training_args.bin", "scheduler.pt", "scaler.pt", MANIFEST_NAME)
+
+
+def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, weights: str = "model",
+           dtype: str | None = None, max_shard_size: str | int = "5GB", show_progress: bool = True) -> Path:
+    """Write `checkpoint`'s `weights` (model, master or ema) into the new folder `out_dir`, cast to `dtype` (fp32,
+    bf16, fp16; default: each tensor's own dtype, fp32 for master and EMA tensors). Returns `out_dir`."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new folder (nothing was written).")
+    layout = detect_layout(checkpoint)
+    if layout.kind != UNIFIED or not layout.complete:
+        raise UnsupportedCheckpointError(f"{checkpoint} is not a complete unified checkpoint ({layout.kind}: "
+                                         f"{layout.reason}); export reads unified folders (convert a legacy one first).")
+    components = layout.manifest["components"]
+    wanted = WEIGHTS[weights]
+    if wanted not in components:
+        raise UnsupportedCheckpointError(
+            f"{checkpoint} has no '{weights}' weights (it holds {sorted(components)}); "
+            + {"ema": "train with the word 'ema' in unified_checkpoint_config to keep an EMA.",
+               "master": "it was saved without fp32 master weights (none existed, or they were removed or skipped)."
+               }.get(weights, ""))
+    stem = components[MODEL.name]["file_stem"]
+    staging = out_dir.parent / f".{out_dir.name}.incomplete"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    with ComponentReader(checkpoint, stem) as model, \
+            ComponentReader(checkpoint, components[wanted]["file_stem"], anchor=model) as chosen:
+        _write_weights(model, chosen, staging, stem, DTYPES[dtype] if dtype else None, parse_size(max_shard_size),
+                       f"Exporting {weights} weights to {out_dir.name}" if show_progress else None)
+    _copy_model_files(checkpoint, staging, set(layout.manifest["files"]))
+    if dtype or weights != "model":  # master and EMA are fp32 unless cast
+        _set_config_dtype(staging / "config.json", DTYPES[dtype] if dtype else torch.float32)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked above)
+    os.replace(staging, out_dir)
+    logger.info("Exported the %s weights of %s to %s", weights, checkpoint, out_dir)
+    return out_dir
+
+
+def _write_weights(model, chosen, folder: Path, stem: str, dtype, max_shard_size: int, progress: str | None) -> None:
+    """The model's tensors, each from `chosen` where it has it, cast, in shards of at most `max_shard_size`."""
+    model_specs, chosen_specs = model.specs(), chosen.specs()
+
+    def dtype_of(name: str) -> torch.dtype:
+        return dtype or getattr(torch, TORCH_DTYPE_NAMES[(chosen_specs.get(name) or model_specs[name])[1]])
+
+    specs = [TensorSpec(n, tuple(shape), dtype_of(n)) for n, (shape, _) in model_specs.items()]
+    plan = plan_component(MODEL.name, specs, 1, max_shard_size, file_stem=stem, min_parallel=0)
+    for file, names in tqdm(plan.files.items(), desc=progress, unit="file", disable=progress is None):
+        tensors = {n: (chosen if n in chosen else model).get(n).to(dtype_of(n)) for n in names}
+        write_shard(folder / file, tensors)
+    if plan.is_sharded:
+        write_index(folder, stem, plan.weight_map, plan.total_size)
+
+
+def _set_config_dtype(config: Path, dtype: torch.dtype) -> None:
+    """Record the exported dtype in config.json, so that `from_pretrained(..., dtype="auto")` loads it as such."""
+    if config.is_file():
+        values = json.loads(config.read_text())
+        values["dtype"] = str(dtype).removeprefix("torch.")
+        values.pop("torch_dtype", None)
+        config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_model_files(checkpoint: Path, folder: Path, listed: set[str]) -> None:
+    """Configs, generation config, adapter config and tokenizer files: every small file of the checkpoint that is
+    not a tensor file, an index, or a training file."""
+    for path in sorted(checkpoint.iterdir()):
+        name = path.name
+        if (path.is_file() and not name.endswith((".safetensors", ".safetensors.index.json", ".pth"))
+                and name not in _TRAINING_FILES and name in listed):
+            shutil.copyfile(path, folder / name)
