@@ -2,6 +2,7 @@
 
     python bench/bench_save.py [--engine zero2|fsdp2] [--reps 5] [--dtype fp32|bf16] [--out DIR]
     python bench/bench_save.py --quant [--reps 5] [--dtype fp32|bf16]     O1/O2 save and load time vs O0
+    python bench/bench_save.py --ema [--reps 4] [--engine zero2|fsdp2]    step time with an EMA vs without
 
 Launches `torchrun --nproc_per_node 2` (DeepSpeed ZeRO-2, or FSDP2 through the Trainer with the tests' CPU
 shim; CPU, gloo) on a ~103M-parameter Llama-style model and, in the same launch, alternates per repetition:
@@ -286,6 +287,46 @@ def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int 
     dist.destroy_process_group()
 
 
+def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5) -> None:
+    """Runs under torchrun with 2 ranks: one training run whose EMA (word 'ema', ema_interval=1) is switched on and
+    off every `block` steps, alternating; the step times of each mode (the first step of a block, the transition,
+    left out; the slowest rank counts)."""
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    world = int(os.environ["WORLD_SIZE"])
+    order = [mode for rep in range(reps) for mode in (("off", "on") if rep % 2 == 0 else ("on", "off"))]
+    trainer = build_trainer(out / "ema", dtype, world, engine, ckpt_config="ema", max_steps=block * len(order),
+                            train=False)
+    steps: dict[str, list[float]] = {"off": [], "on": []}
+
+    class Toggle(TrainerCallback):
+        def __init__(self):
+            self.last = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            mode = order[state.global_step // block]
+            trainer._uc_average.interval = 1 if mode == "on" else 10**9
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if (state.global_step - 1) % block:  # not the first step of a block
+                steps[order[(state.global_step - 1) // block]].append(max_over_ranks(time.perf_counter() - self.last))
+
+    trainer.add_callback(Toggle())
+    trainer.train()
+    if dist.get_rank() == 0:
+        med = {k: statistics.median(v) for k, v in steps.items()}
+        params = sum(p.numel() for p in trainer.model.parameters())
+        print(f"EMA overhead, {engine} x 2, {params / 1e6:.0f}M Llama, {dtype}, ema_interval=1, {reps} alternating "
+              f"blocks of {block} steps per mode (medians of {len(steps['on'])} steps each):")
+        print(f"step time with EMA / without = {med['on'] / med['off']:.3f}   ({med['on']:.3f} s vs {med['off']:.3f} s "
+              f"per step)")
+        print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in steps.items()})}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def quant_worker(out: Path, reps: int, dtype: str) -> None:
     """Runs under torchrun with 2 ranks (ZeRO-2): alternates unified saves at O0, O1 and O2, then times verify + load
     of each at the same topology; the codec must not make saving slower than the bytes it saves."""
@@ -403,7 +444,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--engine", choices=["zero2", "fsdp2"], default="zero2")
     parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
-    parser.add_argument("--worker", choices=["save", "resume", "async", "throughput", "quant"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["save", "resume", "async", "throughput", "quant", "ema"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--ema", action="store_true",
+                        help="step time with an EMA of the weights (ema_interval=1) vs without, in one run")
     parser.add_argument("--quant", action="store_true",
                         help="ZeRO-2: save and load time of O1/O2-compressed optimizer moments vs O0")
     parser.add_argument("--throughput", action="store_true",
@@ -424,6 +468,8 @@ def main() -> None:
         return throughput_worker(out, args.reps, args.dtype, args.engine, args.steps, args.save_every)
     if args.worker == "quant":
         return quant_worker(out, args.reps, args.dtype)
+    if args.worker == "ema":
+        return ema_worker(out, args.reps, args.dtype, args.engine)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     try:
@@ -434,6 +480,8 @@ def main() -> None:
             launches = ((2, "throughput"),)
         if args.quant:
             launches = ((2, "quant"),)
+        if args.ema:
+            launches = ((2, "ema"),)
         for nproc, worker in launches:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", args.dtype,
@@ -442,11 +490,11 @@ def main() -> None:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"benchmark {worker} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-            if worker in ("async", "throughput"):
+            if worker in ("async", "throughput", "ema"):
                 print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))
         if args.quant:
             quant_report(out, args.dtype)
-        elif not (args.async_save or args.throughput):
+        elif not (args.async_save or args.throughput or args.ema):
             report(out, args.dtype, args.engine)
     finally:
         shutil.rmtree(out, ignore_errors=True)
