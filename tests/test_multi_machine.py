@@ -38,7 +38,7 @@ def _manifest_shards(folder: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def two_machines(tmp_path_factory):
     """ZeRO-2 on 2 machines x 1 process, each with a local folder: an uninterrupted 6-step run; the same run
-    saving every 2 steps (async, keep 2: checkpoint-2 is rotated away); a resume from checkpoint-4."""
+    saving every 2 steps (async, with an EMA, keep 2: checkpoint-2 is rotated away); a resume from checkpoint-4."""
     work = tmp_path_factory.mktemp("two_machines")
     out = [work / f"machine{k}" / "out" for k in range(2)]
 
@@ -47,9 +47,11 @@ def two_machines(tmp_path_factory):
             {"output_dir": str(work / f"machine{k}" / "base"), "zero": 2, "overrides": {"save_strategy": "no"},
              "result": str(work / "baseline.pt")},
             {"output_dir": str(out[k]), "zero": 2, "overrides": {"save_steps": 2, "save_total_limit": 2,
-                                                                  "unified_checkpoint_config": "async_save", **SHARDS}},
-            {"output_dir": str(out[k]), "zero": 2, "resume": str(out[k] / "checkpoint-4"),
-             "overrides": {"save_strategy": "no"}, "result": str(work / "resumed.pt")},
+                                                                  "unified_checkpoint_config": "async_save ema",
+                                                                  **SHARDS}},
+            {"output_dir": str(out[k]), "zero": 2, "resume": str(out[k] / "checkpoint-4"),  # EMA read across machines
+             "overrides": {"save_strategy": "no", "unified_checkpoint_config": "ema"},
+             "result": str(work / "resumed.pt")},
         ]
 
     torchrun_machines([(1, runs(0)), (1, runs(1))], work)
@@ -63,6 +65,7 @@ def test_each_machine_writes_its_share_and_every_folder_is_committed(two_machine
         shares = [_shards(f) for f in folders]
         expected = _manifest_shards(folders[0])
         assert read_manifest(folders[1]) == read_manifest(folders[0])
+        assert "ema" in read_manifest(folders[0])["components"]
         assert all(shares) and not shares[0] & shares[1] and shares[0] | shares[1] == expected, shares
         for f in folders:
             assert {"trainer_state.json", "scheduler.pt", "config.json", "rng_state_0.pth"} <= {p.name for p in f.iterdir()}
