@@ -70,7 +70,9 @@ def engines(tmp_path_factory):
                 "overrides": {**engine.get("overrides", {}), **EMA},
                 **({"resume": str(tmp / resume / "checkpoint-3")} if resume else {})}
 
-    torchrun(2, [spec(n, e) for n, e in SAVERS.items()] + [spec("ddp-r", SAVERS["ddp"], "ddp")], tmp)
+    refused = {"fsdp": 1, "output_dir": str(tmp / "f1"), "result": str(tmp / "f1-refused.pt"), "overrides": EMA,
+               "expect_error": "needs FSDP2"}
+    torchrun(2, [spec(n, e) for n, e in SAVERS.items()] + [spec("ddp-r", SAVERS["ddp"], "ddp"), refused], tmp)
     torchrun(3, [spec("z2bf16-r3", SAVERS["z2bf16"], "z2bf16"), spec("f2-to-z3", SAVERS["z3"], "f2")], tmp)
     out = {p.stem: torch.load(p, weights_only=False) for p in tmp.glob("*.pt")}
     return tmp, out
@@ -159,3 +161,9 @@ def test_ema_fields_parse_from_the_command_line_and_are_validated():
         with pytest.raises(ValueError, match=bad[0].removeprefix("--")):
             HfArgumentParser(UnifiedCheckpointArguments).parse_args_into_dataclasses(
                 ["--output_dir", "/tmp/x", "--unified_checkpoint_config", "ema", "--use_cpu", "true", *bad])
+
+
+@pytest.mark.dist
+def test_fsdp1_with_ema_is_refused_before_the_first_step(engines):
+    _, out = engines
+    assert out["f1-refused"]["global_step"] == 0 and "needs FSDP2" in out["f1-refused"]["error"]
