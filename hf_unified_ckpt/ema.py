@@ -179,8 +179,8 @@ class WithEma:
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         if component != EMA.name:
             return self._engine.tensors(component, names)
-        return {n: self._cache.pop(n, None) if n in self._cache else self._average.parts[n].values.view(
-            self._average.parts[n].shape) for n in names}
+        parts = self._average.parts
+        return {n: self._cache.pop(n) if n in self._cache else parts[n].values.view(parts[n].shape) for n in names}
 
     def load(self, sources: LoadSources) -> None:
         """The engine's load; then this rank's EMA ranges (on a resume: when the optimizer is loaded too)."""
