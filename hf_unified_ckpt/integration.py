@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import inspect
 import logging
 import os
 import shutil
@@ -503,8 +504,10 @@ def _engine_of(trainer) -> _Engine:
 
 
 class UnifiedCheckpointCallback(TrainerCallback):
-    """Marks a Trainer as using unified checkpoints. Add it with `UnifiedCheckpointCallback.attach(trainer)`
-    (or `hf_unified_ckpt.attach(trainer)`): a callback alone cannot reach the Trainer's save and resume paths."""
+    """Gives a Trainer unified checkpoints. Either pass it to the Trainer (`callbacks=[UnifiedCheckpointCallback()]`:
+    when the Trainer's `__init__` ends, the callback finds that Trainer and attaches it) or call
+    `hf_unified_ckpt.attach(trainer)` (which adds it); both give the same trainer. A callback that reaches no
+    Trainer (added some other way) stops `train()` before the first step with an error saying so."""
 
     def __init__(self):
         self.attached = False
@@ -514,6 +517,13 @@ class UnifiedCheckpointCallback(TrainerCallback):
     @classmethod
     def attach(cls, trainer):
         return attach(trainer)
+
+    def on_init_end(self, args, state, control, **kwargs):
+        """Passed in `callbacks=[...]`: attach the Trainer whose `__init__` is ending (this instance only)."""
+        if not self.attached:
+            trainer = _trainer_holding(self)
+            if trainer is not None:
+                attach(trainer)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """An in-flight async save, and an EMA update, copy live weights (and optimizer state): the step waits
@@ -538,11 +548,28 @@ class UnifiedCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.attached:
             raise RuntimeError(
-                "UnifiedCheckpointCallback was added to a Trainer without attaching it, so checkpoints would be "
-                "written the native way. Use `hf_unified_ckpt.attach(trainer)` instead of add_callback/callbacks=[...].")
+                "UnifiedCheckpointCallback was added to a Trainer after its construction (add_callback), so it could "
+                "not attach it and checkpoints would be written the native way. Pass it in "
+                "Trainer(..., callbacks=[UnifiedCheckpointCallback()]) or call hf_unified_ckpt.attach(trainer).")
 
 
 _SUBCLASSES: dict[type, type] = {}
+
+
+def _trainer_holding(callback) -> object | None:
+    """The Trainer whose `__init__` is running with `callback` among its callbacks: callbacks are not handed the
+    Trainer, so look for it on the call stack (the `self` of `Trainer.__init__`, which called `on_init_end`)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            handler = getattr(candidate, "callback_handler", None) if isinstance(candidate, transformers.Trainer) else None
+            if handler is not None and any(c is callback for c in handler.callbacks):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 def attach(trainer):

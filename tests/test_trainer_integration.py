@@ -9,7 +9,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_unified_ckpt
-from _runs import TokenDataset, build_model, final_state, make_args, reset_accelerate_state, train
+from _runs import TokenDataset, build_model, final_state, losses_of, make_args, reset_accelerate_state, train
 from hf_unified_ckpt.errors import UnsupportedCheckpointError
 from hf_unified_ckpt.layout import detect_layout
 
@@ -106,12 +106,40 @@ def test_resume_from_a_folder_that_is_no_checkpoint(tmp_path):
         train(tmp_path / "b", max_steps=3, resume=str(tmp_path / "notes"))
 
 
-def test_callback_added_without_attach_is_an_error(tmp_path):
+def test_the_callback_alone_gives_the_same_trainer_as_attach(tmp_path):
+    """`Trainer(..., callbacks=[UnifiedCheckpointCallback()])` attaches that trainer (no global patching): the same
+    save path, resume detection and checks as attach(trainer); saving and resuming alike."""
+    from hf_unified_ckpt.integration import UnifiedCheckpointMixin
+
+    def run(out, resume=None, how="callback"):
+        reset_accelerate_state()
+        callbacks = [hf_unified_ckpt.UnifiedCheckpointCallback()] if how == "callback" else None
+        trainer = Trainer(model=build_model(), args=make_args(out), train_dataset=TokenDataset(), callbacks=callbacks)
+        if how == "attach":
+            hf_unified_ckpt.attach(trainer)
+        assert isinstance(trainer, UnifiedCheckpointMixin) and type(trainer) is not Trainer
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, losses_of(trainer)
+
+    trainer, base = run(tmp_path / "a")
+    assert sum(isinstance(c, hf_unified_ckpt.UnifiedCheckpointCallback) for c in trainer.callback_handler.callbacks) == 1
+    assert detect_layout(tmp_path / "a" / "checkpoint-3").kind == "unified"
+    _, attached = run(tmp_path / "b", how="attach")
+    assert attached == base
+    _, resumed = run(tmp_path / "c", resume=str(tmp_path / "a" / "checkpoint-3"))
+    assert [resumed[s] for s in (4, 5, 6)] == [base[s] for s in (4, 5, 6)]
+    with pytest.raises(UnsupportedCheckpointError):  # the same resume checks
+        run(tmp_path / "d", resume=str(tmp_path / "a"))
+    assert type(Trainer(model=build_model(), args=make_args(tmp_path / "e"), train_dataset=TokenDataset())) is Trainer
+
+
+def test_callback_added_after_construction_is_an_error(tmp_path):
     reset_accelerate_state()
-    trainer = Trainer(model=build_model(), args=make_args(tmp_path, max_steps=2), train_dataset=TokenDataset(),
-                      callbacks=[hf_unified_ckpt.UnifiedCheckpointCallback()])
-    with pytest.raises(RuntimeError, match="attach"):
+    trainer = Trainer(model=build_model(), args=make_args(tmp_path, max_steps=2), train_dataset=TokenDataset())
+    trainer.add_callback(hf_unified_ckpt.UnifiedCheckpointCallback())
+    with pytest.raises(RuntimeError, match="add_callback"):
         trainer.train()
+    assert trainer.state.global_step == 0
 
 
 def test_attach_needs_the_plugin_arguments(tmp_path):

@@ -27,7 +27,7 @@ def _texts(n, seed=0):
     return [" ".join(r.choice(WORDS) for _ in range(12)) for _ in range(n)]
 
 
-def _run(kind, output_dir, resume=None, model_kind="llama"):
+def _run(kind, output_dir, resume=None, model_kind="llama", how="attach"):
     from trl import DPOTrainer, SFTTrainer
 
     from hf_unified_ckpt.trl_configs import UnifiedDPOConfig, UnifiedSFTConfig
@@ -36,15 +36,18 @@ def _run(kind, output_dir, resume=None, model_kind="llama"):
     common = dict(output_dir=str(output_dir), max_steps=4, save_steps=2, per_device_train_batch_size=4, use_cpu=True,
                   bf16=False, report_to=[], logging_steps=1, unified_checkpoint=True, disable_tqdm=True, seed=0)
     texts = _texts(48)
+    callbacks = [hf_unified_ckpt.UnifiedCheckpointCallback()] if how == "callback" else None
     if kind == "sft":
         trainer = SFTTrainer(model=build_model(model_kind), args=UnifiedSFTConfig(max_length=16, **common),
-                             train_dataset=Dataset.from_dict({"text": texts}), processing_class=local_tokenizer())
+                             train_dataset=Dataset.from_dict({"text": texts}), processing_class=local_tokenizer(),
+                             callbacks=callbacks)
     else:
         pref = Dataset.from_dict({"prompt": texts[:24], "chosen": texts[24:], "rejected": texts[:24][::-1]})
         trainer = DPOTrainer(model=build_model(model_kind), ref_model=build_model("llama", seed=1),
                              args=UnifiedDPOConfig(max_length=32, **common), train_dataset=pref,
-                             processing_class=local_tokenizer())
-    hf_unified_ckpt.attach(trainer)
+                             processing_class=local_tokenizer(), callbacks=callbacks)
+    if how == "attach":
+        hf_unified_ckpt.attach(trainer)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
@@ -62,3 +65,18 @@ def test_trl_trainer_saves_unified_and_resumes_exactly(kind, model_kind, tmp_pat
     assert [losses[s] for s in (3, 4)] == [base[s] for s in (3, 4)]
     a, b = final_state(trainer), final_state(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_trainer_with_the_callback_alone(kind, tmp_path):
+    """`callbacks=[UnifiedCheckpointCallback()]` instead of attach: the TRL trainer saves unified and resumes
+    exactly, like the attached one."""
+    trainer, base = _run(kind, tmp_path / "a", how="callback")
+    from hf_unified_ckpt.integration import UnifiedCheckpointMixin
+
+    assert isinstance(trainer, UnifiedCheckpointMixin)
+    assert detect_layout(tmp_path / "a" / "checkpoint-2").kind == "unified"
+    _, attached = _run(kind, tmp_path / "b")
+    assert attached == base
+    _, losses = _run(kind, tmp_path / "c", resume=str(tmp_path / "a" / "checkpoint-2"), how="callback")
+    assert [losses[s] for s in (3, 4)] == [base[s] for s in (3, 4)]
