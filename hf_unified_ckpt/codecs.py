@@ -247,11 +247,7 @@ class MomentCodec:
         return values[lo - begin:hi - begin].to(_dtype(entry["dtype"])).reshape(stop - start, *shape[1:])
 
     def decode(self, name: str, reader) -> torch.Tensor:
-        entry = self.tensors[name]
-        n = _numel(entry["shape"])
-        values = dequantize(reader.get(name), reader.get(name + SCALES), self.grids[entry["kind"]], entry["kind"], n,
-                            self.block)
-        return values.to(_dtype(entry["dtype"])).reshape(entry["shape"])
+        return self.decode_rows(name, reader, slice(None))
 
 
 # ---- fp32 master weights as a residual over their bf16 rounding ---------------------------------------------------

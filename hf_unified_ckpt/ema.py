@@ -29,6 +29,7 @@ from .components import EMA, Component
 from .engines.base import LoadSources
 from .errors import UnsupportedCheckpointError, count_and_first
 from .planning import TensorSpec
+from .storage.reader import read_flat_range
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ class ExponentialAverage:
 
     def load(self, reader, fragments: Mapping[str, Fragment]) -> None:
         """Read this rank's ranges of every fragment from the `ema` component `reader`."""
-        from .engines.deepspeed import read_flat_range
-
         missing = sorted(set(fragments) - set(reader.keys()))
         if missing:
             raise UnsupportedCheckpointError(f"the checkpoint's EMA has no average for {count_and_first(missing)}; "

@@ -318,13 +318,13 @@ class UnifiedCheckpointMixin:
     def _uc_save_options(self, options):
         """The options of this save: the lineage guard may write it at O0 (lineage.py), said once per run."""
         restore = getattr(self, "_uc_quantized_restore", None)
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        chosen = options_for_save(options, self.state.global_step, restore, error_half_life(groups))
+        half_life = error_half_life(self.optimizer.param_groups if self.optimizer is not None else [])
+        chosen = options_for_save(options, self.state.global_step, restore, half_life)
         if chosen.quant_stage_requested and not getattr(self, "_uc_guard_said", False) and dist.rank() == 0:
             self._uc_guard_said = True
             logger.info("Checkpoint compression: saves are written at O0 (not %s) until the quantisation error of "
                         "the restore at step %d has halved (%.0f steps for this optimizer's slowest moment), so "
-                        "errors never stack.", options.quant_stage, restore, error_half_life(groups))
+                        "errors never stack.", options.quant_stage, restore, half_life)
         return chosen
 
     def _uc_engine(self):

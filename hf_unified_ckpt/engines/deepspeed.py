@@ -20,7 +20,6 @@ every other engine writes them.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import torch
@@ -33,21 +32,12 @@ from ..hf_model import is_peft_model, naming_policy, write_model_configs
 from ..names import optimizer_key, split_optimizer_key
 from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_scalar
 from ..planning import TensorSpec
+from ..storage.reader import read_flat_range
 from ..storage.safetensors_io import ComponentReader
 from ..support import refuse_unsupported
 from .base import component_source
 
 logger = logging.getLogger(__name__)
-
-
-def read_flat_range(reader: ComponentReader, name: str, shape: Sequence[int], start: int, numel: int) -> torch.Tensor:
-    """Elements [start, start + numel) of the flattened tensor `name`, reading only the rows that cover them."""
-    if len(shape) == 0:
-        return reader.get(name).reshape(1)[start:start + numel]
-    row = math.prod(shape[1:])
-    first, last = start // row, -(-(start + numel) // row)
-    rows = reader.get_slice(name)[first:last].reshape(-1)
-    return rows[start - first * row: start - first * row + numel]
 
 
 def wait_before_steps(ds_engine, wait) -> None:
@@ -350,18 +340,12 @@ class DeepSpeedEngine:
         reads only."""
         if not self.has_master:
             return
-        for name, p in self._trainable():
-            if self.stage == 3:
-                from deepspeed.utils import safe_get_local_fp32_param
-
-                count = self._partition(p)[2]
-                yield name, safe_get_local_fp32_param(p).reshape(-1)[:count], p.ds_tensor.data.reshape(-1)[:count]
-                continue
-            mapping = getattr(p, "_hp_mapping", None)
-            if mapping is not None:
-                address = mapping.lp_fragment_address
-                yield (name, mapping.get_hp_fragment(),
-                       p.data.reshape(-1)[address.start:address.start + address.numel])
+        for name, frag in self.parameter_fragments().items():
+            n = frag.values.numel()
+            if n:
+                p = self._by_name[name]
+                lp = p.ds_tensor.data.reshape(-1)[:n] if self.stage == 3 else p.data.reshape(-1)[frag.start:frag.start + n]
+                yield name, frag.values, lp
 
     # ---- load: each rank reads only the rows it holds ------------------------------------------------------
     def load(self, sources) -> None:

@@ -10,7 +10,8 @@ today), so auxiliary stored tensors such as scales never reach an engine. This m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -215,3 +216,14 @@ class LogicalReader(TensorReader):
 
     def close(self) -> None:
         self.stored.close()
+
+
+def read_flat_range(reader: TensorReader, name: str, shape: Sequence[int], start: int, numel: int) -> torch.Tensor:
+    """Elements [start, start + numel) of the flattened tensor `name` of `reader`, reading only the rows that cover
+    them (how sharded engines load a flat fragment or partition)."""
+    if len(shape) == 0:
+        return reader.get(name).reshape(1)[start:start + numel]
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-(start + numel) // row)
+    rows = reader.get_slice(name)[first:last].reshape(-1)
+    return rows[start - first * row: start - first * row + numel]
