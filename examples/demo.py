@@ -1,6 +1,7 @@
 """The demo behind `make demo`: train on 2 processes with DeepSpeed ZeRO-2 (CPU, gloo) saving unified
 checkpoints, resume from the middle on 1 process without DeepSpeed, check that the loss curve continues, then
-load the checkpoint with `AutoModelForCausalLM.from_pretrained` and generate.   python examples/demo.py [OUT_DIR]"""
+load the checkpoint with `AutoModelForCausalLM.from_pretrained` and generate; the two loss curves are drawn in
+OUT_DIR/loss_curves.png.   python examples/demo.py [OUT_DIR]"""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def main(out: Path) -> None:
          "--output_dir", str(single), "--resume_from_checkpoint", str(ddp / f"checkpoint-{RESUME_AT}"),
          "--losses_file", str(out / "resumed_losses.json")],
         f"2. resume checkpoint-{RESUME_AT} on 1 process without DeepSpeed (same global batch {GLOBAL_BATCH})")
-    compare(out)
+    chart = plot_losses(out, compare(out))
     for ckpt in (ddp / f"checkpoint-{RESUME_AT}", single / "checkpoint-30"):
         cmd = [sys.executable, "-m", "hf_unified_ckpt", "info", str(ckpt)]
         print(f"\n=== 3. inspect\n$ hf-unified-ckpt info {ckpt}")
@@ -48,10 +49,12 @@ def main(out: Path) -> None:
     generate(single / "checkpoint-30")
     print(f"\nEverything is under {out}/:\n  {ddp}/checkpoint-{{10,20,30}}   saved by DeepSpeed ZeRO-2 on 2 processes\n"
           f"  {single}/checkpoint-{{20,30}}  saved after resuming on 1 process\n"
-          f"  {out}/*_losses.json           the two loss curves")
+          f"  {out}/*_losses.json           the two loss curves\n"
+          f"  {chart}  the two loss curves drawn")
 
 
-def compare(out: Path) -> None:
+def compare(out: Path) -> float:
+    """Prints both curves after the resume step side by side; returns the max relative difference."""
     full = json.loads((out / "zero2_losses.json").read_text())
     resumed = json.loads((out / "resumed_losses.json").read_text())
     print("\n step   ZeRO-2 x 2     resumed on 1   rel. diff")
@@ -64,6 +67,39 @@ def compare(out: Path) -> None:
     print(f"loss curve after resume {verdict}: max relative difference {worst:.2e} (tolerance {TOLERANCE:.0e})")
     if worst > TOLERANCE:
         sys.exit(1)
+    return worst
+
+
+def plot_losses(out: Path, worst: float) -> Path:
+    """Draws the uninterrupted curve and the resumed one over it into out/loss_curves.png; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    ax.plot(*_curve(out / "zero2_losses.json"), "-", color="tab:blue", lw=3, alpha=0.5,
+            label="uninterrupted: ZeRO-2, 2 processes")
+    ax.plot(*_curve(out / "resumed_losses.json", after=RESUME_AT), "o--", color="tab:orange", ms=4, lw=1.2,
+            label=f"resumed at step {RESUME_AT}: 1 process")
+    ax.axvline(RESUME_AT, color="gray", ls=":", label=f"resume (checkpoint-{RESUME_AT})")
+    ax.set(xlabel="step", ylabel="training loss",
+           title=f"ZeRO-2 x 2 -> 1 process: loss after resume, max relative difference {worst:.1e}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "loss_curves.png"
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"loss curves drawn: {path}")
+    return path
+
+
+def _curve(losses_file: Path, after: int = 0) -> tuple[list[int], list[float]]:
+    """(steps, losses) of a {step: loss} file, steps after `after` only (the resumed run's log also holds the
+    steps before its checkpoint, copied from the checkpoint's trainer state)."""
+    points = sorted((int(step), loss) for step, loss in json.loads(losses_file.read_text()).items())
+    return [s for s, _ in points if s > after], [loss for s, loss in points if s > after]
 
 
 def generate(checkpoint: Path) -> None:

@@ -69,3 +69,15 @@ def test_make_demo_script(tmp_path):
     assert json.loads(subprocess.run([sys.executable, "-m", "hf_unified_ckpt", "info", "--json",
                                       str(tmp_path / "demo" / "zero2_2proc" / "checkpoint-10")], capture_output=True,
                                      text=True).stdout)["saved_by"]["world_size"] == 2
+    _assert_loss_chart(tmp_path / "demo" / "loss_curves.png", proc.stdout)
+
+
+def _assert_loss_chart(png: Path, stdout: str) -> None:
+    """The demo drew its two loss curves into a real PNG and said where (progress line and final summary)."""
+    from matplotlib.image import imread  # a dev dependency; the demo itself needs it
+
+    assert png.is_file() and png.stat().st_size > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = imread(png).shape[:2]
+    assert height > 100 and width > 100
+    assert stdout.count(str(png)) >= 2, stdout[-2000:]
