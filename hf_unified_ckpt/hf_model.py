@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import UnsupportedCheckpointError
+from .errors import UnsupportedCheckpointError, count_and_first
 from .names import NamingPolicy, canonical_name
 
 MODEL_STEM, ADAPTER_STEM = "model", "adapter_model"
@@ -30,10 +30,7 @@ def naming_policy(module: nn.Module) -> NamingPolicy:
     a transformers model leaves out the tied names it declares (`all_tied_weights_keys`, what `save_pretrained`
     leaves out); another module leaves out every name of a parameter shared under several names but the first."""
     if is_peft_model(module):
-        from peft import get_peft_model_state_dict
-
-        keys = frozenset(get_peft_model_state_dict(module))
-        return NamingPolicy(ADAPTER_STEM, adapter=module.active_adapter, adapter_keys=keys)
+        return NamingPolicy(ADAPTER_STEM, adapter_map=_adapter_map(module))
     declared = getattr(module, "all_tied_weights_keys", None)
     if declared is not None:
         return NamingPolicy(MODEL_STEM, {canonical_name(t): canonical_name(s) for t, s in dict(declared).items()})
@@ -41,6 +38,23 @@ def naming_policy(module: nn.Module) -> NamingPolicy:
     for name, param in module.named_parameters(remove_duplicate=False):
         shared[id(param)].append(canonical_name(name))
     return NamingPolicy(MODEL_STEM, {n: names[0] for names in shared.values() for n in names[1:]})
+
+
+def _adapter_map(module: nn.Module) -> dict[str, str]:
+    """Canonical live name -> adapter key of every tensor PEFT saves, from PEFT's own `get_peft_model_state_dict`
+    applied to the live tensors (identity tells which live tensor each saved key is; works for partitioned and
+    sharded parameters, whose values are never read)."""
+    from peft import get_peft_model_state_dict
+
+    live = module.state_dict(keep_vars=True)
+    name_of = {id(t): canonical_name(n) for n, t in live.items()}
+    saved = get_peft_model_state_dict(module, state_dict=live)
+    unknown = sorted(k for k, t in saved.items() if id(t) not in name_of)
+    if unknown:
+        raise UnsupportedCheckpointError(
+            f"PEFT saves {count_and_first(unknown, 'tensor')} that are not tensors of the model (computed when "
+            "saved); unified checkpoints of this PEFT method are not supported. Set unified_checkpoint=False.")
+    return {name_of[id(t)]: key for key, t in saved.items()}
 
 
 def model_state_for_save(module: nn.Module, naming: NamingPolicy | None = None) -> dict[str, torch.Tensor]:

@@ -36,16 +36,16 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import dist
 from .async_save import AsyncSaver
-from .components import MASTER, MODEL
+from .components import MASTER, MODEL, OPTIMIZER
 from .engines.base import LoadSources
 from .engines.replicated import ReplicatedEngine
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete
-from .hf_model import is_peft_model
 from .legacy import legacy_components, open_legacy
 from .lineage import error_half_life, options_for_save, restored_step
 from .ema import BackgroundUpdates, ExponentialAverage, WithEma
 from .load import fetch_small_files, load_checkpoint, verify_checkpoint
+from .optim_state import fit_scheduler_state, group_param_names, match_groups
 from .placement import Placement, judge_path, newest_across_machines, placement_of
 from .retention import rotate_checkpoints
 from .rng import capture_rng_state, restore_rng_state, rng_file_name
@@ -176,7 +176,7 @@ class UnifiedCheckpointMixin:
         engine = _engine_of(self)
         kind = engine.name
         if options.enabled:
-            refuse_unsupported(kind, is_peft_model(_unwrapped(self.model)), fp16=engine.fp16(self))
+            refuse_unsupported(kind, fp16=engine.fp16(self))
         if self.args.fsdp and kind != "fsdp" and dist.rank() == 0:
             logger.warning("FSDP was requested (the fsdp argument) but the model is trained with %s: accelerate "
                            "applies FSDP only on accelerators and falls back to DDP on CPU. Checkpoints are saved "
@@ -202,22 +202,34 @@ class UnifiedCheckpointMixin:
             return prepared
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
         self._uc_preflight()
-        folder = resume.layout.path
+        folder, engine = resume.layout.path, self._uc_engine()
         if resume.legacy is not None:
-            legacy = resume.legacy
-            self._uc_engine().load(LoadSources(legacy_components(legacy, for_loading=True), legacy.global_step))
+            sources = legacy_components(resume.legacy, for_loading=True)
+            engine.load(LoadSources(sources, resume.legacy.global_step))
+            optimizer = sources.get(OPTIMIZER.name)
+            saved_groups = group_param_names(optimizer.metadata) if optimizer is not None else None
         else:
-            load_checkpoint(folder, self._uc_engine(), resume.manifest, self.args.unified_checkpoint_options,
-                            placement=resume.placement)
+            saved_groups = load_checkpoint(folder, engine, resume.manifest, self.args.unified_checkpoint_options,
+                                           placement=resume.placement)
             self._uc_quantized_restore = restored_step(resume.manifest)
         if self._uc_average is not None and not self._uc_average.parts and dist.rank() == 0:
             logger.warning("Resuming from %s, which holds no EMA of the weights: the EMA starts again from the "
                            "weights at its first update.", folder)
-        if self.lr_scheduler is not None and (folder / SCHEDULER_FILE).is_file():
-            self.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
+        self._uc_load_scheduler(folder, saved_groups, engine)
         self._load_scaler(str(folder))
         logger.info("Resumed from %s checkpoint %s", resume.layout.kind, folder)
         return model, train_dataloader
+
+    def _uc_load_scheduler(self, folder: Path, saved_groups: list[list[str]] | None, engine) -> None:
+        """Load the scheduler the checkpoint holds, its per-group values fitted to this optimizer's param groups
+        (DeepSpeed drops the empty groups that DDP and FSDP keep). Collective under FSDP: all ranks call it."""
+        if self.lr_scheduler is None or not (folder / SCHEDULER_FILE).is_file():
+            return
+        saved = torch.load(folder / SCHEDULER_FILE, weights_only=True)
+        if saved_groups is not None:
+            matched = match_groups(saved_groups, engine.param_group_names())
+            saved = fit_scheduler_state(saved, self.lr_scheduler.state_dict(), matched)
+        self.lr_scheduler.load_state_dict(saved)
 
     def _uc_preflight(self) -> None:
         """Describe the prepared engine's model the way every save will, so whatever a save would refuse (an
@@ -425,12 +437,6 @@ def _refuse_without_trainer_state(path: Path, verdict) -> None:
             f"{path} holds no {TRAINER_STATE_FILE} (it was converted from a model folder written by "
             "Trainer.save_model), so training cannot resume from it; load it with from_pretrained to start a new run "
             "from its weights, or resume from a checkpoint-N folder.")
-
-
-def _unwrapped(model):
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(model)
 
 
 def _never(trainer) -> bool:

@@ -11,6 +11,7 @@ from .components import MASTER, MODEL, OPTIMIZER, Role
 from .engines.base import EngineAdapter, LoadSources
 from .errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
 from .file_service import FileService
+from .optim_state import group_param_names
 from .options import UnifiedCheckpointOptions
 from .placement import Placement
 from .storage.files import write_bytes
@@ -85,8 +86,10 @@ def _clear_unverified(folder: Path, shards: set[str], manifest_here: bool) -> No
 
 
 def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
-                    load_optimizer: bool = True, placement: Placement | None = None) -> None:
+                    load_optimizer: bool = True, placement: Placement | None = None) -> list[list[str]] | None:
     """Load model weights, master weights and (optionally) optimizer state from a verified unified checkpoint.
+    Returns the parameter names of the saved optimizer's param groups (None without the optimizer), which the
+    learning-rate scheduler's saved state follows (`optim_state.fit_scheduler_state`).
 
     Reads are local (with `placement`, files other ranks hold are read from them); engines do not communicate
     while loading unless they say so. Collective when `placement` is given: all ranks must call it, and a failure
@@ -94,10 +97,10 @@ def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, o
     """
     if placement is None or placement.everywhere:
         return _load(Path(folder), engine, manifest, options, load_optimizer, None)
-    error = None
+    error, groups = None, None
     service = FileService(folder, placement)
     try:
-        _load(Path(folder), engine, manifest, options, load_optimizer, service)
+        groups = _load(Path(folder), engine, manifest, options, load_optimizer, service)
     except Exception as e:  # shared below, so that no rank trains on after another failed
         error = e
     finally:
@@ -107,10 +110,11 @@ def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, o
         raise error
     if failures:
         raise UnifiedCheckpointError(f"loading {folder} failed on other ranks:\n" + "\n".join(failures))
+    return groups
 
 
 def _load(folder: Path, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
-          load_optimizer: bool, remote: FileService | None) -> None:
+          load_optimizer: bool, remote: FileService | None) -> list[list[str]] | None:
     components = manifest.get("components", {})
     model_entry = components.get(MODEL.name)
     if model_entry is None:
@@ -136,6 +140,7 @@ def _load(folder: Path, engine: EngineAdapter, manifest: dict, options: UnifiedC
             _check_master_rebuild(folder, manifest, readers[MODEL.name], engine, options)
             readers[MASTER.name] = readers[MODEL.name]
         engine.load(LoadSources(readers, int(manifest.get("global_step", 0))))
+        return group_param_names(readers[OPTIMIZER.name].metadata) if OPTIMIZER.name in readers else None
 
 
 def _check_master_rebuild(folder: Path, manifest: dict, model: ComponentReader, engine, options) -> None:

@@ -48,13 +48,14 @@ class NamingPolicy:
     name `save_pretrained` keeps, PEFT adapter keys as `PeftModel.save_pretrained` writes them, and the stem of
     the weights' files.
 
-    `tied` maps each tied name that is not written to the name it shares its tensor with; `adapter` is the PEFT
-    adapter name removed from keys (None for other models) and `adapter_keys` the keys PEFT saves."""
+    `tied` maps each tied name that is not written to the name it shares its tensor with; `adapter_map` (PEFT models
+    only, None otherwise) maps each canonical live name PEFT saves to the key it saves it under (the adapter name
+    removed, `modules_to_save` copies under the wrapped module's name), exactly as `get_peft_model_state_dict`
+    names it."""
 
     file_stem: str = "model"
     tied: Mapping[str, str] = field(default_factory=dict)
-    adapter: str | None = None
-    adapter_keys: frozenset[str] = frozenset()
+    adapter_map: Mapping[str, str] | None = None
 
     @property
     def weights(self) -> Component:
@@ -65,16 +66,20 @@ class NamingPolicy:
         """The key a live state-dict name is saved under, or None when `save_pretrained` does not write it (a tied
         name; a PEFT model's base weights)."""
         name = canonical_name(live_name)
-        if name in self.tied:
-            return None
-        if self.adapter is None:
-            return name
-        key = name.replace(f".{self.adapter}", "")
-        return key if key in self.adapter_keys else None
+        if self.adapter_map is not None:
+            return self.adapter_map.get(name)
+        return None if name in self.tied else name
+
+    def weight_key(self, live_name: str) -> str | None:
+        """The key a live parameter's values are written under in the weights files (a tied parameter listed once
+        under either of its names: the written one), or None when they are not written (a PEFT base weight)."""
+        if self.adapter_map is not None:
+            return self.adapter_map.get(canonical_name(live_name))
+        return self.stored_key(live_name)
 
     def stored_key(self, live_name: str) -> str:
-        """The key a live tensor's values are stored under, and its optimizer state and master weights keyed by:
-        canonical, and for a tied name the name its tensor is saved under."""
+        """The key a live tensor's optimizer state and master weights are keyed by: canonical, and for a tied name
+        the name its tensor is saved under (for a PEFT model the canonical live name, adapter name included)."""
         name = canonical_name(live_name)
         return self.tied.get(name, name)
 
@@ -82,7 +87,9 @@ class NamingPolicy:
         """`state` (live names) restricted to what is saved, by saved key, in order."""
         return {key: value for name, value in state.items() if (key := self.key(name)) is not None}
 
-    def with_tied(self, saved: Mapping[str, object]) -> dict[str, object]:
-        """`saved` plus every tied name that is not written, sharing its source's value (what loading a state dict
-        into the live model expects)."""
+    def to_live(self, saved: Mapping[str, object]) -> dict[str, object]:
+        """`saved` (by saved key) by canonical live name, as loading a state dict into the live model expects: every
+        tied name shares its source's value; a PEFT model's adapter keys go back to the live names they came from."""
+        if self.adapter_map is not None:
+            return {live: saved[key] for live, key in self.adapter_map.items() if key in saved}
         return {**saved, **{t: saved[s] for t, s in self.tied.items() if s in saved and t not in saved}}

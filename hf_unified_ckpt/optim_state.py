@@ -111,11 +111,13 @@ class OptimizerStateDecoder:
         self.state_types: dict[str, str] = reader.metadata.get("state_types", {})
         self.saved_groups: list[dict] = reader.metadata["param_groups"]
 
-    def group_hparams(self, current: Sequence[Sequence[str]]) -> list[dict]:
-        """The saved hyper-parameters of each group, after checking the groups hold the parameters `current`
-        (names, in the optimizer's order) holds."""
-        check_groups_match(group_param_names(self.reader.metadata), current)
-        return [{k: decode_hparam(v) for k, v in g.items() if k != "params"} for g in self.saved_groups]
+    def group_hparams(self, current: Sequence[Sequence[str]]) -> list[dict | None]:
+        """The saved hyper-parameters of each current group (names, in the optimizer's order), after checking the
+        groups hold the same parameters; None for an empty current group (some engines drop empty groups, such
+        as a LoRA model's no-weight-decay group, so empty groups on either side are not matched)."""
+        matched = match_groups(group_param_names(self.reader.metadata), current)
+        return [None if j is None else {k: decode_hparam(v) for k, v in self.saved_groups[j].items() if k != "params"}
+                for j in matched]
 
     def keys(self) -> list[str]:
         """Every saved state key, None-valued ones included."""
@@ -152,29 +154,53 @@ def group_param_names(metadata: Mapping) -> list[list[str]]:
     return [list(g["params"]) for g in metadata["param_groups"]]
 
 
-def check_groups_match(saved: Sequence[Sequence[str]], current: Sequence[Sequence[str]]) -> None:
-    """Raise if the saved param groups do not hold the same parameters as the current optimizer's."""
-    if len(saved) != len(current):
+def match_groups(saved: Sequence[Sequence[str]], current: Sequence[Sequence[str]]) -> list[int | None]:
+    """For each current param group, the index of the saved group holding the same parameters (None for an empty
+    current group). Non-empty groups are matched in order; raise if they do not hold the same parameters."""
+    saved_at = [i for i, names in enumerate(saved) if names]
+    current_at = [i for i, names in enumerate(current) if names]
+    if len(saved_at) != len(current_at):
         raise ValueError(
-            f"the checkpoint's optimizer has {len(saved)} param group(s), the current optimizer has "
-            f"{len(current)}; build the optimizer the same way as the run that saved it."
+            f"the checkpoint's optimizer has {len(saved_at)} non-empty param group(s), the current optimizer has "
+            f"{len(current_at)}; build the optimizer the same way as the run that saved it."
         )
-    for i, (s, c) in enumerate(zip(saved, current)):
-        missing, extra = sorted(set(c) - set(s)), sorted(set(s) - set(c))
+    for i, j in zip(current_at, saved_at):
+        missing, extra = sorted(set(current[i]) - set(saved[j])), sorted(set(saved[j]) - set(current[i]))
         if missing or extra:
             raise ValueError(
                 f"optimizer param group {i}: in the current optimizer but not in the checkpoint: "
                 f"{count_and_first(missing, 'parameter')}; in the checkpoint but not in the current optimizer: "
                 f"{count_and_first(extra, 'parameter')}. The model or its trainable parameters differ."
             )
+    by_current = dict(zip(current_at, saved_at))
+    return [by_current.get(i) for i in range(len(current))]
 
 
-def unflatten_optimizer_state(reader, current_groups: Sequence[Sequence[str]]) -> dict:
+def fit_scheduler_state(saved: Mapping, fresh: Mapping, matched: Sequence[int | None]) -> dict:
+    """A learning-rate scheduler's saved `state_dict()` fitted to the current optimizer's param groups: every
+    per-group list (`base_lrs`, `_last_lr`, `lr_lambdas`, ...) reordered by `matched` (`match_groups`), with the
+    `fresh` scheduler's own entry for a current group the checkpoint does not list. Unchanged when the groups
+    correspond one to one."""
+    count = len(saved.get("base_lrs", ()))
+    if list(matched) == list(range(count)):
+        return dict(saved)
+    out = dict(saved)
+    for key, value in saved.items():
+        now = fresh.get(key)
+        if isinstance(value, list) and len(value) == count and isinstance(now, list) and len(now) == len(matched):
+            out[key] = [now[i] if j is None else value[j] for i, j in enumerate(matched)]
+    return out
+
+
+def unflatten_optimizer_state(reader, current_groups: Sequence[Sequence[str]],
+                              current_hparams: Sequence[Mapping]) -> dict:
     """Build an `optimizer.load_state_dict()` argument, from the optimizer component `reader`, for an optimizer whose
-    groups hold `current_groups` (parameter names, in the optimizer's own order). State ids follow that order, so
-    the positional mapping `load_state_dict` performs is the identity."""
+    groups hold `current_groups` (parameter names, in the optimizer's own order) with hyper-parameters
+    `current_hparams` (kept for an empty group the checkpoint does not list). State ids follow that order, so the
+    positional mapping `load_state_dict` performs is the identity."""
     decoder = OptimizerStateDecoder(reader)
-    hparams = decoder.group_hparams(current_groups)
+    hparams = [saved if saved is not None else {k: v for k, v in now.items() if k != "params"}
+               for saved, now in zip(decoder.group_hparams(current_groups), current_hparams)]
     name_to_index = {name: i for i, name in enumerate(n for group in current_groups for n in group)}
     state: dict[int, dict] = {}
     for key in decoder.keys():

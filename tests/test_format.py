@@ -145,7 +145,7 @@ class _Stored:
 def _roundtrip(opt, names):
     tensors, meta = flatten_optimizer_state(opt.state_dict(), dict(enumerate(names)))
     groups = [[names[i] for i in g["params"]] for g in opt.state_dict()["param_groups"]]
-    return unflatten_optimizer_state(_Stored(tensors, meta), groups)
+    return unflatten_optimizer_state(_Stored(tensors, meta), groups, opt.param_groups)
 
 
 def _assert_state_equal(a, b):
@@ -194,7 +194,24 @@ def test_mismatched_param_groups_name_the_parameters():
     opt.step()
     tensors, meta = flatten_optimizer_state(opt.state_dict(), dict(enumerate(["a", "b", "c", "d"])))
     with pytest.raises(ValueError, match=r"\['e'\]"):
-        unflatten_optimizer_state(_Stored(tensors, meta), [["a", "b", "c", "e"]])
+        unflatten_optimizer_state(_Stored(tensors, meta), [["a", "b", "c", "e"]], opt.param_groups)
+
+
+def test_empty_param_groups_match_on_either_side():
+    """DeepSpeed drops empty groups (a LoRA model's no-weight-decay group); DDP and FSDP keep them: non-empty groups
+    match in order, an empty current group keeps its own hyper-parameters."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    saved = torch.optim.AdamW([{"params": list(model.parameters()), "lr": 0.3}], lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    saved.step()
+    names = ["a", "b", "c", "d"]
+    tensors, meta = flatten_optimizer_state(saved.state_dict(), dict(enumerate(names)))
+    current = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [], "weight_decay": 0.0}], lr=0.1)
+    out = unflatten_optimizer_state(_Stored(tensors, meta), [names, []], current.param_groups)
+    assert out["param_groups"][0]["lr"] == 0.3 and out["param_groups"][1]["params"] == []
+    assert out["param_groups"][1]["weight_decay"] == 0.0 and out["param_groups"][1]["lr"] == 0.1
+    current.load_state_dict(out)
+    assert torch.equal(current.state[next(model.parameters())]["exp_avg"], saved.state[next(model.parameters())]["exp_avg"])
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 1000, 1 << 16])
@@ -242,3 +259,25 @@ def test_file_plan_is_the_file_save_file_writes(tmp_path):
         WholeFileWriter().write(tmp_path, file, {n: tensors[n] for n in file.tensor_names})
         assert read_safetensors_header(tmp_path / file.name) == file.header
     assert files[[f.name for f in files].index(plan.weight_map["w"])].header_rank == 2
+
+
+def test_scheduler_state_follows_the_matched_param_groups():
+    """A scheduler saved with DeepSpeed's one group resumes over DDP/FSDP's two (the empty group keeps its own
+    values), and back; torch's schedulers refuse per-group lists of another length."""
+    from hf_unified_ckpt.optim_state import fit_scheduler_state, match_groups
+
+    p = nn.Parameter(torch.ones(2))
+    one = torch.optim.AdamW([{"params": [p]}], lr=0.1)
+    two = torch.optim.AdamW([{"params": [p]}, {"params": [], "weight_decay": 0.0}], lr=0.1)
+    saved = torch.optim.lr_scheduler.LambdaLR(one, lambda s: 1.0 / (s + 1))
+    for _ in range(3):
+        one.step()
+        saved.step()
+    fresh = torch.optim.lr_scheduler.LambdaLR(two, lambda s: 1.0 / (s + 1))
+    fresh.load_state_dict(fit_scheduler_state(saved.state_dict(), fresh.state_dict(), match_groups([["w"]], [["w"], []])))
+    fresh.step()
+    saved.step()
+    assert fresh.get_last_lr()[0] == saved.get_last_lr()[0] and fresh.get_last_lr()[1] == 0.1 * (1.0 / 5)
+    back = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW([p], lr=0.1), lambda s: 1.0 / (s + 1))
+    back.load_state_dict(fit_scheduler_state(fresh.state_dict(), back.state_dict(), match_groups([["w"], []], [["w"]])))
+    assert back.get_last_lr() == [saved.get_last_lr()[0]]

@@ -28,7 +28,7 @@ from torch import nn
 from .. import dist
 from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
-from ..hf_model import is_peft_model, naming_policy, write_model_configs
+from ..hf_model import naming_policy, write_model_configs
 from ..names import optimizer_key, split_optimizer_key
 from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_scalar
 from ..planning import TensorSpec
@@ -66,13 +66,16 @@ class DeepSpeedEngine:
         self.stage = int(ds_engine.zero_optimization_stage())
         self.module: nn.Module = ds_engine.module
         self.engine = f"deepspeed-zero{self.stage}"
-        refuse_unsupported("deepspeed", is_peft_model(ds_engine.module), ds_engine.fp16_enabled())
+        refuse_unsupported("deepspeed", ds_engine.fp16_enabled())
         if self.stage not in (1, 2, 3) or self.base is None:
             raise UnsupportedCheckpointError(
                 f"unified checkpoints support DeepSpeed ZeRO stages 1, 2 and 3 with a torch optimizer; this engine "
                 f"runs stage {self.stage} with {type(self.zero).__name__}.")
         self.naming = naming_policy(self.module)
         self._named = self._collect_params()
+        self._weight_key = {self.naming.stored_key(n): k for n, _ in self.module.named_parameters()
+                            if (k := self.naming.weight_key(n)) is not None}
+        self._weight_param = {k: n for n, k in self._weight_key.items()}
         self.lp_dtype = next(p.dtype for _, p in self._named)
         self.has_master = self.lp_dtype != torch.float32
         self.master_policy = master_weights_policy
@@ -91,7 +94,9 @@ class DeepSpeedEngine:
 
     # ---- parameters, names, groups -------------------------------------------------------------------
     def _collect_params(self) -> list[tuple[str, nn.Parameter]]:
-        """(saved name, parameter) once per parameter, named as the naming policy keeps tied weights."""
+        """(stored name, parameter) once per parameter: the name its master weights and optimizer state are keyed
+        by (`NamingPolicy.stored_key`). Its weights are written under `self._weight_key[name]`, if at all (a PEFT
+        model writes its adapter only)."""
         return [(self.naming.stored_key(name), p) for name, p in self.module.named_parameters()]
 
     def _trainable(self) -> list[tuple[str, nn.Parameter]]:
@@ -167,10 +172,11 @@ class DeepSpeedEngine:
         return component_source(self._tables, component, self.engine)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
-        """Persistent buffers by canonical name (state_dict keys are valid under ZeRO-3 too)."""
+        """Persistent buffers the weights files hold, by weight key (state_dict keys are valid under ZeRO-3 too)."""
         if self._buffer_map is None:
             persistent = set(self.module.state_dict(keep_vars=True).keys())
-            self._buffer_map = {self.naming.stored_key(n): b for n, b in self.module.named_buffers() if n in persistent}
+            self._buffer_map = {k: b for n, b in self.module.named_buffers()
+                                if n in persistent and (k := self.naming.weight_key(n)) is not None}
         return self._buffer_map
 
     def specs(self, component: str) -> list[TensorSpec]:
@@ -178,7 +184,8 @@ class DeepSpeedEngine:
 
     def _weights_specs(self) -> list[TensorSpec]:
         dtype = torch.float32 if self.master_policy == "as_model" else None
-        return ([TensorSpec(n, self._full_shape(p), dtype or p.dtype) for n, p in self._named]
+        return ([TensorSpec(self._weight_key[n], self._full_shape(p), dtype or p.dtype) for n, p in self._named
+                 if n in self._weight_key]
                 + [TensorSpec.of(n, b) for n, b in self._buffers().items()])
 
     def _master_specs(self) -> list[TensorSpec]:
@@ -197,6 +204,10 @@ class DeepSpeedEngine:
                 specs += [TensorSpec(optimizer_key(name, k), (), encode_scalar(state[k])[0].dtype) for k in scalar_keys]
         return specs
 
+    def param_group_names(self) -> list[list[str]]:
+        """The parameter names of each of the base optimizer's param groups (DeepSpeed drops empty ones). Local."""
+        return [list(names) for names in self._groups]
+
     def optimizer_metadata(self) -> dict:
         """Param groups and scalar types (the state tensors are read from DeepSpeed's fragments, not encoded)."""
         encoder = OptimizerStateEncoder()
@@ -214,9 +225,9 @@ class DeepSpeedEngine:
         return self._held(component)[1](name)
 
     def _weights_source(self, name: str) -> tuple:
-        if name not in self._by_name:
+        if name not in self._weight_param:
             return ("buffer", self._buffers()[name])
-        p = self._by_name[name]
+        p = self._by_name[self._weight_param[name]]
         return ("hp", p, None) if self.master_policy == "as_model" and p.requires_grad else ("lp", p)
 
     def _master_source(self, name: str) -> tuple:
@@ -352,22 +363,31 @@ class DeepSpeedEngine:
         """Load from `sources` (a `load.LoadSources`). Local reads and writes only (no collectives)."""
         model, master, optimizer = sources.get(MODEL), sources.get(MASTER), sources.get(OPTIMIZER)
         model_specs = model.specs()
-        missing = sorted((set(self._by_name) | set(self._buffers())) - set(model_specs))
+        missing = sorted((set(self._weight_param) | set(self._buffers())) - set(model_specs))
         if missing:
             raise UnsupportedCheckpointError(f"the checkpoint has no weights for {count_and_first(missing)}; "
                                              "build the same "
                                              "architecture as the run that saved it.")
-        for name, p in self._named:
-            self._load_lp(master if (p.dtype == torch.float32 and p.requires_grad) else model, name, p)
+        for name, p in self._named:  # a PEFT model's base weights are not in the checkpoint: they stay as built
+            if name in self._weight_key:
+                fp32 = p.dtype == torch.float32 and p.requires_grad
+                self._load_lp(*(self._fp32_source(master, name) if fp32 else (model, self._weight_key[name])), p)
         with torch.no_grad():
             for name, buf in self._buffers().items():
                 buf.copy_(model.get(name))
         for name, p in self._trainable():  # the fp32 partitions are separate copies even in fp32 training
-            self._load_hp(master, name, p, None, name)
+            self._load_hp(*self._fp32_source(master, name), p, None)
         if optimizer is not None:
             self._load_optimizer(optimizer)  # a resume: the engine's counters follow the checkpoint
             self.ds.global_steps = sources.global_step
             self.ds.global_samples = sources.global_step * self.ds.train_batch_size()
+
+    def _fp32_source(self, master: ComponentReader, name: str) -> tuple[ComponentReader, str]:
+        """(reader, key) of the best fp32 values of trainable parameter `name`: the master weights (keyed like the
+        optimizer), or the model weights standing in for them (keyed like the weights files)."""
+        if name in master or name not in self._weight_key:
+            return master, name
+        return master, self._weight_key[name]
 
     def _partition(self, p) -> tuple[int, int, int]:
         """ZeRO-3: (padded partition size, first element, element count) of this rank's partition of `p`."""
@@ -384,7 +404,7 @@ class DeepSpeedEngine:
             if count:
                 p.ds_tensor.data[:count].copy_(read_flat_range(reader, name, p.ds_shape, start, count))
 
-    def _load_hp(self, reader: ComponentReader, name: str, p, key: str | None, key_in_file: str) -> None:
+    def _load_hp(self, reader: ComponentReader, key_in_file: str, p, key: str | None) -> None:
         """Write this rank's fp32 fragment/partition of `p` (master weights when key is None, else state)."""
         from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
@@ -411,7 +431,7 @@ class DeepSpeedEngine:
         decoder = OptimizerStateDecoder(reader)
         specs = reader.specs()
         for g, hparams in enumerate(decoder.group_hparams(self._groups)):
-            self.base.param_groups[g].update(hparams)
+            self.base.param_groups[g].update(hparams or {})
             tensor_keys, scalar_keys = _keys_of_group(self._groups[g], specs, self._by_name, self._full_shape)
             self._init_group_state(g, tensor_keys)
             for key in scalar_keys:
@@ -420,7 +440,7 @@ class DeepSpeedEngine:
                     self.base.state[flat][key] = value.clone() if torch.is_tensor(value) else value
             for name in self._groups[g]:
                 for key in tensor_keys:
-                    self._load_hp(reader, name, self._by_name[name], key, optimizer_key(name, key))
+                    self._load_hp(reader, optimizer_key(name, key), self._by_name[name], key)
 
     def _init_group_state(self, g: int, tensor_keys: list[str]) -> None:
         """Create the state tensors a fresh (never stepped) optimizer lacks, and link DeepSpeed's fragments."""

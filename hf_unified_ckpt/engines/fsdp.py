@@ -18,11 +18,10 @@ from torch import nn
 from .. import dist
 from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
-from ..hf_model import is_peft_model, naming_policy, write_model_configs
+from ..hf_model import naming_policy, write_model_configs
 from ..names import optimizer_key, split_optimizer_key
 from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder
 from ..planning import TensorSpec
-from ..support import refuse_unsupported
 from .base import component_source
 
 
@@ -89,11 +88,17 @@ class FSDPEngine:
 
         self.model = model
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
-        refuse_unsupported("fsdp", is_peft_model(_unwrap(model)), fp16=False)
         self.version = 2 if any(type(p).__name__ == "DTensor" for p in model.parameters()) else 1
         self.engine = f"fsdp{self.version}"
         self._options = StateDictOptions(full_state_dict=False)
         self.naming = naming_policy(_unwrap(model))
+        if self.version == 1 and self.naming.adapter_map is not None:
+            raise UnsupportedCheckpointError(
+                "unified checkpoints of PEFT/LoRA models under FSDP1 are not supported (FSDP1 wraps the adapter "
+                "layers in FSDP units of their own, whose state dicts cannot be read before the first step). Use "
+                "FSDP2: fsdp_config={'version': 2} (or fsdp_version: 2 in the accelerate config).")
+        # a PEFT model's checkpoint holds its adapter only: the base weights stay as the model was built
+        self._live_options = StateDictOptions(full_state_dict=False, strict=self.naming.adapter_map is None)
         self._model_sd: dict | None = None
         self._encoded: OptimizerStateEncoder | None = None
         self._sources = {MODEL.name: self._model_state, OPTIMIZER.name: self._optim_tensors}
@@ -156,6 +161,11 @@ class FSDPEngine:
 
     def specs(self, component: str) -> list[TensorSpec]:
         return [TensorSpec(key, _global_shape(t), t.dtype) for key, t in self._source(component).items()]
+
+    def param_group_names(self) -> list[list[str]]:
+        """The parameter names of each of the optimizer's param groups, in its order. Collective on first use of
+        the optimizer state dict: all ranks must call it."""
+        return [list(g["params"]) for g in self._optim_state()["param_groups"]]
 
     def optimizer_metadata(self) -> dict:
         return self._optim_encoded().metadata()
@@ -220,7 +230,7 @@ class FSDPEngine:
         with torch.no_grad():
             for name, target in model_sd.items():
                 _fill(target, master if name in trainable and name in master else model, name)
-        set_model_state_dict(self.model, self.naming.with_tied(model_sd), options=self._options)
+        set_model_state_dict(self.model, self.naming.to_live(model_sd), options=self._live_options)
         if optimizer is None:
             return
         _init_optim_state(self.optimizer)  # DCP's own: creates the state tensors a fresh optimizer lacks
@@ -233,7 +243,7 @@ class FSDPEngine:
         decoder = OptimizerStateDecoder(reader)
         current = [g["params"] for g in osd["param_groups"]]
         for group, hparams in zip(osd["param_groups"], decoder.group_hparams(current)):
-            group.update(hparams)
+            group.update(hparams or {})
         wanted = set()
         for key in decoder.keys():
             name, state = split_optimizer_key(key)

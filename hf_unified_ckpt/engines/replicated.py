@@ -131,9 +131,13 @@ class ReplicatedEngine:
             )
         set_peft_model_state_dict(self.module, {k: reader.get(k) for k in reader.keys()})
 
+    def param_group_names(self) -> list[list[str]]:
+        """The parameter names of each of the optimizer's param groups, in its order. Local only."""
+        return [[self._param_name(p) for p in g["params"]] for g in self.optimizer.param_groups]
+
     def load_optimizer(self, reader: ComponentReader) -> None:
-        current = [[self._param_name(p) for p in g["params"]] for g in self.optimizer.param_groups]
-        state = unflatten_optimizer_state(reader, current)
+        current = self.param_group_names()
+        state = unflatten_optimizer_state(reader, current, self.optimizer.param_groups)
         self.optimizer.load_state_dict(state)
         self._optim = None
 

@@ -1,0 +1,111 @@
+"""PEFT/LoRA under DeepSpeed ZeRO-1/2/3, FSDP2 and FSDP1 (real processes, gloo): the checkpoint holds the adapter
+(`adapter_model.safetensors` + `adapter_config.json`, keys as PEFT writes them) and the optimizer state and fp32
+master weights of the trainable parameters only, never the frozen base; `PeftModel.from_pretrained(base, ckpt)`
+loads it; and a resume hops engines and world sizes: ZeRO-3 x 2 -> FSDP2 x 3 -> DDP x 2 -> 1 process, each hop
+compared with the uninterrupted ZeRO-3 x 2 run.
+
+The LoRA layers (r=3) sit in q_proj (30x3, 3x30) and v_proj (30x3, 3x10): sizes 90 and 30 elements do not divide
+evenly by 2 or 3 ranks... enough of them (90/4, 30/4, 10 rows over 3 ranks) to exercise uneven partitions.
+Tolerance when the world size changes: fp32 reduction order, as in test_every_engine.py (1e-5).
+"""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from _runs import assert_resumed_matches, build_model, run_spec
+from conftest import torchrun
+
+LOSS_RTOL = STATE_ATOL = 1e-5
+MAX_STEPS, SAVE_STEPS = 8, 2
+ENGINES = {"z1": {"zero": 1}, "z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}, "f1": {"fsdp": 1},
+           "ddp": {}, "single": {}}
+BF16 = {"bf16": True}
+# (tag, engine, world size, resumed from (tag, step) or None, extra TrainingArguments)
+CHAIN = [("z3", "z3", 2, None, {}), ("z3-f2x3", "f2", 3, ("z3", 2), {}), ("f2x3-ddp", "ddp", 2, ("z3-f2x3", 4), {}),
+         ("ddp-single", "single", 1, ("f2x3-ddp", 6), {})]
+SAVERS = [("z1", "z1", 2, None, {}), ("z2-bf16", "z2", 2, None, BF16), ("f2", "f2", 2, None, {})]
+RESUMES = [("z3-same", "z3", 2, ("z3", 4), {}), ("z2-bf16-same", "z2", 2, ("z2-bf16", 4), BF16),
+           ("f2-z2x3", "z2", 3, ("f2", 4), {}), ("z1-f2x3", "f2", 3, ("z1", 4), {})]
+
+
+def _spec(tmp, tag, engine, resumed_from, extra):
+    spec = {**ENGINES[engine], "model": "lora", "output_dir": str(tmp / tag), "result": str(tmp / f"{tag}.pt"),
+            "overrides": {"max_steps": MAX_STEPS, "save_steps": SAVE_STEPS, **extra}}
+    if resumed_from:
+        spec["resume"] = str(tmp / resumed_from[0] / f"checkpoint-{resumed_from[1]}")
+    return spec
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora-engines")
+    runs = {r[0]: r for r in CHAIN + SAVERS + RESUMES}
+    spec = {tag: _spec(tmp, tag, r[1], r[3], r[4]) for tag, r in runs.items()}
+    launches = [(2, ["z3", "z1", "z2-bf16", "f2"]), (3, ["z3-f2x3", "f2-z2x3", "z1-f2x3"]),
+                (2, ["f2x3-ddp", "z3-same", "z2-bf16-same"])]
+    for world, tags in launches:
+        torchrun(world, [spec[t] for t in tags], tmp)
+    out = {tag: torch.load(tmp / f"{tag}.pt", weights_only=False) for _, tags in launches for tag in tags}
+    out["ddp-single"] = run_spec(spec["ddp-single"], 1)
+    return tmp, out
+
+
+def _resumed_steps(resumed_from):
+    return tuple(range(resumed_from[1] + 1, MAX_STEPS + 1))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tag", [r[0] for r in CHAIN[1:] + RESUMES])
+def test_lora_resumes_across_engines_and_world_sizes(runs, tag):
+    """Each hop of ZeRO-3 x 2 -> FSDP2 x 3 -> DDP x 2 -> 1 process (and the other resumes) continues the
+    uninterrupted run of its first saver: bit-exact at the same engine and world size, else within tolerance."""
+    _, out = runs
+    run = {r[0]: r for r in CHAIN + RESUMES}[tag]
+    reference = "z3" if run in CHAIN else run[3][0]
+    exact = run in RESUMES and run[1] == {r[0]: r for r in SAVERS + CHAIN}[reference][1] and run[2] == 2
+    assert_resumed_matches(out[tag], out[reference], _resumed_steps(run[3]), exact, LOSS_RTOL, STATE_ATOL)
+    assert out[tag]["global_step"] == MAX_STEPS
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tag", ["z3", "z1", "z2-bf16", "f2", "z3-f2x3", "f2x3-ddp"])
+def test_lora_checkpoint_holds_the_adapter_and_trainable_state_only(runs, tag):
+    """The files PEFT writes (adapter only), optimizer state and master weights of the trainable parameters only."""
+    tmp, out = runs
+    ckpt = tmp / tag / f"checkpoint-{MAX_STEPS}"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= names
+    assert not any(n.startswith("model") and n.endswith(".safetensors") for n in names), names
+    trainable = {n for n, p in build_model("lora").named_parameters() if p.requires_grad}
+    with safe_open(ckpt / "adapter_model.safetensors", "pt") as f:
+        adapter = set(f.keys())
+    assert adapter == {n.replace(".default", "") for n in trainable}
+    optimizer = _keys(ckpt, "optimizer")
+    assert {k.split("/")[0] for k in optimizer} == trainable
+    master = _keys(ckpt, "master_weights")
+    assert master == (trainable if tag == "z2-bf16" else set())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tag", ["z3", "z2-bf16", "f2", "ddp-single"])
+def test_lora_checkpoint_loads_with_peft_from_pretrained(runs, tag):
+    """`PeftModel.from_pretrained(base, checkpoint)` gives the trained adapter (bf16 training: its bf16 weights)."""
+    from peft import PeftModel
+
+    tmp, out = runs
+    model = PeftModel.from_pretrained(build_model("llama"), tmp / tag / f"checkpoint-{MAX_STEPS}")
+    state = model.state_dict()
+    lora = [k for k in out[tag]["state"] if "lora_" in k]
+    assert lora
+    for key in lora:
+        assert torch.equal(state[key].to(out[tag]["state"][key].dtype), out[tag]["state"][key]), key
+    assert torch.equal(state["base_model.model.lm_head.weight"], build_model("llama").lm_head.weight)
+
+
+def _keys(ckpt, stem):
+    keys = set()
+    for path in ckpt.glob(f"{stem}*.safetensors"):
+        with safe_open(path, "pt") as f:
+            keys |= set(f.keys())
+    return keys
