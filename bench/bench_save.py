@@ -3,6 +3,7 @@
     python bench/bench_save.py [--engine zero2|fsdp2] [--reps 5] [--dtype fp32|bf16] [--out DIR]
     python bench/bench_save.py --quant [--reps 5] [--dtype fp32|bf16]     O1/O2 save and load time vs O0
     python bench/bench_save.py --ema [--reps 4] [--engine zero2|fsdp2]    step time with an EMA vs without
+    any of these with --chart PATH: also draw the ratios it printed as a bar chart PNG
 
 Launches `torchrun --nproc_per_node 2` (DeepSpeed ZeRO-2, or FSDP2 through the Trainer with the tests' CPU
 shim; CPU, gloo) on a ~103M-parameter Llama-style model and, in the same launch, alternates per repetition:
@@ -33,6 +34,39 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RATIOS: list[tuple[str, float]] = []  # (label, value) of each ratio this process printed, for --chart
+
+
+def ratio(label: str, value: float) -> float:
+    """Records a ratio about to be printed (for --chart) and returns it."""
+    RATIOS.append((label, value))
+    return value
+
+
+def dump_ratios(out: Path) -> None:
+    """A worker's ratios, for the launching process (which draws the chart) to read back."""
+    (out / "ratios.json").write_text(json.dumps(RATIOS))
+
+
+def draw_chart(path: Path, ratios: list[tuple[str, float]], title: str) -> None:
+    """One horizontal bar per ratio, its value beside it, a dashed line at 1.0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values = zip(*ratios)
+    fig, ax = plt.subplots(figsize=(10, max(3.0, 1.6 + 0.45 * len(values))), dpi=120)
+    bars = ax.barh(range(len(values)), values, color="tab:blue")
+    ax.set_yticks(range(len(values)), labels)
+    ax.invert_yaxis()  # first printed on top
+    ax.axvline(1.0, color="gray", ls="--", lw=1)
+    ax.bar_label(bars, fmt="%.3g", padding=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    ax.set_xlim(0, max(*values, 1.0) * 1.15)
+    ax.set(xlabel="ratio (dashed: 1.0)", title=title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def rss_bytes() -> int:
@@ -238,15 +272,18 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
     results["host_buffer_bytes"] = max_over_ranks(saver.host_buffer_bytes())
     if dist.get_rank() == 0:
         med = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
+        hidden = ratio("(a) blocked / sync save, copy hidden  (target <= 0.05)", med["async_call"] / med["sync"])
+        waited = ratio("(a) blocked / sync save, next step waits", med["async_blocked"] / med["sync"])
         print(f"async_save, {engine} x 2, ~103M Llama, {dtype}, medians of {reps}:")
-        print(f"(a) training-blocked time / sync save time = {med['async_call'] / med['sync']:.3f} when the "
+        print(f"(a) training-blocked time / sync save time = {hidden:.3f} when the "
               f"snapshot copy hides behind the next forward/backward ({med['async_call'] * 1000:.0f} ms vs "
-              f"{med['sync'] * 1000:.0f} ms), {med['async_blocked'] / med['sync']:.3f} if the next step waits "
+              f"{med['sync'] * 1000:.0f} ms), {waited:.3f} if the next step waits "
               f"for all of it ({med['async_blocked'] * 1000:.0f} ms); background total "
               f"{med['async_total'] * 1000:.0f} ms   target <= 0.05")
         print(f"(c) extra host memory of async save: {results['host_buffer_bytes'] / 2**20:.0f} MiB per rank "
               "(reused snapshot buffers)")
         print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in results.items() if isinstance(v, list)})}")
+        dump_ratios(out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -276,13 +313,15 @@ def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int 
                 shutil.rmtree(out / f"{kind}-{rep}", ignore_errors=True)
     if dist.get_rank() == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
+        with_async = ratio("(b) throughput async saves / none  (target >= 0.97)", med["no_saves"] / med["async_saves"])
+        with_sync = ratio("throughput sync saves / none", med["no_saves"] / med["sync_saves"])
         print(f"async_save throughput, {engine} x 2, ~103M Llama, {dtype}, {steps} steps, a save every {every}, "
               f"medians of {reps}:")
-        print(f"(b) throughput with async saves / without saves = {med['no_saves'] / med['async_saves']:.3f}   "
+        print(f"(b) throughput with async saves / without saves = {with_async:.3f}   "
               f"({med['async_saves']:.1f} s vs {med['no_saves']:.1f} s for {steps} steps)   target >= 0.97")
-        print(f"    for reference, with synchronous saves: {med['no_saves'] / med['sync_saves']:.3f} "
-              f"({med['sync_saves']:.1f} s)")
+        print(f"    for reference, with synchronous saves: {with_sync:.3f} ({med['sync_saves']:.1f} s)")
         print(f"raw figures: {json.dumps({k: [round(x, 2) for x in v] for k, v in times.items()})}")
+        dump_ratios(out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -320,9 +359,10 @@ def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5) ->
         params = sum(p.numel() for p in trainer.model.parameters())
         print(f"EMA overhead, {engine} x 2, {params / 1e6:.0f}M Llama, {dtype}, ema_interval=1, {reps} alternating "
               f"blocks of {block} steps per mode (medians of {len(steps['on'])} steps each):")
-        print(f"step time with EMA / without = {med['on'] / med['off']:.3f}   ({med['on']:.3f} s vs {med['off']:.3f} s "
-              f"per step)")
+        overhead = ratio("step time with EMA / without", med["on"] / med["off"])
+        print(f"step time with EMA / without = {overhead:.3f}   ({med['on']:.3f} s vs {med['off']:.3f} s per step)")
         print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in steps.items()})}")
+        dump_ratios(out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -372,11 +412,14 @@ def quant_report(out: Path, dtype: str) -> None:
     print(f"\nDeepSpeed ZeRO-2, 2 ranks, ~103M Llama, {dtype}: O1/O2 optimizer-moment compression vs O0, medians of "
           f"{len(r['save_O0'])} rotating repetitions (save to durable storage; load = verify + load, 2 ranks)")
     for stage in ("O1", "O2"):
-        print(f"{stage}: save time {stage}/O0 = {med[f'save_{stage}'] / med['save_O0']:.2f} "
+        save = ratio(f"{stage}: save time {stage}/O0  (target <= 1.0)", med[f"save_{stage}"] / med["save_O0"])
+        load = ratio(f"{stage}: load time {stage}/O0", med[f"load_{stage}"] / med["load_O0"])
+        size = ratio(f"{stage}: bytes {stage}/O0", r["bytes"][stage] / r["bytes"]["O0"])
+        print(f"{stage}: save time {stage}/O0 = {save:.2f} "
               f"({med[f'save_{stage}']:.2f} s vs {med['save_O0']:.2f} s)   target <= 1.0;  "
-              f"load time {stage}/O0 = {med[f'load_{stage}'] / med['load_O0']:.2f} "
+              f"load time {stage}/O0 = {load:.2f} "
               f"({med[f'load_{stage}']:.2f} s vs {med['load_O0']:.2f} s);  "
-              f"bytes {stage}/O0 = {r['bytes'][stage] / r['bytes']['O0']:.2f} "
+              f"bytes {stage}/O0 = {size:.2f} "
               f"({r['bytes'][stage] / 1e9:.2f} GB vs {r['bytes']['O0'] / 1e9:.2f} GB)")
     print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in r.items() if k != 'bytes'})}")
 
@@ -422,18 +465,23 @@ def report(out: Path, dtype: str, engine: str) -> None:
     ours_tp = r["ours_bytes"] / med["ours"] / gb
     raw_tp = r["ours_bytes"] / med["raw"] / gb
     name = "DeepSpeed ZeRO-2" if engine == "zero2" else "FSDP2 (native: sharded state dict)"
+    a = ratio("(a) save time ours/native  (target <= 0.5)", med["ours"] / med["native"])
+    b = ratio("(b) bytes on disk ours/native  (target <= 0.61)", r["ours_bytes"] / r["native_bytes"])
+    c = ratio("(c) write speed ours/raw  (target >= 0.8)", ours_tp / raw_tp)
+    d = ratio("(d) peak extra RSS / rank share  (target <= 1.25)", med["ours_rss"] / r["largest_share"])
     print(f"\n{name}, 2 ranks, ~103M Llama, {dtype}, medians of {len(r['ours'])} alternating repetitions")
-    print(f"(a) save time       ours/native  = {med['ours'] / med['native']:.2f}   "
+    print(f"(a) save time       ours/native  = {a:.2f}   "
           f"({med['ours']:.2f} s vs {med['native']:.2f} s, both to durable storage)          target <= 0.5")
-    print(f"(b) bytes on disk   ours/native  = {r['ours_bytes'] / r['native_bytes']:.2f}   "
+    print(f"(b) bytes on disk   ours/native  = {b:.2f}   "
           f"({r['ours_bytes'] / gb:.2f} GB vs {r['native_bytes'] / gb:.2f} GB)                      target <= 0.61")
-    print(f"(c) write speed     ours/raw     = {ours_tp / raw_tp:.2f}   "
+    print(f"(c) write speed     ours/raw     = {c:.2f}   "
           f"({ours_tp:.2f} GB/s vs raw write+fsync of the same bytes {raw_tp:.2f} GB/s)   target >= 0.8")
-    print(f"(d) peak extra RSS  / rank share = {med['ours_rss'] / r['largest_share']:.2f}   "
+    print(f"(d) peak extra RSS  / rank share = {d:.2f}   "
           f"({med['ours_rss'] / 2**20:.0f} MiB vs largest rank's share {r['largest_share'] / 2**20:.0f} MiB) "
           f"target <= 1.25")
     if "native_resume" in med:
-        print(f"(e) resume          ours@1/native@2 = {med['ours_resume_1rank'] / med['native_resume']:.2f}   "
+        e = ratio("(e) resume ours@1 / native@2  (target <= 1.0)", med["ours_resume_1rank"] / med["native_resume"])
+        print(f"(e) resume          ours@1/native@2 = {e:.2f}   "
               f"({med['ours_resume_1rank']:.2f} s incl. checksums vs {med['native_resume']:.2f} s)   target <= 1.0")
     print(f"raw figures: {json.dumps({k: [round(x, 3) for x in r[k]] for k in med})}")
 
@@ -456,6 +504,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=5, help="--throughput: steps between saves")
     parser.add_argument("--async-save", action="store_true",
                         help="measure async_save: training-blocked time vs a synchronous save")
+    parser.add_argument("--chart", type=Path, default=None, metavar="PATH",
+                        help="also write the ratios this run printed as a horizontal bar chart PNG here")
     args = parser.parse_args()
     out = Path(args.out or f"/tmp/hf_unified_ckpt_bench_{os.getpid()}")
     if args.worker == "save":
@@ -492,12 +542,25 @@ def main() -> None:
                 sys.exit(f"benchmark {worker} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
             if worker in ("async", "throughput", "ema"):
                 print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))
+                RATIOS.extend(tuple(pair) for pair in json.loads((out / "ratios.json").read_text()))
         if args.quant:
             quant_report(out, args.dtype)
         elif not (args.async_save or args.throughput or args.ema):
             report(out, args.dtype, args.engine)
+        if args.chart:
+            chart(args)
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def chart(args: argparse.Namespace) -> None:
+    """Draws the ratios this run printed into args.chart, titled with the mode, engine and dtype."""
+    mode = next((f"--{flag.replace('_', '-')}" for flag in ("ema", "quant", "throughput", "async_save")
+                 if getattr(args, flag)), "(save and resume)")
+    engine = "DeepSpeed ZeRO-2" if args.quant or args.engine == "zero2" else "FSDP2"
+    draw_chart(args.chart, RATIOS, f"bench_save.py {mode}\n{engine} x 2 ranks, {args.dtype}, ~103M Llama, "
+                                   f"--reps {args.reps}")
+    print(f"chart of these ratios: {args.chart}")
 
 
 if __name__ == "__main__":
