@@ -278,6 +278,8 @@ def rebuild_master(bf16: torch.Tensor, residual: torch.Tensor, ties: torch.Tenso
 def count_ties(hp: torch.Tensor, lp: torch.Tensor) -> int | None:
     """For a local fragment: the number of ties `residual_of` lists, or None when `lp` (the model's bf16 weights)
     is not exactly the bf16 rounding of `hp` (the fp32 master), so the residual would not rebuild it."""
+    if lp.dtype != torch.bfloat16:  # fp16 training: the residual rebuilds over bf16 weights only
+        return None
     hp = hp.detach().reshape(-1).to(torch.float32)
     rounded = hp.to(torch.bfloat16)
     if not torch.equal(rounded.view(torch.int16), lp.detach().reshape(-1).to(torch.bfloat16).view(torch.int16)):

@@ -50,7 +50,6 @@ from .placement import Placement, judge_path, newest_across_machines, placement_
 from .retention import rotate_checkpoints
 from .rng import capture_rng_state, restore_rng_state, rng_file_name
 from .save import SaveRequest, save_checkpoint, save_model_weights
-from .support import refuse_unsupported
 from .storage.files import FileRecord, record_file
 
 logger = logging.getLogger(__name__)
@@ -173,10 +172,7 @@ class UnifiedCheckpointMixin:
         if options.async_save and self.args.push_to_hub:
             raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
                                              "before the background save commits. Drop one of them.")
-        engine = _engine_of(self)
-        kind = engine.name
-        if options.enabled:
-            refuse_unsupported(kind, fp16=engine.fp16(self))
+        kind = _engine_of(self).name
         if self.args.fsdp and kind != "fsdp" and dist.rank() == 0:
             logger.warning("FSDP was requested (the fsdp argument) but the model is trained with %s: accelerate "
                            "applies FSDP only on accelerators and falls back to DDP on CPU. Checkpoints are saved "
@@ -439,10 +435,6 @@ def _refuse_without_trainer_state(path: Path, verdict) -> None:
             "from its weights, or resume from a checkpoint-N folder.")
 
 
-def _never(trainer) -> bool:
-    return False
-
-
 def _no_topology(trainer) -> None:
     return None
 
@@ -456,11 +448,10 @@ class _Engine:
     """What the integration needs to know about one training engine, answered from the Trainer. Registered in
     `_ENGINES` (the first that matches is the one running); nothing else in this module branches on engines."""
 
-    name: str  # as `support.refuse_unsupported` names it
+    name: str
     matches: Callable[[object], bool]
     build: Callable[[object], object]  # the EngineAdapter for this trainer's prepared engine
     topology: Callable[[object], dict | None] = _no_topology  # what a legacy folder must match to load natively
-    fp16: Callable[[object], bool] = _never  # loss-scaled fp16, which unified checkpoints refuse
     step_barrier: Callable[[object, Callable[[], None]], None] = _callback_waits  # async snapshot vs optimizer step
 
 
@@ -478,12 +469,6 @@ def _deepspeed_topology(trainer) -> dict:
             "bf16": bool(trainer.args.bf16)}
 
 
-def _deepspeed_fp16(trainer) -> bool:
-    """DeepSpeed runs fp16 (its config's "auto" follows `fp16` of the arguments)."""
-    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
-    return bool(trainer.args.fp16) or config.get("fp16", {}).get("enabled") is True
-
-
 def _deepspeed_step_barrier(trainer, wait) -> None:
     """DeepSpeed steps inside backward, where no callback runs: its optimizer's own step waits."""
     from .engines.deepspeed import wait_before_steps
@@ -499,7 +484,7 @@ def _build_fsdp(trainer):
 
 _ENGINES = (
     _Engine("deepspeed", lambda t: getattr(t, "is_deepspeed_enabled", False), _build_deepspeed,
-            topology=_deepspeed_topology, fp16=_deepspeed_fp16, step_barrier=_deepspeed_step_barrier),
+            topology=_deepspeed_topology, step_barrier=_deepspeed_step_barrier),
     _Engine("fsdp", lambda t: getattr(t, "is_fsdp_enabled", False), _build_fsdp),
     _Engine("replicated", lambda t: True, lambda t: ReplicatedEngine(t.model_wrapped, t.optimizer)),
 )

@@ -97,11 +97,26 @@ def reset_accelerate_state() -> None:
     unset_hf_deepspeed_config()
 
 
-def zero_config(stage: int, **extra) -> dict:
-    """A DeepSpeed config for the Trainer ("auto" values filled from TrainingArguments)."""
+def zero_config(stage: int, fp16: dict | None = None, **extra) -> dict:
+    """A DeepSpeed config for the Trainer ("auto" values filled from TrainingArguments); `fp16`: the loss
+    scaler's settings (fp16 itself follows the arguments' `fp16`)."""
     return {"zero_optimization": {"stage": stage, **extra}, "train_micro_batch_size_per_gpu": "auto",
             "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "bf16": {"enabled": "auto"}}
+            "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto", **(fp16 or {})}}
+
+
+#: A dynamic loss scaler that moves within a few steps of the tiny model (measured: overflows at steps 4, 6, 10).
+FP16_SCALER = {"fp16": {"loss_scale": 0, "initial_scale_power": 18, "loss_scale_window": 2, "hysteresis": 2,
+                        "min_loss_scale": 1}}
+
+
+def fp16_on_cpu() -> None:
+    """Test-only: DeepSpeed's CPU accelerator reports fp16 unsupported where the CPU lacks AVX512-FP16/AMX-FP16
+    ("Type fp16 is not supported on your device"); the fp16 optimizer itself runs on CPU. Lifted for this process
+    so fp16 code paths run as on a GPU."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    CPU_Accelerator.is_fp16_supported = lambda self: True
 
 
 def disable_deepspeed_jit() -> None:
@@ -255,7 +270,13 @@ def run_spec(run: dict, world_size: int) -> dict:
     model = run.get("model", "llama")
     if run.get("zero"):
         disable_deepspeed_jit()
-        overrides["deepspeed"] = zero_config(run["zero"])
+        overrides["deepspeed"] = zero_config(run["zero"], **(FP16_SCALER if run.get("fp16") else {}))
+    if run.get("fp16"):
+        fp16_on_cpu()
+        if run.get("forget_loss_scaler"):  # the control: a resume that leaves the scaler as configured
+            from hf_unified_ckpt.engines.deepspeed import DeepSpeedEngine
+
+            DeepSpeedEngine._restore_loss_scaler = lambda self, saved: None
     if run.get("fsdp"):
         overrides.update(fsdp_args(run["fsdp"], run.get("fsdp_state_dict_type", "SHARDED_STATE_DICT"), model))
     if run.get("eval"):  # evaluation every save, e.g. for load_best_model_at_end
@@ -267,12 +288,14 @@ def run_spec(run: dict, world_size: int) -> dict:
             return _refused(trainer, run.get("resume"), run["expect_error"])
         at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None
         every = RecordWeights(trainer) if run.get("record_weights") else None
+        scaler = RecordLossScaler(trainer) if run.get("fp16") else None
         trainer.train(resume_from_checkpoint=run.get("resume"))
     if shim:
         assert_sharded(trainer)
     if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
         trainer.save_model(run["save_model"])
     return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {}),
+            **(scaler.result() if scaler else {}),
             **({"weights": every.record} if every else {})}
 
 
@@ -305,6 +328,36 @@ class RecordWeights:
                 outer.record[state.global_step] = trainable_fp32(trainer)
 
         trainer.add_callback(_Callback())
+
+
+class RecordLossScaler:
+    """DeepSpeed fp16: the loss scaler's state (and skipped steps) after every step, when training begins (what a
+    resume loaded), and at the end."""
+
+    def __init__(self, trainer):
+        from transformers import TrainerCallback
+
+        from hf_unified_ckpt.engines.deepspeed import SCALER_FIELDS
+
+        self.at, self.start, outer = {}, None, self
+
+        def state():
+            engine = trainer.model_wrapped
+            scaler = engine.optimizer.loss_scaler
+            return {**{k: getattr(scaler, k) for k in SCALER_FIELDS}, "skipped_steps": engine.skipped_steps}
+
+        class _Callback(TrainerCallback):
+            def on_train_begin(self, args, st, control, **kwargs):
+                outer.start = state()
+
+            def on_step_end(self, args, st, control, **kwargs):
+                outer.at[st.global_step] = state()
+
+        self.state = state
+        trainer.add_callback(_Callback())
+
+    def result(self) -> dict:
+        return {"scaler_at": self.at, "scaler_at_start": self.start, "loss_scaler": self.state()}
 
 
 class RecordAt:

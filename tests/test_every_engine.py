@@ -30,7 +30,6 @@ BEST = {"max_steps": 6, "save_steps": 2, "eval_strategy": "steps", "eval_steps":
         "metric_for_best_model": "eval_loss", "greater_is_better": True, "save_total_limit": 2}
 REFUSED = {  # run -> what the error says; each must stop before step 1
     "lora-f1": ({"fsdp": 1, "model": "lora"}, "PEFT/LoRA models under FSDP1 are not supported"),
-    "fp16-z2": ({"zero": 2, "overrides": {"fp16": True}}, "DeepSpeed fp16"),
 }
 
 

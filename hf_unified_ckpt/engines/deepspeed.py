@@ -34,10 +34,14 @@ from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_s
 from ..planning import TensorSpec
 from ..storage.reader import read_flat_range
 from ..storage.safetensors_io import ComponentReader
-from ..support import refuse_unsupported
 from .base import component_source
 
 logger = logging.getLogger(__name__)
+
+#: The optimizer index's metadata key of an fp16 run's loss-scaler state, and the scaler attributes that change
+#: while training (DeepSpeed's `DynamicLossScaler`; a static `LossScaler` has `cur_scale` only).
+LOSS_SCALER = "loss_scaler"
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def wait_before_steps(ds_engine, wait) -> None:
@@ -66,7 +70,6 @@ class DeepSpeedEngine:
         self.stage = int(ds_engine.zero_optimization_stage())
         self.module: nn.Module = ds_engine.module
         self.engine = f"deepspeed-zero{self.stage}"
-        refuse_unsupported("deepspeed", ds_engine.fp16_enabled())
         if self.stage not in (1, 2, 3) or self.base is None:
             raise UnsupportedCheckpointError(
                 f"unified checkpoints support DeepSpeed ZeRO stages 1, 2 and 3 with a torch optimizer; this engine "
@@ -189,7 +192,8 @@ class DeepSpeedEngine:
                 + [TensorSpec.of(n, b) for n, b in self._buffers().items()])
 
     def _master_specs(self) -> list[TensorSpec]:
-        return [TensorSpec(n, self._full_shape(p), torch.float32) for n, p in self._trainable()]
+        """Keyed like the weights files (a PEFT model: its adapter keys), as EMA weights are."""
+        return [TensorSpec(self._weight_key.get(n, n), self._full_shape(p), torch.float32) for n, p in self._trainable()]
 
     def _optimizer_specs(self) -> list[TensorSpec]:
         specs = []
@@ -217,7 +221,30 @@ class DeepSpeedEngine:
             for key in self._state_keys()[g][1]:  # per-group scalars, written once per parameter
                 for name in names:
                     encoder.add(name, key, state[key])
-        return encoder.metadata()
+        fp16 = {LOSS_SCALER: self._loss_scaler_state()} if self.ds.fp16_enabled() else {}
+        return {**encoder.metadata(), **fp16}
+
+    def _loss_scaler_state(self) -> dict:
+        """fp16: the loss scaler's changing state and the engine's skipped-step count (JSON scalars)."""
+        scaler = self.zero.loss_scaler
+        state = {k: getattr(scaler, k) for k in SCALER_FIELDS if hasattr(scaler, k)}
+        return {**state, "dynamic": bool(getattr(scaler, "dynamic", False)), "skipped_steps": self.ds.skipped_steps}
+
+    def _restore_loss_scaler(self, saved: dict | None) -> None:
+        """fp16: put the saved loss scaler's state back (DeepSpeed's own resume replaces the scaler object the same
+        way); without one (the checkpoint was not saved in fp16), the scaler starts as configured, said once."""
+        if not self.ds.fp16_enabled():
+            return
+        if saved is None:
+            if dist.rank() == 0:
+                logger.warning("The checkpoint holds no fp16 loss-scaler state (it was not saved by a DeepSpeed fp16 "
+                               "run): the loss scale starts again at its configured initial value.")
+            return
+        scaler = self.zero.loss_scaler
+        for key in SCALER_FIELDS:
+            if key in saved and hasattr(scaler, key):
+                setattr(scaler, key, saved[key])
+        self.ds.skipped_steps = int(saved.get("skipped_steps", self.ds.skipped_steps))
 
     # ---- where each tensor comes from ------------------------------------------------------------------
     def _source(self, component: str, name: str) -> tuple:
@@ -231,7 +258,7 @@ class DeepSpeedEngine:
         return ("hp", p, None) if self.master_policy == "as_model" and p.requires_grad else ("lp", p)
 
     def _master_source(self, name: str) -> tuple:
-        return ("hp", self._by_name[name], None)
+        return ("hp", self._by_name[self._weight_param.get(name, name)], None)
 
     def _optimizer_source(self, name: str) -> tuple:
         by_name = self._by_name
@@ -329,20 +356,22 @@ class DeepSpeedEngine:
 
     def parameter_fragments(self) -> dict:
         """This rank's fp32 fragment (ZeRO-1/2) or partition (ZeRO-3) of every trainable parameter, as
-        `ema.Fragment`s (an empty one where it holds none, so every rank lists every parameter). Local only."""
+        `ema.Fragment`s keyed like the weights files (an empty one where it holds none, so every rank lists every
+        parameter). Local only."""
         from ..ema import Fragment
 
         out = {}
         for name, p in self._trainable():
+            key = self._weight_key.get(name, name)
             if self.stage == 3:
                 from deepspeed.utils import safe_get_local_fp32_param
 
                 _, start, count = self._partition(p)
-                out[name] = Fragment(tuple(p.ds_shape), start, safe_get_local_fp32_param(p).reshape(-1)[:count])
+                out[key] = Fragment(tuple(p.ds_shape), start, safe_get_local_fp32_param(p).reshape(-1)[:count])
                 continue
             mapping = getattr(p, "_hp_mapping", None)
             values = mapping.get_hp_fragment().reshape(-1) if mapping is not None else torch.empty(0)
-            out[name] = Fragment(tuple(p.shape), mapping.lp_fragment_address.start if mapping else 0, values)
+            out[key] = Fragment(tuple(p.shape), mapping.lp_fragment_address.start if mapping else 0, values)
         return out
 
     def master_fragments(self):
@@ -354,7 +383,7 @@ class DeepSpeedEngine:
         for name, frag in self.parameter_fragments().items():
             n = frag.values.numel()
             if n:
-                p = self._by_name[name]
+                p = self._by_name[self._weight_param.get(name, name)]
                 lp = p.ds_tensor.data.reshape(-1)[:n] if self.stage == 3 else p.data.reshape(-1)[frag.start:frag.start + n]
                 yield name, frag.values, lp
 
@@ -383,11 +412,9 @@ class DeepSpeedEngine:
             self.ds.global_samples = sources.global_step * self.ds.train_batch_size()
 
     def _fp32_source(self, master: ComponentReader, name: str) -> tuple[ComponentReader, str]:
-        """(reader, key) of the best fp32 values of trainable parameter `name`: the master weights (keyed like the
-        optimizer), or the model weights standing in for them (keyed like the weights files)."""
-        if name in master or name not in self._weight_key:
-            return master, name
-        return master, self._weight_key[name]
+        """(reader, key) of the best fp32 values of trainable parameter `name`: the master weights, or the model
+        weights standing in for them; both keyed like the weights files."""
+        return master, self._weight_key.get(name, name)
 
     def _partition(self, p) -> tuple[int, int, int]:
         """ZeRO-3: (padded partition size, first element, element count) of this rank's partition of `p`."""
@@ -429,6 +456,7 @@ class DeepSpeedEngine:
 
     def _load_optimizer(self, reader: ComponentReader) -> None:
         decoder = OptimizerStateDecoder(reader)
+        self._restore_loss_scaler(reader.metadata.get(LOSS_SCALER))
         specs = reader.specs()
         for g, hparams in enumerate(decoder.group_hparams(self._groups)):
             self.base.param_groups[g].update(hparams or {})

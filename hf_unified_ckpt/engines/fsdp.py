@@ -207,7 +207,7 @@ class FSDPEngine:
                 shape = _global_shape(p)
                 start = chunks[0][0][0] * int(torch.Size(shape[1:]).numel()) if chunks and shape else 0
                 values = chunks[0][2].detach().reshape(-1) if chunks else torch.empty(0)
-                out[self.naming.stored_key(name)] = Fragment(shape, start, values)
+                out[self.naming.weight_key(name) or self.naming.stored_key(name)] = Fragment(shape, start, values)
         return out
 
     def write_configs(self, folder) -> None:

@@ -84,8 +84,9 @@ class ReplicatedEngine:
         """Every trainable parameter, whole (every rank holds it), as `ema.Fragment`s. Local only."""
         from ..ema import Fragment
 
-        return {self._names[id(p)]: Fragment(tuple(p.shape), 0, p.detach().reshape(-1), replicated=True)
-                for p in self.module.parameters() if p.requires_grad}
+        return {self.naming.weight_key(n) or self._names[id(p)]: Fragment(tuple(p.shape), 0, p.detach().reshape(-1),
+                                                                          replicated=True)
+                for n, p in self.module.named_parameters() if p.requires_grad}
 
     def write_configs(self, folder) -> None:
         write_model_configs(self.module, folder)
