@@ -1,5 +1,5 @@
 """`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`, `convert LEGACY_DIR OUT_DIR [--ckpt-quant-stage]`,
-`export CHECKPOINT OUT_DIR [--weights model|master|ema] [--dtype]`."""
+`export CHECKPOINT OUT_DIR [--weights model|master|ema] [--dtype] [--merge-lora [--base-model]]`."""
 
 from __future__ import annotations
 
@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                           help="cast to this dtype (default: each tensor's own; master and EMA are fp32)")
     p_export.add_argument("--max-shard-size", default="5GB", help="largest file written (default 5GB)")
+    p_export.add_argument("--merge-lora", action="store_true",
+                          help="a LoRA checkpoint: merge the adapter into its base model (PEFT's merge_and_unload) "
+                               "and write the whole merged model")
+    p_export.add_argument("--base-model", default=None,
+                          help="with --merge-lora: the base model folder or Hub id (default: the adapter config's "
+                               "base_model_name_or_path)")
     p_export.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
@@ -124,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             from .export import export
 
             out = export(args.checkpoint, args.out_dir, args.weights, args.dtype, args.max_shard_size,
-                         show_progress=not args.quiet)
-            print(f"exported the {args.weights} weights of {args.checkpoint} -> {out}")
+                         show_progress=not args.quiet, merge_lora=args.merge_lora, base_model=args.base_model)
+            merged = " merged into the base model" if args.merge_lora else ""
+            print(f"exported the {args.weights} weights of {args.checkpoint}{merged} -> {out}")
             return 0
         if args.command == "convert":
             from .convert import convert

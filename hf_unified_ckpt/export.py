@@ -4,7 +4,8 @@ The folder holds what `from_pretrained` (or `PeftModel.from_pretrained`, for an 
 `push_to_hub` expect: sharded safetensors + index (or one file), `config.json`, `generation_config.json`, tokenizer
 files. `--weights ema` or `master` takes each tensor from that component where it has one (the trainable
 parameters) and from the model weights otherwise (buffers, frozen parameters); decoded through the codecs like any
-read. Memory is bounded by one shard; nothing is written over an existing folder.
+read. Memory is bounded by one shard; nothing is written over an existing folder. `--merge-lora` merges a LoRA
+adapter (those weights) into its base model instead (`merge_lora.py`; memory: the base model).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from .components import EMA, MASTER, MODEL
 from .errors import UnsupportedCheckpointError
+from .hf_model import ADAPTER_STEM
 from .layout import UNIFIED, detect_layout
 from .options import parse_size
 from .planning import TensorSpec, plan_component
@@ -36,12 +38,17 @@ _TRAINING_FILES = ("trainer_state.json", "training_args.bin", "scheduler.pt", "s
 
 
 def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, weights: str = "model",
-           dtype: str | None = None, max_shard_size: str | int = "5GB", show_progress: bool = True) -> Path:
+           dtype: str | None = None, max_shard_size: str | int = "5GB", show_progress: bool = True,
+           merge_lora: bool = False, base_model: str | None = None) -> Path:
     """Write `checkpoint`'s `weights` (model, master or ema) into the new folder `out_dir`, cast to `dtype` (fp32,
-    bf16, fp16; default: each tensor's own dtype, fp32 for master and EMA tensors). Returns `out_dir`."""
+    bf16, fp16; default: each tensor's own dtype, fp32 for master and EMA tensors). With `merge_lora`, those
+    weights of a LoRA adapter merged into its base model (`base_model`, default the adapter config's): a plain
+    model folder. Returns `out_dir`."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new folder (nothing was written).")
+    if base_model and not merge_lora:
+        raise ValueError("--base-model is only used with --merge-lora; add --merge-lora or drop --base-model.")
     layout = detect_layout(checkpoint)
     if layout.kind != UNIFIED or not layout.complete:
         raise UnsupportedCheckpointError(f"{checkpoint} is not a complete unified checkpoint ({layout.kind}: "
@@ -55,15 +62,24 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, weights: s
                "master": "it was saved without fp32 master weights (none existed, or they were removed or skipped)."
                }.get(weights, ""))
     stem = components[MODEL.name]["file_stem"]
+    if merge_lora and stem != ADAPTER_STEM:
+        raise UnsupportedCheckpointError(f"--merge-lora needs a PEFT/LoRA checkpoint (adapter_model files); {checkpoint} "
+                                         f"holds '{stem}' files, a whole model already: export it without --merge-lora.")
     staging = out_dir.parent / f".{out_dir.name}.incomplete"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    with ComponentReader(checkpoint, stem) as model, \
-            ComponentReader(checkpoint, components[wanted]["file_stem"], anchor=model) as chosen:
-        _write_weights(model, chosen, staging, stem, DTYPES[dtype] if dtype else None, parse_size(max_shard_size),
-                       f"Exporting {weights} weights to {out_dir.name}" if show_progress else None)
-    _copy_model_files(checkpoint, staging, set(layout.manifest["files"]))
-    if dtype or weights != "model":  # master and EMA are fp32 unless cast
+    try:
+        with ComponentReader(checkpoint, stem) as model, \
+                ComponentReader(checkpoint, components[wanted]["file_stem"], anchor=model) as chosen:
+            write = _write_merged if merge_lora else _write_weights
+            write(model, chosen, staging, stem, DTYPES[dtype] if dtype else None, parse_size(max_shard_size),
+                  f"Exporting {weights} weights to {out_dir.name}" if show_progress else None,
+                  **({"checkpoint": checkpoint, "base_model": base_model} if merge_lora else {}))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _copy_model_files(checkpoint, staging, set(layout.manifest["files"]), skip=("adapter_config.json",) * merge_lora)
+    if (dtype or weights != "model") and not merge_lora:  # master and EMA are fp32 unless cast
         _set_config_dtype(staging / "config.json", DTYPES[dtype] if dtype else torch.float32)
     if out_dir.exists():
         out_dir.rmdir()  # empty (checked above)
@@ -80,10 +96,33 @@ def _write_weights(model, chosen, folder: Path, stem: str, dtype, max_shard_size
         return dtype or getattr(torch, TORCH_DTYPE_NAMES[(chosen_specs.get(name) or model_specs[name])[1]])
 
     specs = [TensorSpec(n, tuple(shape), dtype_of(n)) for n, (shape, _) in model_specs.items()]
+    _write_sharded(folder, stem, specs, lambda n: (chosen if n in chosen else model).get(n).to(dtype_of(n)),
+                   max_shard_size, progress)
+
+
+def _write_merged(model, chosen, folder: Path, stem: str, dtype, max_shard_size: int, progress: str | None,
+                  checkpoint: Path, base_model: str | None) -> None:
+    """The adapter (each tensor from `chosen` where it has it) merged into its base model, written as
+    `save_pretrained` names the merged model's tensors, with its config files."""
+    from .hf_model import MODEL_STEM, model_state_for_save, write_model_configs
+    from .merge_lora import base_model_path, merged_model
+
+    adapter = {n: (chosen if n in chosen else model).get(n) for n in model.keys()}
+    merged = merged_model(checkpoint, adapter, base_model_path(checkpoint, base_model))
+    if dtype is not None:
+        merged = merged.to(dtype)
+    state = model_state_for_save(merged)
+    _write_sharded(folder, MODEL_STEM, [TensorSpec.of(n, t) for n, t in state.items()],
+                   lambda n: state[n].detach().contiguous(), max_shard_size, progress)
+    write_model_configs(merged, folder)
+
+
+def _write_sharded(folder: Path, stem: str, specs: list[TensorSpec], get, max_shard_size: int,
+                   progress: str | None) -> None:
+    """Tensors `get(name)` of `specs` in shards of at most `max_shard_size`, with an index when sharded."""
     plan = plan_component(MODEL.name, specs, 1, max_shard_size, file_stem=stem, min_parallel=0)
     for file, names in tqdm(plan.files.items(), desc=progress, unit="file", disable=progress is None):
-        tensors = {n: (chosen if n in chosen else model).get(n).to(dtype_of(n)) for n in names}
-        write_shard(folder / file, tensors)
+        write_shard(folder / file, {n: get(n) for n in names})
     if plan.is_sharded:
         write_index(folder, stem, plan.weight_map, plan.total_size)
 
@@ -97,11 +136,11 @@ def _set_config_dtype(config: Path, dtype: torch.dtype) -> None:
         config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
-def _copy_model_files(checkpoint: Path, folder: Path, listed: set[str]) -> None:
+def _copy_model_files(checkpoint: Path, folder: Path, listed: set[str], skip: tuple[str, ...] = ()) -> None:
     """Configs, generation config, adapter config and tokenizer files: every small file of the checkpoint that is
-    not a tensor file, an index, or a training file."""
+    not a tensor file, an index, a training file, or in `skip`."""
     for path in sorted(checkpoint.iterdir()):
         name = path.name
         if (path.is_file() and not name.endswith((".safetensors", ".safetensors.index.json", ".pth"))
-                and name not in _TRAINING_FILES and name in listed):
+                and name not in _TRAINING_FILES and name in listed and name not in skip):
             shutil.copyfile(path, folder / name)

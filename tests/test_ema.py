@@ -145,6 +145,8 @@ def test_export_of_a_tied_model_and_of_a_checkpoint_without_ema(tmp_path, capsys
     make_trainer(tmp_path / "plain").train()
     assert cli(["export", str(tmp_path / "plain" / "checkpoint-6"), str(tmp_path / "x"), "--weights", "ema"]) == 1
     assert "has no 'ema' weights" in capsys.readouterr().err
+    assert cli(["export", str(tmp_path / "plain" / "checkpoint-6"), str(tmp_path / "y"), "--merge-lora"]) == 1
+    assert "needs a PEFT/LoRA checkpoint" in capsys.readouterr().err and not (tmp_path / "y").exists()
 
 
 def test_ema_fields_parse_from_the_command_line_and_are_validated():

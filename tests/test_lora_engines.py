@@ -15,12 +15,14 @@ from safetensors import safe_open
 
 from _runs import assert_resumed_matches, build_model, run_spec
 from conftest import torchrun
+from hf_unified_ckpt.cli import main as cli
+from hf_unified_ckpt.storage.safetensors_io import ComponentReader
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 MAX_STEPS, SAVE_STEPS = 8, 2
 ENGINES = {"z1": {"zero": 1}, "z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}, "f1": {"fsdp": 1},
            "ddp": {}, "single": {}}
-BF16 = {"bf16": True}
+BF16 = {"bf16": True, "unified_checkpoint_config": "ema", "ema_decay": 0.9}  # bf16 LoRA keeps an EMA too
 # (tag, engine, world size, resumed from (tag, step) or None, extra TrainingArguments)
 CHAIN = [("z3", "z3", 2, None, {}), ("z3-f2x3", "f2", 3, ("z3", 2), {}), ("f2x3-ddp", "ddp", 2, ("z3-f2x3", 4), {}),
          ("ddp-single", "single", 1, ("f2x3-ddp", 6), {})]
@@ -86,6 +88,7 @@ def test_lora_checkpoint_holds_the_adapter_and_trainable_state_only(runs, tag):
     assert {k.split("/")[0] for k in optimizer} == trainable
     master = _keys(ckpt, "master_weights")
     assert master == (adapter if tag == "z2-bf16" else set())  # keyed like the weights files, as EMA weights are
+    assert _keys(ckpt, "ema") == (adapter if tag == "z2-bf16" else set())
 
 
 @pytest.mark.dist
@@ -110,3 +113,51 @@ def _keys(ckpt, stem):
         with safe_open(path, "pt") as f:
             keys |= set(f.keys())
     return keys
+
+
+@pytest.mark.dist
+def test_lora_ema_resumes_exactly_and_exports_as_an_adapter(runs, tmp_path):
+    """The EMA of a bf16 LoRA run under ZeRO-2 continues bit-exactly after a same-topology resume, and
+    `export --weights ema` gives an adapter folder that `PeftModel.from_pretrained` loads."""
+    from peft import PeftModel
+
+    tmp, _ = runs
+    ckpt = tmp / "z2-bf16" / f"checkpoint-{MAX_STEPS}"
+    with ComponentReader(ckpt, "ema") as a, ComponentReader(tmp / "z2-bf16-same" / f"checkpoint-{MAX_STEPS}", "ema") as b:
+        ema = {k: a.get(k) for k in a.keys()}
+        assert all(torch.equal(ema[k], b.get(k)) for k in ema)
+    assert cli(["export", str(ckpt), str(tmp_path / "ema"), "--weights", "ema", "--quiet"]) == 0
+    state = PeftModel.from_pretrained(build_model("llama"), tmp_path / "ema").state_dict()
+    assert all(torch.equal(state[k.replace(".weight", ".default.weight")], t) for k, t in ema.items())
+
+
+@pytest.mark.dist
+def test_export_merge_lora_gives_a_plain_model_folder(runs, tmp_path, capsys):
+    """`export --merge-lora`: PEFT's merge of the adapter into the base model, loadable by `from_pretrained`, with
+    the same outputs as base + adapter; from the fp32 master weights with `--weights master`; without a base model
+    (the tiny model was built from a config) a clear error and nothing written."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp, _ = runs
+    build_model("llama").save_pretrained(tmp_path / "base")
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    ckpt = tmp / "f2" / f"checkpoint-{MAX_STEPS}"
+    out = tmp_path / "merged"
+    assert cli(["export", str(ckpt), str(out), "--merge-lora", "--base-model", str(tmp_path / "base"),
+                "--max-shard-size", "20KB", "--quiet"]) == 0
+    assert (out / "model.safetensors.index.json").is_file() and not (out / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(build_model("llama"), ckpt)(ids).logits
+        assert torch.allclose(merged(ids).logits, expected, atol=1e-5)
+    bf16 = tmp / "z2-bf16" / f"checkpoint-{MAX_STEPS}"
+    assert cli(["export", str(bf16), str(tmp_path / "master"), "--merge-lora", "--weights", "master",
+                "--base-model", str(tmp_path / "base"), "--quiet"]) == 0
+    with ComponentReader(bf16, "master_weights") as master:
+        a, b = (master.get(f"base_model.model.model.layers.0.self_attn.q_proj.lora_{x}.weight") for x in "AB")
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "master").model.layers[0].self_attn.q_proj.weight
+    assert torch.allclose(q, build_model("llama").model.layers[0].self_attn.q_proj.weight + 2.0 * b @ a, atol=1e-6)
+    assert cli(["export", str(ckpt), str(tmp_path / "nobase"), "--merge-lora", "--quiet"]) == 1
+    assert "names no base model" in capsys.readouterr().err and not (tmp_path / "nobase").exists()
