@@ -1,0 +1,72 @@
+"""Direct preference optimisation (full or LoRA) with TRL's DPOTrainer, saving unified checkpoints that resume on any
+engine and number of processes and load with `from_pretrained` (LoRA: `PeftModel.from_pretrained`).
+
+Without `model_name_or_path` / `dataset_name` it trains a tiny Llama on tiny prompt/chosen/rejected triples
+(examples/recipes/tiny.py); with them, that model (a Hub name or a local folder) on that preference dataset. Full
+training keeps a frozen copy of the initial model as the reference; with LoRA (`use_peft: true`,
+configs/recipes/dpo_lora.yaml) the reference is the base model with the adapter switched off, so no copy is made.
+
+Launch from the repository root (any flag overrides the YAML; CPU shown, on GPUs drop `use_cpu`):
+
+    torchrun --standalone --nproc_per_node 2 examples/recipes/dpo.py --config configs/recipes/dpo.yaml \
+        --deepspeed configs/ds_zero2.json
+    deepspeed --num_gpus 2 examples/recipes/dpo.py --config configs/recipes/dpo.yaml --deepspeed configs/ds_zero3.json
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml examples/recipes/dpo.py \
+        --config configs/recipes/dpo_lora.yaml                 # or ddp.yaml, deepspeed_zero3.yaml
+    python examples/recipes/dpo.py --config configs/recipes/dpo.yaml                         # one process
+
+Resume (newest complete checkpoint of output_dir, or a path) on any engine and number of processes; keep the
+global batch (per_device_train_batch_size x processes x gradient_accumulation_steps) when the number changes:
+
+    python examples/recipes/dpo.py --config configs/recipes/dpo.yaml --per_device_train_batch_size 8 \
+        --resume_from_checkpoint output/dpo/checkpoint-3
+"""
+
+from __future__ import annotations
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+
+import tiny
+from common import end_processes, prepare_deepspeed_on_cpu, resume_value
+from hf_unified_ckpt import UnifiedCheckpointCallback
+from hf_unified_ckpt.trl_configs import UnifiedDPOConfig
+
+
+def load_model(model_args: ModelConfig):
+    if not model_args.model_name_or_path:
+        return tiny.llama()
+    return AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path, revision=model_args.model_revision, dtype=model_args.dtype,
+        attn_implementation=model_args.attn_implementation)
+
+
+def main(script_args: ScriptArguments, training_args: UnifiedDPOConfig, model_args: ModelConfig):
+    prepare_deepspeed_on_cpu(training_args)  # no-op without DeepSpeed or on GPUs
+    peft_config = get_peft_config(model_args)  # None: full training
+    model = load_model(model_args)
+    ref_model = None if peft_config else load_model(model_args)  # LoRA: the base model is the reference
+    if model_args.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+    else:
+        tokenizer = tiny.tokenizer()
+
+    if script_args.dataset_name:
+        from datasets import load_dataset
+
+        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+        train_dataset = dataset[script_args.dataset_train_split]
+        eval_dataset = dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None
+    else:
+        train_dataset, eval_dataset = tiny.dpo_dataset(), None
+
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=training_args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config,
+                         callbacks=[UnifiedCheckpointCallback()])  # <- hf_unified_ckpt
+    trainer.train(resume_from_checkpoint=resume_value(training_args.resume_from_checkpoint))
+    end_processes()
+
+
+if __name__ == "__main__":
+    parser = TrlParser((ScriptArguments, UnifiedDPOConfig, ModelConfig))
+    main(*parser.parse_args_and_config())
