@@ -173,8 +173,10 @@ class UnifiedCheckpointMixin:
             raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
                                              "before the background save commits. Drop one of them.")
         kind = _engine_of(self).name
-        if self.args.fsdp and kind != "fsdp" and dist.rank() == 0:
-            logger.warning("FSDP was requested (the fsdp argument) but the model is trained with %s: accelerate "
+        asked = self.args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+        if asked and kind != "fsdp" and dist.rank() == 0:
+            logger.warning("FSDP was requested (the fsdp argument or an accelerate FSDP config) but the model is "
+                           "trained with %s: accelerate "
                            "applies FSDP only on accelerators and falls back to DDP on CPU. Checkpoints are saved "
                            "for the engine that runs.",
                            "DeepSpeed" if kind == "deepspeed" else "DDP" if dist.world_size() > 1 else "one process")
