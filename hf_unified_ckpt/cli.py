@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "offline (no GPU, no process group), one shard in memory at a time")
     p_convert.add_argument("legacy_dir")
     p_convert.add_argument("out_dir", help="new folder to create (must not exist or be empty)")
-    p_convert.add_argument("--max-shard-size", default="1GB", help="largest file written (default 1GB)")
+    p_convert.add_argument("--max-shard-size", default="100MB",
+                           help="largest file written, and about the memory convert holds (default 100MB)")
     p_convert.add_argument("--ckpt-quant-stage", choices=["O0", "O1", "O2"], default="O0",
                            help="compress the optimizer moments: O1 int8, O2 int4 (default O0: exact)")
     p_convert.add_argument("--quiet", action="store_true", help="no progress bar")

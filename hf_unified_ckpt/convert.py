@@ -62,7 +62,7 @@ class OfflineEngine:
         """Configs are copied with the other non-tensor files."""
 
 
-def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "1GB",
+def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "100MB",
             show_progress: bool = True, ckpt_quant_stage: str = "O0") -> Path:
     """Convert `legacy_dir` (a DeepSpeed `checkpoint-N` or save_model folder, or an FSDP `checkpoint-N` folder)
     into a complete unified folder `out_dir`, its optimizer moments compressed at `ckpt_quant_stage` (O0/O1/O2)."""

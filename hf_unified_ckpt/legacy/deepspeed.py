@@ -9,8 +9,12 @@ ZeRO-3 stores every parameter as `ceil(numel / world)` elements per rank, in `pa
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
 import re
+import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -29,6 +33,63 @@ def _load(path: Path) -> dict:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as e:  # pickle, zip and mmap errors alike
         raise CorruptCheckpointError(f"legacy DeepSpeed file {path} cannot be read ({type(e).__name__}: {e}).") from e
+
+
+def _copy_out(pieces: list[torch.Tensor], numel: int, mapped: list[tuple[int, int]]) -> torch.Tensor:
+    """The first `numel` elements of `pieces` copied once into a new tensor. Pieces that lie in the memory-mapped
+    partition files (`mapped`: address ranges of those files' mappings) hand their pages back to the kernel, so that
+    reading a whole checkpoint does not keep every page it touched resident (the files are mapped private and never
+    written: a page touched again is read again from the file)."""
+    out = torch.empty(numel, dtype=pieces[0].dtype if pieces else torch.float32)
+    at = 0
+    for piece in pieces:
+        take = min(piece.numel(), numel - at)
+        out[at:at + take] = piece[:take]
+        at += take
+        _release_pages(piece, mapped)
+    return out
+
+
+def _release_pages(t: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
+    """`madvise(MADV_DONTNEED)` over the whole pages `t` lies in, only when they all lie inside one of the file
+    mappings `mapped` (never anonymous memory, whose pages that call would zero). Linux only."""
+    libc = _libc()
+    if libc is None or t.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    end = t.data_ptr() + t.numel() * t.element_size()
+    if any(lo <= start and end <= hi for lo, hi in mapped):
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+def _file_mappings(paths: list[Path]) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of `paths` (from /proc/self/maps; empty elsewhere)."""
+    wanted = {str(p.resolve()) for p in paths}
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] in wanted:
+            lo, hi = fields[0].split("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+_MADV_DONTNEED = 4
+
+
+@functools.cache
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def step_folder(folder: Path) -> Path:
@@ -67,6 +128,7 @@ class LegacyDeepSpeedCheckpoint:
         if missing:
             raise CorruptCheckpointError(f"legacy DeepSpeed checkpoint {self.dir} lacks {missing}.")
         self.models = [_load(p) for p in model_files]
+        self._mapped = _file_mappings([p for _, p in ranked] + list(model_files))
         config = self.models[0].get("ds_config") or {}
         if (config.get("fp16") or {}).get("enabled"):
             raise UnsupportedCheckpointError(f"{self.dir} was trained with DeepSpeed fp16; only fp32 and bf16 "
@@ -113,18 +175,18 @@ class LegacyDeepSpeedCheckpoint:
             sub, offset = self._z3_offsets[name]
             part = math.ceil(numel / self.world_size)
             pieces = [self._flats(r, key)[sub].narrow(0, offset, part) for r in range(self.world_size)]
-            return torch.cat(pieces)[:numel].view(shape).clone()
+            return _copy_out(pieces, numel, self._mapped).view(shape)
         g = self.group_of[name]
         pieces = []
         for r in range(self.world_size):
             fragment = self.optim[r]["param_slice_mappings"][g].get(name)
             if fragment is not None:
                 pieces.append(self._flats(r, key)[g].narrow(0, fragment.start, fragment.numel))
-        flat = torch.cat(pieces) if pieces else torch.empty(0)
-        if flat.numel() != numel:
-            raise CorruptCheckpointError(f"{self.dir}: the fragments of {name} hold {flat.numel()} elements, "
+        found = sum(p.numel() for p in pieces)
+        if found != numel:
+            raise CorruptCheckpointError(f"{self.dir}: the fragments of {name} hold {found} elements, "
                                          f"expected {numel}.")
-        return flat.view(shape).clone()
+        return _copy_out(pieces, numel, self._mapped).view(shape)
 
     # ---- components ----------------------------------------------------------------------------------------
     def _aliases(self) -> set[str]:
@@ -140,13 +202,17 @@ class LegacyDeepSpeedCheckpoint:
         pieces = [m["frozen_param_fragments"][name] for m in self.models]
         return torch.cat(pieces)[:math.prod(shape)].view(shape).clone()
 
+    def _copied(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of `t` (a tensor of a mapped file), its mapped pages handed back (see `_copy_out`)."""
+        return _copy_out([t.reshape(-1)], t.numel(), self._mapped).view(t.shape)
+
     def model_source(self) -> TensorSource:
         """Model weights in the training dtype, named as save_pretrained names them."""
         module = self.models[0]["module"]
         entries = {}
         for name, shape in self.shape_of.items():
             if self.stage != 3:
-                entries[name] = (shape, self.lp_dtype, lambda n=name: module[n].clone())
+                entries[name] = (shape, self.lp_dtype, lambda n=name: self._copied(module[n]))
             else:
                 entries[name] = (shape, self.lp_dtype, lambda n=name: self.fp32(n).to(self.lp_dtype))
         for name, shape in self._frozen().items():
