@@ -397,24 +397,20 @@ class DeepSpeedEngine:
             raise UnsupportedCheckpointError(f"the checkpoint has no weights for {count_and_first(missing)}; "
                                              "build the same "
                                              "architecture as the run that saved it.")
+        # master weights (or the model weights standing in for them) are keyed like the weights files
         for name, p in self._named:  # a PEFT model's base weights are not in the checkpoint: they stay as built
             if name in self._weight_key:
                 fp32 = p.dtype == torch.float32 and p.requires_grad
-                self._load_lp(*(self._fp32_source(master, name) if fp32 else (model, self._weight_key[name])), p)
+                self._load_lp(master if fp32 else model, self._weight_key[name], p)
         with torch.no_grad():
             for name, buf in self._buffers().items():
                 buf.copy_(model.get(name))
         for name, p in self._trainable():  # the fp32 partitions are separate copies even in fp32 training
-            self._load_hp(*self._fp32_source(master, name), p, None)
+            self._load_hp(master, self._weight_key.get(name, name), p, None)
         if optimizer is not None:
             self._load_optimizer(optimizer)  # a resume: the engine's counters follow the checkpoint
             self.ds.global_steps = sources.global_step
             self.ds.global_samples = sources.global_step * self.ds.train_batch_size()
-
-    def _fp32_source(self, master: ComponentReader, name: str) -> tuple[ComponentReader, str]:
-        """(reader, key) of the best fp32 values of trainable parameter `name`: the master weights, or the model
-        weights standing in for them; both keyed like the weights files."""
-        return master, self._weight_key.get(name, name)
 
     def _partition(self, p) -> tuple[int, int, int]:
         """ZeRO-3: (padded partition size, first element, element count) of this rank's partition of `p`."""
