@@ -1,23 +1,45 @@
-"""Save/resume benchmark: unified checkpoint vs the plain Trainer's native DeepSpeed checkpoint.
+"""Save/resume benchmark: unified checkpoint vs the plain Trainer's native checkpoint (issue 15 items 3 and 5).
 
-    python bench/bench_save.py [--engine zero2|fsdp2] [--reps 5] [--dtype fp32|bf16] [--out DIR]
+    python bench/bench_save.py [--engine zero2|zero3|fsdp2] [--dtype fp32|bf16] [--nproc 2] [--size 50m|103m|200m]
+                               [--reps 5] [--json] [--no-resume] [--out DIR]
+    python bench/bench_save.py --matrix [--reps 5] [--nproc 2] [--size 103m] [--json]
+                               every row: ZeRO-2, ZeRO-3, FSDP2 x fp32, bf16, one launch each (+ its resume launch)
     python bench/bench_save.py --quant [--reps 5] [--dtype fp32|bf16]     O1/O2 save and load time vs O0
     python bench/bench_save.py --ema [--reps 4] [--engine zero2|fsdp2]    step time with an EMA vs without
     any of these with --chart PATH: also draw the ratios it printed as a bar chart PNG
+    bench/bench_scaling.py: ZeRO-3 save at 2 and 4 ranks and 50M / 200M parameters (it runs this script)
 
-Launches `torchrun --nproc_per_node 2` (DeepSpeed ZeRO-2, or FSDP2 through the Trainer with the tests' CPU
-shim; CPU, gloo) on a ~103M-parameter Llama-style model and, in the same launch, alternates per repetition:
-our unified save, the native `Trainer._save_checkpoint` (DeepSpeed: weights file + `global_step*`; FSDP: the
-sharded `pytorch_model_fsdp_0/` + `optimizer_0/`; then fsync of every file it wrote, so both are timed to
-durable), and a raw sequential write + fsync of as many bytes as our save wrote. For DeepSpeed it then measures
-resume: the native DeepSpeed load at the same topology (2 ranks) and ours at a changed world size (a second
-launch with 1 rank). Prints medians and ratios with the absolute figures beside them:
+Launches `torchrun --nproc_per_node N` (N = --nproc, default 2; DeepSpeed ZeRO-2 or ZeRO-3 through the Trainer, or
+FSDP2 through the Trainer with the tests' CPU shim; CPU, gloo) on a Llama-style model (--size: ~50M, ~103M (default),
+~200M parameters, vocab 16000, a global batch of 4: 4 // N per rank) and, in the same launch, alternates per
+repetition (order swapped every other repetition):
 
-  (a) unified save time / native save time            target <= 0.5
-  (b) unified bytes on disk / native bytes            target <= 0.61
-  (c) unified write throughput / raw write throughput target >= 0.8
-  (d) peak extra RSS during save / largest rank share target <= 1.25
-  (e) unified resume at 1 rank / native resume at 2   target <= 1.0
+- our unified save (`trainer._save_checkpoint`, durable when it returns);
+- the native `Trainer._save_checkpoint`, then an fsync of every file it wrote (each rank a share), so both are timed
+  to durable storage. ZeRO-2: weights file + `global_step*/`; ZeRO-3: `global_step*/` plus a consolidated weights
+  file (the DeepSpeed config sets `stage3_gather_16bit_weights_on_model_save: true`, as a user who wants a loadable
+  model does: without it the Trainer writes no weights file at ZeRO-3, and `_save_checkpoint` writes the DeepSpeed
+  checkpoint twice); FSDP2: the DCP sharded `pytorch_model_fsdp_0/` + `optimizer_0/`;
+- raw parallel write + fsync: every rank at the same time writes ours_bytes / N bytes into its own file and fsyncs
+  it (the same bytes our save wrote, spread evenly); time = the slowest rank, between barriers.
+
+Each time is the slowest rank's, between barriers. Then resume: the native same-topology load N times (DeepSpeed:
+`deepspeed_load_checkpoint`, what the Trainer calls; FSDP2: the Trainer's own FSDP resume path,
+`Trainer._load_from_checkpoint` (accelerate's `load_fsdp_model`, DCP) + `Trainer._load_optimizer_and_scheduler`
+(`load_fsdp_optimizer` + the scheduler file)) and, in a second launch at a changed world size (N // 2 ranks: 2 -> 1,
+4 -> 2), ours: verify (checksums included) + load of model, master weights and optimizer, + the scheduler.
+Prints medians and ratios with the absolute figures beside them:
+
+  (a) unified save time / native save time      target <= 0.3 ZeRO-2, <= 0.4 ZeRO-3, <= 0.8 FSDP2 (vs DCP sharded)
+  (b) unified bytes on disk / native bytes      target <= 0.61
+  (c) unified throughput / raw parallel write   target >= 0.9   (= raw time / our time, same bytes)
+  (d) peak extra RSS during save / largest rank share   target <= 1.25
+  (e) unified resume at N // 2 ranks / native resume at N   target <= 1.0
+
+--json prints, as the last line of stdout, one JSON object (--matrix: a list, one per row) with the engine, dtype,
+nproc, parameter count, reps, medians in seconds, bytes, and every ratio with its target and whether it is met.
+The page cache cannot be dropped without root: hence the alternation. The CPU count is printed in the header (ranks
+beyond it are oversubscribed).
 """
 
 from __future__ import annotations
@@ -35,6 +57,31 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RATIOS: list[tuple[str, float]] = []  # (label, value) of each ratio this process printed, for --chart
+
+#: Llama shapes of --size (vocab 16000, untied embeddings): ~50.5M, ~102.5M, ~199.8M parameters.
+SIZES = {"50m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8),
+         "103m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=11, num_attention_heads=12),
+         "200m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=13, num_attention_heads=16)}
+ENGINES = ("zero2", "zero3", "fsdp2")
+ENGINE_NAMES = {"zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2"}
+NATIVE_SAVES = {"zero2": "native ZeRO-2 save", "zero3": "native ZeRO-3 save (+ gathered weights file)",
+                "fsdp2": "native DCP sharded save"}
+#: Targets of issue 15: (a) save time ours/native per engine; the others for every engine.
+SAVE_TARGET = {"zero2": 0.3, "zero3": 0.4, "fsdp2": 0.8}
+BYTES_TARGET, RAW_TARGET, RSS_TARGET, RESUME_TARGET = 0.61, 0.9, 1.25, 1.0
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (ranks beyond them are oversubscribed)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def resume_world(world: int) -> int:
+    """The changed world size our resume runs at: half the ranks (2 -> 1, 4 -> 2)."""
+    return max(1, world // 2)
 
 
 def ratio(label: str, value: float) -> float:
@@ -63,7 +110,8 @@ def draw_chart(path: Path, ratios: list[tuple[str, float]], title: str) -> None:
     ax.axvline(1.0, color="gray", ls="--", lw=1)
     ax.bar_label(bars, fmt="%.3g", padding=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
     ax.set_xlim(0, max(*values, 1.0) * 1.15)
-    ax.set(xlabel="ratio (dashed: 1.0)", title=title)
+    ax.set(xlabel="ratio (dashed: 1.0)")
+    fig.suptitle(title)  # over the whole figure: long labels push the axes right
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -74,10 +122,23 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc `malloc_trim`), so that memory freed earlier (training,
+    a previous save) and still resident does not hide what the next measured call allocates."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakRSS:
-    """Samples this process's RSS every 2 ms while active; `extra` is the peak above the starting value."""
+    """Samples this process's RSS every 2 ms while active; `extra` is the peak above the starting value (taken after
+    `release_free_heap`)."""
 
     def __enter__(self):
+        release_free_heap()
         self.start, self.peak, self._stop = rss_bytes(), rss_bytes(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -105,8 +166,9 @@ def fsync_tree(path: Path, rank: int, world: int) -> None:
         os.close(fd)
 
 
-def raw_write(path: Path, nbytes: int) -> None:
-    block = os.urandom(64 * 2**20)
+def raw_write(path: Path, nbytes: int, block: bytes | None = None) -> None:
+    """Write `nbytes` (repeating `block`, 64 MiB of random bytes by default) into a new file, then fsync it."""
+    block = block if block is not None else os.urandom(64 * 2**20)
     with open(path, "wb", buffering=0) as f:
         left = nbytes
         while left > 0:
@@ -117,7 +179,9 @@ def raw_write(path: Path, nbytes: int) -> None:
 
 
 def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt_config: str = "",
-                  max_steps: int = 1, save_steps: int | None = None, train: bool = True):
+                  max_steps: int = 1, save_steps: int | None = None, train: bool = True, size: str = "103m"):
+    """A Trainer with unified checkpoints attached, on the --size Llama, after `max_steps` steps (`train`).
+    `trainer._bench_params` is the model's parameter count (taken before any engine partitions it)."""
     import contextlib
 
     import deepspeed
@@ -131,15 +195,17 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=11,
-                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    shape = SIZES[size]
+    config = LlamaConfig(vocab_size=16000, **shape, num_key_value_heads=shape["num_attention_heads"],
+                         max_position_embeddings=64, tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
     data = torch.randint(0, 16000, (64, 16))
     dataset = [{"input_ids": x, "labels": x} for x in data]
-    ds_config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+    zero = {"stage": 2} if engine == "zero2" else {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
                  "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}
-    engine_args = {"deepspeed": ds_config} if engine == "zero2" else fsdp_args(2)
+    engine_args = fsdp_args(2) if engine == "fsdp2" else {"deepspeed": ds_config}
     args = hf_unified_ckpt.UnifiedCheckpointArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4 // world,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
@@ -148,6 +214,7 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt
     with fsdp_on_cpu() if engine == "fsdp2" else contextlib.nullcontext():
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
     hf_unified_ckpt.attach(trainer)
+    trainer._bench_params = params
     if train:
         trainer.train()
     return trainer
@@ -175,37 +242,51 @@ def max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def save_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
-    """Runs under torchrun with 2 ranks: alternates ours / native / raw, then times the native resume."""
-    import torch.distributed as dist
+def native_resume(trainer, engine: str, folder: Path) -> None:
+    """The Trainer's own same-topology resume of a native checkpoint (what `train(resume_from_checkpoint=...)` runs,
+    the attached plugin's overrides bypassed). DeepSpeed: `deepspeed_load_checkpoint` (model, optimizer, its
+    scheduler); FSDP2: `_load_from_checkpoint` (accelerate's `load_fsdp_model`: DCP sharded model) and
+    `_load_optimizer_and_scheduler` (`load_fsdp_optimizer` + the scheduler file)."""
     from transformers import Trainer
     from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+    if engine == "fsdp2":
+        Trainer._load_from_checkpoint(trainer, str(folder), trainer.model_wrapped)
+        Trainer._load_optimizer_and_scheduler(trainer, str(folder))
+    else:
+        deepspeed_load_checkpoint(trainer.model_wrapped, str(folder))
+
+
+def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m", resume: bool = True) -> None:
+    """Runs under torchrun: alternates ours / native (then raw), then times the native same-topology resume."""
+    import torch.distributed as dist
+    from transformers import Trainer
 
     from hf_unified_ckpt.storage.manifest import read_manifest
 
     world = int(os.environ["WORLD_SIZE"])
-    trainer = build_trainer(out / "train", dtype, world, engine)  # initialises the process group
+    trainer = build_trainer(out / "train", dtype, world, engine, size=size)  # initialises the process group
     rank = dist.get_rank()
     model = trainer.model_wrapped
-    results = {"ours": [], "native": [], "raw": [], "ours_rss": [], "ours_bytes": 0, "native_bytes": 0,
-               "largest_share": 0}
+    results = {"ours": [], "native": [], "raw": [], "ours_rss": [], "native_rss": [], "ours_bytes": 0,
+               "native_bytes": 0, "largest_share": 0, "params": trainer._bench_params, "world": world}
 
     def save(kind: str, rep: int) -> Path:
         trainer.args.output_dir = str(out / f"{kind}-{rep}")
         folder = out / f"{kind}-{rep}" / "checkpoint-1"
         if kind == "ours":
             seconds, extra = timed(lambda: trainer._save_checkpoint(model, None))
-            results["ours_rss"].append(max_over_ranks(extra))
         else:
             def native():
                 Trainer._save_checkpoint(trainer, model, None)
                 dist.barrier()
                 fsync_tree(folder, rank, world)
-            seconds, _ = timed(native)
+            seconds, extra = timed(native)
+        results[f"{kind}_rss"].append(max_over_ranks(extra))
         results[kind].append(max_over_ranks(seconds))
         return folder
 
-    keep = {}
+    keep, block = {}, os.urandom(64 * 2**20)  # the raw write's bytes, made before any timing
     for rep in range(reps):
         for kind in (("ours", "native") if rep % 2 == 0 else ("native", "ours")):
             folder = save(kind, rep)
@@ -219,17 +300,17 @@ def save_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
                 keep[kind] = folder
             elif rank == 0:
                 shutil.rmtree(folder.parent)
+        # raw parallel write + fsync: every rank writes its even share of the bytes our save wrote, all at once
         share = int(results["ours_bytes"] / world) if rank == 0 else 0
         share = int(max_over_ranks(share))
         raw_path = out / f"raw-{rank}"
-        seconds, _ = timed(lambda: raw_write(raw_path, share))
+        seconds, _ = timed(lambda: raw_write(raw_path, share, block))
         results["raw"].append(max_over_ranks(seconds))
         raw_path.unlink()
-    native_resume = []
-    for _ in range(reps if engine == "zero2" else 0):
-        seconds, _ = timed(lambda: deepspeed_load_checkpoint(model, str(keep["native"])))
-        native_resume.append(max_over_ranks(seconds))
-    results["native_resume"] = native_resume
+    results["native_resume"] = []
+    for _ in range(reps if resume else 0):
+        seconds, _ = timed(lambda: native_resume(trainer, engine, keep["native"]))
+        results["native_resume"].append(max_over_ranks(seconds))
     results["ours_folder"] = str(keep["ours"])
     if rank == 0:
         (out / "save_results.json").write_text(json.dumps(results))
@@ -237,14 +318,14 @@ def save_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
     dist.destroy_process_group()
 
 
-def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
-    """Runs under torchrun with 2 ranks: training-blocked time of an async save (the `_save_checkpoint` call
+def async_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m") -> None:
+    """Runs under torchrun (--nproc ranks): training-blocked time of an async save (the `_save_checkpoint` call
     plus the wait for the snapshot before the next step) vs a synchronous save, alternating."""
     import torch.distributed as dist
 
     world = int(os.environ["WORLD_SIZE"])
-    sync = build_trainer(out / "sync", dtype, world, engine)
-    asyn = build_trainer(out / "async", dtype, world, engine, ckpt_config="async_save")
+    sync = build_trainer(out / "sync", dtype, world, engine, size=size)
+    asyn = build_trainer(out / "async", dtype, world, engine, ckpt_config="async_save", size=size)
     saver = next(c for c in asyn.callback_handler.callbacks if hasattr(c, "saver")).saver
     results = {"sync": [], "async_call": [], "async_blocked": [], "async_total": []}
     for rep in range(reps):
@@ -274,7 +355,8 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
         med = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
         hidden = ratio("(a) blocked / sync save, copy hidden  (target <= 0.05)", med["async_call"] / med["sync"])
         waited = ratio("(a) blocked / sync save, next step waits", med["async_blocked"] / med["sync"])
-        print(f"async_save, {engine} x 2, ~103M Llama, {dtype}, medians of {reps}:")
+        print(f"async_save, {engine} x {world} ranks ({cpu_cores()} CPU cores), {sync._bench_params / 1e6:.0f}M "
+              f"Llama, {dtype}, medians of {reps}:")
         print(f"(a) training-blocked time / sync save time = {hidden:.3f} when the "
               f"snapshot copy hides behind the next forward/backward ({med['async_call'] * 1000:.0f} ms vs "
               f"{med['sync'] * 1000:.0f} ms), {waited:.3f} if the next step waits "
@@ -288,8 +370,9 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str) -> None:
     dist.destroy_process_group()
 
 
-def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int = 20, every: int = 5) -> None:
-    """Runs under torchrun with 2 ranks: wall time of `steps` training steps with an async save every `every`
+def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int = 20, every: int = 5,
+                      size: str = "103m") -> None:
+    """Runs under torchrun (--nproc ranks): wall time of `steps` training steps with an async save every `every`
     steps, with a synchronous save every `every` steps, and without saves, alternating (the end of training
     waits for the last save)."""
     import torch.distributed as dist
@@ -306,7 +389,7 @@ def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int 
             unset_hf_deepspeed_config()
             trainer = build_trainer(out / f"{kind}-{rep}", dtype, world, engine, train=False, max_steps=steps,
                                     ckpt_config="async_save" if kind == "async_saves" else "",
-                                    save_steps=None if kind == "no_saves" else every)
+                                    save_steps=None if kind == "no_saves" else every, size=size)
             seconds, _ = timed(trainer.train)
             times[kind].append(max_over_ranks(seconds))
             if dist.get_rank() == 0:
@@ -315,8 +398,8 @@ def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int 
         med = {k: statistics.median(v) for k, v in times.items()}
         with_async = ratio("(b) throughput async saves / none  (target >= 0.97)", med["no_saves"] / med["async_saves"])
         with_sync = ratio("throughput sync saves / none", med["no_saves"] / med["sync_saves"])
-        print(f"async_save throughput, {engine} x 2, ~103M Llama, {dtype}, {steps} steps, a save every {every}, "
-              f"medians of {reps}:")
+        print(f"async_save throughput, {engine} x {world} ranks ({cpu_cores()} CPU cores), --size {size} Llama, "
+              f"{dtype}, {steps} steps, a save every {every}, medians of {reps}:")
         print(f"(b) throughput with async saves / without saves = {with_async:.3f}   "
               f"({med['async_saves']:.1f} s vs {med['no_saves']:.1f} s for {steps} steps)   target >= 0.97")
         print(f"    for reference, with synchronous saves: {with_sync:.3f} ({med['sync_saves']:.1f} s)")
@@ -326,8 +409,8 @@ def throughput_worker(out: Path, reps: int, dtype: str, engine: str, steps: int 
     dist.destroy_process_group()
 
 
-def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5) -> None:
-    """Runs under torchrun with 2 ranks: one training run whose EMA (word 'ema', ema_interval=1) is switched on and
+def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5, size: str = "103m") -> None:
+    """Runs under torchrun (--nproc ranks): one training run whose EMA (word 'ema', ema_interval=1) is switched on and
     off every `block` steps, alternating; the step times of each mode (the first step of a block, the transition,
     left out; the slowest rank counts)."""
     import torch.distributed as dist
@@ -336,7 +419,7 @@ def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5) ->
     world = int(os.environ["WORLD_SIZE"])
     order = [mode for rep in range(reps) for mode in (("off", "on") if rep % 2 == 0 else ("on", "off"))]
     trainer = build_trainer(out / "ema", dtype, world, engine, ckpt_config="ema", max_steps=block * len(order),
-                            train=False)
+                            train=False, size=size)
     steps: dict[str, list[float]] = {"off": [], "on": []}
 
     class Toggle(TrainerCallback):
@@ -356,9 +439,10 @@ def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5) ->
     trainer.train()
     if dist.get_rank() == 0:
         med = {k: statistics.median(v) for k, v in steps.items()}
-        params = sum(p.numel() for p in trainer.model.parameters())
-        print(f"EMA overhead, {engine} x 2, {params / 1e6:.0f}M Llama, {dtype}, ema_interval=1, {reps} alternating "
-              f"blocks of {block} steps per mode (medians of {len(steps['on'])} steps each):")
+        params = trainer._bench_params
+        print(f"EMA overhead, {engine} x {world} ranks ({cpu_cores()} CPU cores), {params / 1e6:.0f}M Llama, {dtype}, "
+              f"ema_interval=1, {reps} alternating blocks of {block} steps per mode (medians of {len(steps['on'])} "
+              f"steps each):")
         overhead = ratio("step time with EMA / without", med["on"] / med["off"])
         print(f"step time with EMA / without = {overhead:.3f}   ({med['on']:.3f} s vs {med['off']:.3f} s per step)")
         print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in steps.items()})}")
@@ -367,8 +451,8 @@ def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5) ->
     dist.destroy_process_group()
 
 
-def quant_worker(out: Path, reps: int, dtype: str) -> None:
-    """Runs under torchrun with 2 ranks (ZeRO-2): alternates unified saves at O0, O1 and O2, then times verify + load
+def quant_worker(out: Path, reps: int, dtype: str, size: str = "103m") -> None:
+    """Runs under torchrun (--nproc ranks, ZeRO-2): alternates unified saves at O0, O1 and O2, then times verify + load
     of each at the same topology; the codec must not make saving slower than the bytes it saves."""
     import dataclasses
 
@@ -379,7 +463,7 @@ def quant_worker(out: Path, reps: int, dtype: str) -> None:
     from hf_unified_ckpt.load import load_checkpoint, verify_checkpoint
 
     world = int(os.environ["WORLD_SIZE"])
-    trainer = build_trainer(out / "train", dtype, world)
+    trainer = build_trainer(out / "train", dtype, world, size=size)
     model, rank = trainer.model_wrapped, dist.get_rank()
     base = trainer.args.unified_checkpoint_options
     stages = ("O0", "O1", "O2")
@@ -406,11 +490,12 @@ def quant_worker(out: Path, reps: int, dtype: str) -> None:
     dist.destroy_process_group()
 
 
-def quant_report(out: Path, dtype: str) -> None:
+def quant_report(out: Path, dtype: str, world: int = 2, size: str = "103m") -> None:
     r = json.loads((out / "quant_results.json").read_text())
     med = {k: statistics.median(v) for k, v in r.items() if k != "bytes"}
-    print(f"\nDeepSpeed ZeRO-2, 2 ranks, ~103M Llama, {dtype}: O1/O2 optimizer-moment compression vs O0, medians of "
-          f"{len(r['save_O0'])} rotating repetitions (save to durable storage; load = verify + load, 2 ranks)")
+    print(f"\nDeepSpeed ZeRO-2, {world} ranks ({cpu_cores()} CPU cores), --size {size} Llama, {dtype}: O1/O2 "
+          f"optimizer-moment compression vs O0, medians of {len(r['save_O0'])} rotating repetitions (save to durable "
+          f"storage; load = verify + load, {world} ranks)")
     for stage in ("O1", "O2"):
         save = ratio(f"{stage}: save time {stage}/O0  (target <= 1.0)", med[f"save_{stage}"] / med["save_O0"])
         load = ratio(f"{stage}: load time {stage}/O0", med[f"load_{stage}"] / med["load_O0"])
@@ -434,63 +519,163 @@ def _largest_share(manifest: dict, world: int) -> int:
     return max(loads)
 
 
-def resume_worker(out: Path, reps: int, dtype: str) -> None:
-    """Runs under torchrun with 1 rank: times our verify + load of the 2-rank unified folder."""
+def resume_worker(out: Path, reps: int, dtype: str, engine: str = "zero2", size: str = "103m") -> None:
+    """Runs under torchrun at the changed world size (half the save launch's ranks): times our verify (checksums
+    included) + load (model, master weights, optimizer) + scheduler of the unified folder the save launch wrote."""
     import torch.distributed as dist
 
-    from hf_unified_ckpt.integration import _master_policy
-    from hf_unified_ckpt.engines.deepspeed import DeepSpeedEngine
     from hf_unified_ckpt.load import load_checkpoint, verify_checkpoint
 
     results = json.loads((out / "save_results.json").read_text())
-    trainer = build_trainer(out / "train1", dtype, 1)
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = build_trainer(out / "train1", dtype, world, engine, size=size)
+    if not dist.is_initialized():  # no engine started a process group at this world size
+        dist.init_process_group("gloo")
     folder = Path(results["ours_folder"])
     options = trainer.args.unified_checkpoint_options
     times = []
     for _ in range(reps):
         def load():
             manifest = verify_checkpoint(folder)
-            load_checkpoint(folder, DeepSpeedEngine(trainer.model_wrapped, _master_policy(options)), manifest, options)
-        times.append(timed(load)[0])
-    results["ours_resume_1rank"] = times
-    (out / "save_results.json").write_text(json.dumps(results))
+            engine_adapter = trainer._uc_engine()
+            groups = load_checkpoint(folder, engine_adapter, manifest, options)
+            trainer._uc_load_scheduler(folder, groups, engine_adapter)
+        times.append(max_over_ranks(timed(load)[0]))
+    results["ours_resume"] = times
+    results["resume_world"] = world
+    results["resume_adapter"] = type(trainer._uc_engine()).__name__
+    if dist.get_rank() == 0:
+        (out / "save_results.json").write_text(json.dumps(results))
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def report(out: Path, dtype: str, engine: str) -> None:
+def _check(value: float, op: str, target: float) -> dict:
+    return {"value": round(value, 4), "target": target, "op": op,
+            "met": bool(value <= target if op == "<=" else value >= target)}
+
+
+def _mark(check: dict) -> str:
+    return "met" if check["met"] else "NOT MET"
+
+
+def report(out: Path, dtype: str, engine: str, size: str = "103m", prefix: str = "") -> dict:
+    """Prints the ratios of one save (+ resume) row and returns its summary (the --json object)."""
     r = json.loads((out / "save_results.json").read_text())
-    med = {k: statistics.median(r[k]) for k in ("ours", "native", "raw", "ours_rss", "native_resume",
-                                                 "ours_resume_1rank") if r.get(k)}
-    gb = 1e9
+    med = {k: statistics.median(r[k]) for k in ("ours", "native", "raw", "ours_rss", "native_rss", "native_resume",
+                                                 "ours_resume") if r.get(k)}
+    gb, world = 1e9, r["world"]
     ours_tp = r["ours_bytes"] / med["ours"] / gb
     raw_tp = r["ours_bytes"] / med["raw"] / gb
-    name = "DeepSpeed ZeRO-2" if engine == "zero2" else "FSDP2 (native: sharded state dict)"
-    a = ratio("(a) save time ours/native  (target <= 0.5)", med["ours"] / med["native"])
-    b = ratio("(b) bytes on disk ours/native  (target <= 0.61)", r["ours_bytes"] / r["native_bytes"])
-    c = ratio("(c) write speed ours/raw  (target >= 0.8)", ours_tp / raw_tp)
-    d = ratio("(d) peak extra RSS / rank share  (target <= 1.25)", med["ours_rss"] / r["largest_share"])
-    print(f"\n{name}, 2 ranks, ~103M Llama, {dtype}, medians of {len(r['ours'])} alternating repetitions")
-    print(f"(a) save time       ours/native  = {a:.2f}   "
-          f"({med['ours']:.2f} s vs {med['native']:.2f} s, both to durable storage)          target <= 0.5")
-    print(f"(b) bytes on disk   ours/native  = {b:.2f}   "
-          f"({r['ours_bytes'] / gb:.2f} GB vs {r['native_bytes'] / gb:.2f} GB)                      target <= 0.61")
-    print(f"(c) write speed     ours/raw     = {c:.2f}   "
-          f"({ours_tp:.2f} GB/s vs raw write+fsync of the same bytes {raw_tp:.2f} GB/s)   target >= 0.8")
-    print(f"(d) peak extra RSS  / rank share = {d:.2f}   "
-          f"({med['ours_rss'] / 2**20:.0f} MiB vs largest rank's share {r['largest_share'] / 2**20:.0f} MiB) "
-          f"target <= 1.25")
-    if "native_resume" in med:
-        e = ratio("(e) resume ours@1 / native@2  (target <= 1.0)", med["ours_resume_1rank"] / med["native_resume"])
-        print(f"(e) resume          ours@1/native@2 = {e:.2f}   "
-              f"({med['ours_resume_1rank']:.2f} s incl. checksums vs {med['native_resume']:.2f} s)   target <= 1.0")
+    native = NATIVE_SAVES[engine]
+    checks = {}
+    checks["save_time"] = _check(ratio(f"{prefix}(a) save time ours / {native}  (target <= {SAVE_TARGET[engine]})",
+                                       med["ours"] / med["native"]), "<=", SAVE_TARGET[engine])
+    checks["bytes"] = _check(ratio(f"{prefix}(b) bytes on disk ours/native  (target <= {BYTES_TARGET})",
+                                   r["ours_bytes"] / r["native_bytes"]), "<=", BYTES_TARGET)
+    checks["throughput_vs_raw"] = _check(ratio(f"{prefix}(c) throughput ours / raw parallel write + fsync  "
+                                               f"(target >= {RAW_TARGET})", ours_tp / raw_tp), ">=", RAW_TARGET)
+    checks["peak_rss"] = _check(ratio(f"{prefix}(d) peak extra RSS / rank share  (target <= {RSS_TARGET})",
+                                      med["ours_rss"] / r["largest_share"]), "<=", RSS_TARGET)
+    print(f"\n{ENGINE_NAMES[engine]}, {world} ranks on {cpu_cores()} CPU cores, {r['params'] / 1e6:.1f}M-parameter "
+          f"Llama (--size {size}), {dtype}, medians of {len(r['ours'])} alternating repetitions")
+    c = checks["save_time"]
+    print(f"(a) save time       ours/native  = {c['value']:.2f}   ({med['ours']:.2f} s vs {native} "
+          f"{med['native']:.2f} s, both to durable storage)   target <= {SAVE_TARGET[engine]}  {_mark(c)}")
+    c = checks["bytes"]
+    print(f"(b) bytes on disk   ours/native  = {c['value']:.2f}   "
+          f"({r['ours_bytes'] / gb:.3f} GB vs {r['native_bytes'] / gb:.3f} GB)   target <= {BYTES_TARGET}  {_mark(c)}")
+    c = checks["throughput_vs_raw"]
+    print(f"(c) throughput      ours/raw     = {c['value']:.2f}   ({ours_tp:.3f} GB/s vs raw parallel write + fsync "
+          f"of the same bytes ({world} x {r['ours_bytes'] / world / gb:.3f} GB) {raw_tp:.3f} GB/s; "
+          f"{med['ours']:.2f} s vs {med['raw']:.2f} s)   target >= {RAW_TARGET}  {_mark(c)}")
+    c = checks["peak_rss"]
+    print(f"(d) peak extra RSS  / rank share = {c['value']:.2f}   ({med['ours_rss'] / 2**20:.0f} MiB vs largest "
+          f"rank's share {r['largest_share'] / 2**20:.0f} MiB; native save {med['native_rss'] / 2**20:.0f} MiB)   "
+          f"target <= {RSS_TARGET}  {_mark(c)}")
+    if "native_resume" in med and "ours_resume" in med:
+        rw = r["resume_world"]
+        checks["resume"] = _check(ratio(f"{prefix}(e) resume ours@{rw} / native@{world}  (target <= {RESUME_TARGET})",
+                                        med["ours_resume"] / med["native_resume"]), "<=", RESUME_TARGET)
+        c = checks["resume"]
+        print(f"(e) resume          ours@{rw}/native@{world} = {c['value']:.2f}   ({med['ours_resume']:.2f} s at {rw} "
+              f"rank{'s' if rw > 1 else ''} ({r['resume_adapter']}), checksums included, vs native same-topology "
+              f"{med['native_resume']:.2f} s)   target <= {RESUME_TARGET}  {_mark(c)}")
     print(f"raw figures: {json.dumps({k: [round(x, 3) for x in r[k]] for k in med})}")
+    return {"engine": engine, "dtype": dtype, "nproc": world, "resume_nproc": r.get("resume_world"),
+            "size": size, "params": r["params"], "reps": len(r["ours"]), "cpu_cores": cpu_cores(),
+            "medians_s": {k: round(v, 4) for k, v in med.items() if not k.endswith("_rss")},
+            "peak_extra_rss_bytes": {"ours": int(med["ours_rss"]), "native": int(med["native_rss"])},
+            "bytes": {"ours": r["ours_bytes"], "native": r["native_bytes"], "largest_share": r["largest_share"]},
+            "throughput_gb_s": {"ours": round(ours_tp, 4), "raw": round(raw_tp, 4)},
+            "ratios": checks}
+
+
+def print_table(rows: list[dict]) -> None:
+    """One line per row of --matrix: the ratios with their targets and the absolute seconds beside them."""
+    def cell(row: dict, key: str) -> str:
+        c = row["ratios"].get(key)
+        return "-" if c is None else f"{c['value']:.2f}{'' if c['met'] else '!'}"
+
+    first = rows[0]
+    print(f"\nsummary: {first['nproc']} ranks on {first['cpu_cores']} CPU cores, {first['params'] / 1e6:.1f}M-parameter"
+          f" Llama, medians of {first['reps']}; '!' = target not met; seconds: ours / native")
+    print(f"{'engine':<8}{'dtype':<6}{'save ours/native':>17}{'(s)':>14}{'bytes':>7}{'vs raw':>8}{'RSS':>6}"
+          f"{'resume':>8}{'(s)':>14}")
+    print(f"{'targets':<14}{'Z2 0.3 Z3 0.4 F2 0.8':>20}{'':>11}{'<=.61':>7}{'>=0.9':>8}{'<=1.25':>7}{'<=1.0':>7}")
+    for row in rows:
+        m = row["medians_s"]
+        resume = (f"{m['ours_resume']:.2f}/{m['native_resume']:.2f}" if "ours_resume" in m and "native_resume" in m
+                  else "-")
+        print(f"{row['engine']:<8}{row['dtype']:<6}{cell(row, 'save_time'):>17}"
+              f"{m['ours']:>7.2f}/{m['native']:<6.2f}{cell(row, 'bytes'):>7}{cell(row, 'throughput_vs_raw'):>8}"
+              f"{cell(row, 'peak_rss'):>6}{cell(row, 'resume'):>8}{resume:>14}")
+
+
+def launch(args: argparse.Namespace, out: Path, worker: str, nproc: int, engine: str, dtype: str) -> str:
+    """One torchrun launch of a worker of this script; its stdout (exits on failure)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", dtype,
+           "--engine", engine, "--size", args.size, "--out", str(out), "--steps", str(args.steps),
+           "--save-every", str(args.save_every)] + (["--no-resume"] if args.no_resume else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"benchmark {worker} launch ({engine}, {dtype}, {nproc} ranks) failed:\n{proc.stdout[-3000:]}\n"
+                 f"{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+def save_row(args: argparse.Namespace, out: Path, engine: str, dtype: str, prefix: str = "") -> dict:
+    """One row: the save launch at --nproc ranks, then (unless --no-resume) ours resumed at half as many; prints
+    its report and returns its summary. The row's scratch folder is removed after."""
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        launch(args, out, "save", args.nproc, engine, dtype)
+        if not args.no_resume:
+            launch(args, out, "resume", resume_world(args.nproc), engine, dtype)
+        summary = report(out, dtype, engine, args.size, prefix)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    summary["wall_s"] = round(time.perf_counter() - start, 1)
+    print(f"(row took {summary['wall_s']:.0f} s of wall time, launches included)")
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--engine", choices=["zero2", "fsdp2"], default="zero2")
+    parser.add_argument("--engine", choices=list(ENGINES), default="zero2")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the launch (the resume launch: half)")
+    parser.add_argument("--size", choices=list(SIZES), default="103m",
+                        help="Llama size: ~50M, ~103M (default) or ~200M parameters")
+    parser.add_argument("--matrix", action="store_true",
+                        help="save + resume rows ZeRO-2, ZeRO-3, FSDP2 x fp32, bf16, one launch each, and one table")
+    parser.add_argument("--json", action="store_true",
+                        help="print the summary as one JSON line, the last line of stdout (--matrix: a list)")
+    parser.add_argument("--no-resume", action="store_true", help="save only: skip both resume measurements")
     parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
     parser.add_argument("--worker", choices=["save", "resume", "async", "throughput", "quant", "ema"],
                         help=argparse.SUPPRESS)
@@ -509,57 +694,59 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out or f"/tmp/hf_unified_ckpt_bench_{os.getpid()}")
     if args.worker == "save":
-        return save_worker(out, args.reps, args.dtype, args.engine)
+        return save_worker(out, args.reps, args.dtype, args.engine, args.size, resume=not args.no_resume)
     if args.worker == "resume":
-        return resume_worker(out, args.reps, args.dtype)
+        return resume_worker(out, args.reps, args.dtype, args.engine, args.size)
     if args.worker == "async":
-        return async_worker(out, args.reps, args.dtype, args.engine)
+        return async_worker(out, args.reps, args.dtype, args.engine, args.size)
     if args.worker == "throughput":
-        return throughput_worker(out, args.reps, args.dtype, args.engine, args.steps, args.save_every)
+        return throughput_worker(out, args.reps, args.dtype, args.engine, args.steps, args.save_every, args.size)
     if args.worker == "quant":
-        return quant_worker(out, args.reps, args.dtype)
+        return quant_worker(out, args.reps, args.dtype, args.size)
     if args.worker == "ema":
-        return ema_worker(out, args.reps, args.dtype, args.engine)
+        return ema_worker(out, args.reps, args.dtype, args.engine, size=args.size)
+    sys.stdout.reconfigure(line_buffering=True)  # every line out as soon as printed (long --matrix runs)
+    if args.nproc < 1 or (args.nproc < 2 and not (args.no_resume or args.async_save or args.throughput or args.quant
+                                                   or args.ema)):
+        parser.error("the save benchmark needs --nproc >= 2 (its resume runs at a changed world size), or --no-resume")
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    summaries: list[dict] = []
     try:
-        launches = ((2, "save"), (1, "resume")) if args.engine == "zero2" else ((2, "save"),)
-        if args.async_save:
-            launches = ((2, "async"),)
-        if args.throughput:
-            launches = ((2, "throughput"),)
-        if args.quant:
-            launches = ((2, "quant"),)
-        if args.ema:
-            launches = ((2, "ema"),)
-        for nproc, worker in launches:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", args.dtype,
-                   "--engine", args.engine, "--out", str(out), "--steps", str(args.steps),
-                   "--save-every", str(args.save_every)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"benchmark {worker} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-            if worker in ("async", "throughput", "ema"):
-                print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))
+        worker = next((w for flag, w in (("async_save", "async"), ("throughput", "throughput"), ("quant", "quant"),
+                                         ("ema", "ema")) if getattr(args, flag)), None)
+        if worker is not None:
+            stdout = launch(args, out, worker, args.nproc, args.engine, args.dtype)
+            if worker == "quant":
+                quant_report(out, args.dtype, args.nproc, args.size)
+            else:
+                print("\n".join(line for line in stdout.splitlines()
+                                if not line.startswith("{") and "] [WARNING] [" not in line))  # DeepSpeed's log
                 RATIOS.extend(tuple(pair) for pair in json.loads((out / "ratios.json").read_text()))
-        if args.quant:
-            quant_report(out, args.dtype)
-        elif not (args.async_save or args.throughput or args.ema):
-            report(out, args.dtype, args.engine)
+        elif args.matrix:
+            for engine in ENGINES:
+                for dtype in ("fp32", "bf16"):
+                    summaries.append(save_row(args, out / f"{engine}-{dtype}", engine, dtype,
+                                              prefix=f"{engine} {dtype}: "))
+            print_table(summaries)
+        else:
+            summaries.append(save_row(args, out / f"{args.engine}-{args.dtype}", args.engine, args.dtype))
         if args.chart:
             chart(args)
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    if args.json and summaries:
+        print(json.dumps(summaries if args.matrix else summaries[0]))
 
 
 def chart(args: argparse.Namespace) -> None:
-    """Draws the ratios this run printed into args.chart, titled with the mode, engine and dtype."""
-    mode = next((f"--{flag.replace('_', '-')}" for flag in ("ema", "quant", "throughput", "async_save")
+    """Draws the ratios this run printed into args.chart, titled with the mode, engine, ranks, size and dtype."""
+    mode = next((f"--{flag.replace('_', '-')}" for flag in ("ema", "quant", "throughput", "async_save", "matrix")
                  if getattr(args, flag)), "(save and resume)")
-    engine = "DeepSpeed ZeRO-2" if args.quant or args.engine == "zero2" else "FSDP2"
-    draw_chart(args.chart, RATIOS, f"bench_save.py {mode}\n{engine} x 2 ranks, {args.dtype}, ~103M Llama, "
-                                   f"--reps {args.reps}")
+    engine = ("ZeRO-2, ZeRO-3, FSDP2" if args.matrix and not args.quant
+              else ENGINE_NAMES["zero2" if args.quant else args.engine])
+    dtype = "fp32, bf16" if args.matrix and not args.quant else args.dtype
+    draw_chart(args.chart, RATIOS, f"bench_save.py {mode}\n{engine} x {args.nproc} ranks, {dtype}, "
+                                   f"--size {args.size}, --reps {args.reps}")
     print(f"chart of these ratios: {args.chart}")
 
 
