@@ -27,7 +27,7 @@ from . import dist
 from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
 from .planning import FilePlan
-from .save import (WRITER, ExtrasWriter, SaveRequest, Staging, assembled_files, conclude, guarded, open_staging,
+from .save import (ExtrasWriter, SaveRequest, Staging, assembled_files, conclude, guarded, open_staging,
                    plan_save, raise_if_failed)
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,8 @@ class AsyncSaver:
             self._group = dist.gloo_group("async-save")
         final = Path(request.final_dir)
         staging = open_staging(final)
-        plan = plan_save(engine, request)
-        mine = list(assembled_files(engine, plan.files, f"Saving {final.name}",
+        plan = plan_save(engine, request, shared=staging.shared)
+        mine = list(assembled_files(engine, plan.writer, plan.files, f"Saving {final.name}",
                                     request.show_progress and dist.rank() == 0))
         self._snapshot_done.clear()
         self._thread = threading.Thread(target=self._run, name=f"hf_unified_ckpt-save-{final.name}",
@@ -72,12 +72,12 @@ class AsyncSaver:
 
     def _run(self, engine, plan, mine, write_extras, staging: Staging, request: SaveRequest, after_commit) -> None:
         try:
-            snapshot = guarded(lambda: self._snapshot(engine, mine))
+            snapshot = guarded(lambda: self._snapshot(engine, plan.writer, mine))
         finally:
             self._snapshot_done.set()
         _yield_cpu_to_training()
         outcome = snapshot if not snapshot[0] else guarded(
-            lambda: [WRITER.write(staging.path, file, tensors) for file, tensors in snapshot[1]]
+            lambda: [r for file, tensors in snapshot[1] for r in plan.writer.write(staging.path, file, tensors)]
             + write_extras(staging.path))
         try:
             reports = conclude(plan, staging, request, outcome, group=self._group, after_commit=after_commit)
@@ -85,11 +85,11 @@ class AsyncSaver:
             reports = [(False, f"rank {dist.rank()}: {type(e).__name__}: {e}")]
         self._result = (reports, staging)
 
-    def _snapshot(self, engine, mine: list[FilePlan]) -> list[tuple[FilePlan, dict[str, torch.Tensor]]]:
+    def _snapshot(self, engine, writer, mine: list[FilePlan]) -> list[tuple[FilePlan, dict[str, torch.Tensor]]]:
         files = []
         for file in mine:
             tensors = {}
-            for name, tensor in engine.tensors(file.component, file.tensor_names).items():
+            for name, tensor in writer.local_tensors(engine, file).items():
                 buffer = self._buffers.get((file.component, name))
                 if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
                     buffer = self._buffers[(file.component, name)] = torch.empty(tensor.shape, dtype=tensor.dtype)

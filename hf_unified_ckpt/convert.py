@@ -55,6 +55,10 @@ class OfflineEngine:
     def tensors(self, component: str, names) -> dict:
         return {n: self.sources[component].get(n) for n in names}
 
+    def fragments(self, component: str, names=None) -> dict:
+        """None: the one process writes every tensor whole."""
+        return {}
+
     def optimizer_metadata(self) -> dict:
         return self.sources[OPTIMIZER.name].metadata
 

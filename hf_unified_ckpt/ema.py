@@ -9,7 +9,8 @@ average is fp32, started from the weights at its first update (so no bias correc
 save before the first update starts the average from the weights there).
 
 `WithEma` wraps an engine adapter so that the save and load algorithms see one more component, keyed like the
-model weights: on save each tensor is assembled on its writer by a sum of the ranks' zero-padded fragments (no
+model weights: on save into a shared folder each rank writes its own ranges in place (`fragments`); into
+machine-local folders each tensor is assembled on its writer by a sum of the ranks' zero-padded fragments (no
 communication when every rank holds it whole); on load each rank reads only its ranges.
 """
 
@@ -20,29 +21,18 @@ import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from . import dist
 from .components import EMA, Component
-from .engines.base import LoadSources
+from .engines.base import Fragment, LoadSources
 from .errors import UnsupportedCheckpointError, count_and_first
 from .planning import TensorSpec
 from .storage.reader import read_flat_range
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Fragment:
-    """What this rank holds of one tensor: elements `[start, start + values.numel())` of its flattened full
-    tensor of shape `shape`; `replicated` when every rank holds the whole tensor."""
-
-    shape: tuple[int, ...]
-    start: int
-    values: torch.Tensor
-    replicated: bool = False
 
 
 class ExponentialAverage:
@@ -174,6 +164,13 @@ class WithEma:
             dist.reduce_to(full, owner)
             if dist.rank() == owner:
                 self._cache[name] = full.view(part.shape)
+
+    def fragments(self, component: str, names: Sequence[str] | None = None) -> dict[str, Fragment]:
+        """The engine's; for EMA, this rank's part of every average not held whole by every rank. Local."""
+        if component != EMA.name:
+            return self._engine.fragments(component, names)
+        parts = self._average.parts
+        return {n: parts[n] for n in (parts if names is None else names) if not parts[n].replicated}
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         if component != EMA.name:

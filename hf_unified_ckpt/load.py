@@ -15,7 +15,8 @@ from .optim_state import group_param_names
 from .options import UnifiedCheckpointOptions
 from .placement import Placement
 from .storage.files import write_bytes
-from .storage.manifest import MANIFEST_NAME, describe_problems, read_manifest, verify_folder
+from .storage.manifest import (MANIFEST_NAME, check_share, checksum_problems, chunks_of, describe_problems,
+                               read_manifest)
 from .storage.safetensors_io import ComponentReader
 
 logger = logging.getLogger(__name__)
@@ -26,8 +27,9 @@ _LOW_PRECISION = {"F16", "BF16", "F8_E4M3", "F8_E5M2"}
 def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress: bool = False,
                       placement: Placement | None = None) -> dict:
     """Check every file of the checkpoint (presence, size, checksum, headers, index names) before any tensor is
-    read; each rank checks a share of the files (with `placement`, files spread over machine-local folders: each
-    file is checked by one rank that sees it). Returns the manifest.
+    read; each rank checks a share of the files and checksums a share of their byte ranges (`chunks_of`; with
+    `placement`, files spread over machine-local folders: by ranks that see them), and every rank combines the
+    ranges' CRC-32s into each file's. Returns the manifest.
 
     Collective: all ranks must call it. Raises `CorruptCheckpointError` on every rank if any file is bad.
     """
@@ -36,14 +38,17 @@ def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress:
         manifest, error = read_manifest(folder), None
     except Exception as e:  # the same on every rank (same files), but keep the collective below aligned
         manifest, error = None, e
-    names = sorted(manifest["files"]) if manifest else []
-    if placement is None:
-        mine = names[dist.rank()::dist.world_size()]
-    else:
-        mine = placement.verification_shares({n: manifest["files"][n]["size"] for n in names})[dist.rank()]
+    table = manifest["files"] if manifest else {}
+    placement = placement or Placement({n: tuple(range(dist.world_size())) for n in table}, dist.rank(),
+                                       dist.world_size())
+    sizes = {n: table[n]["size"] for n in sorted(table)}
+    files = placement.verification_shares(sizes)[dist.rank()]
+    chunks = placement.verification_shares(chunks_of(sizes) if checksums else [])[dist.rank()]
     show = show_progress and dist.rank() == 0
-    problems = verify_folder(folder, manifest, mine, checksums, show_progress=show) if manifest else []
-    all_problems = sorted(p for share in dist.all_gather_object(problems) for p in share)
+    share = check_share(folder, table, files, chunks, show_progress=show) if manifest else ([], [])
+    everyone = dist.all_gather_object(share)
+    all_problems = sorted([p for problems, _ in everyone for p in problems]
+                          + checksum_problems(table, [r for _, records in everyone for r in records]))
     if error is not None:
         raise error
     if all_problems:

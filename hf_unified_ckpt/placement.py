@@ -52,15 +52,18 @@ class Placement:
         return Placement({n: everyone if n in names else h for n, h in self.holders.items()}, self.rank,
                          self.world_size)
 
-    def verification_shares(self, sizes: Mapping[str, int]) -> dict[int, list[str]]:
-        """Which rank checks which file: one holder each, biggest files first to the least loaded holder (the
-        same answer on every rank)."""
+    def verification_shares(self, work) -> dict[int, list]:
+        """Which rank checks what: `work` is a mapping of file name -> size (whole files) or a list of
+        `storage.manifest.Chunk`s (byte ranges); each item goes to one holder of its file, biggest first to the
+        least loaded holder (the same answer on every rank)."""
+        items = [(n, size, n) for n, size in work.items()] if isinstance(work, Mapping) else \
+            [(c.name, c.length, c) for c in work]
         load = {r: 0 for r in range(self.world_size)}
-        shares: dict[int, list[str]] = {r: [] for r in range(self.world_size)}
-        for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        shares: dict[int, list] = {r: [] for r in range(self.world_size)}
+        for name, size, item in sorted(items, key=lambda t: (-t[1], t[0], getattr(t[2], "offset", 0))):
             chosen = min(self.holders[name], key=lambda r: (load[r], r))
-            load[chosen] += sizes[name]
-            shares[chosen].append(name)
+            load[chosen] += size
+            shares[chosen].append(item)
         return shares
 
 

@@ -5,6 +5,8 @@ Every rank computes the same plan from the same tensor specs, so no communicatio
 
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING, Protocol
@@ -164,12 +166,17 @@ def _plan_pinned(specs: list[TensorSpec], size: dict[str, int], writers: int, ma
 @dataclass(frozen=True)
 class WriteItem:
     """The bytes of one tensor (or of a part of it) in a file: `[start, end)` of the file's data section (after
-    the header), written by `rank`."""
+    the header), written by `rank`. A part is the rank's own contiguous range of the flattened tensor."""
 
     name: str
     start: int
     end: int
     rank: int
+
+
+#: Who holds which contiguous part of a sharded tensor: ((rank, first element, element count), ...) in element
+#: order, tiling the flattened tensor exactly. A tensor with pieces is written in place by its holders.
+Pieces = tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,7 @@ class FilePlan:
     header: dict = field(repr=False)
     items: tuple[WriteItem, ...] = field(repr=False)
     codec: Encoder | None = field(repr=False, default=None)
+    pieces: dict[str, Pieces] = field(repr=False, default_factory=dict)  # tensors written in place, by holder
 
     def stored_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors to write for the logical `tensors` (name -> tensor): encoded by the codec, if any."""
@@ -193,33 +201,76 @@ class FilePlan:
         return {n: t for name, tensor in tensors.items() for n, t in self.codec.encode(name, tensor).items()}
 
     @property
+    def whole_names(self) -> tuple[str, ...]:
+        """Logical tensors the header rank writes whole (assembled there first where they are sharded)."""
+        return tuple(n for n in self.tensor_names if n not in self.pieces)
+
+    def items_of(self, rank: int) -> list[WriteItem]:
+        return [item for item in self.items if item.rank == rank]
+
+    @property
     def writers(self) -> frozenset[int]:
-        return frozenset(item.rank for item in self.items)
+        return frozenset(item.rank for item in self.items) | {self.header_rank}
 
     @property
     def data_bytes(self) -> int:
         return max((item.end for item in self.items), default=0)
 
+    @property
+    def header_bytes(self) -> bytes:
+        """The file's first bytes: the header's length (8 bytes, little-endian) and the JSON header, padded with
+        spaces to a multiple of 8 as safetensors pads it (so tensor data stays aligned)."""
+        raw = json.dumps(self.header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        return struct.pack("<Q", len(raw)) + raw
 
-def file_plans(plan: ComponentPlan) -> list[FilePlan]:
-    """The files of a component plan with their headers and whole-tensor write items (each file written by its
-    owner; stored tensors, after the codec). Pure: every rank computes the same list."""
+    @property
+    def size(self) -> int:
+        return len(self.header_bytes) + self.data_bytes
+
+
+def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> list[FilePlan]:
+    """The files of a component plan with their headers and write items (stored tensors, after the codec). A
+    tensor in `pieces` (never one a codec stores) is written in place by its holders, each its own byte range;
+    every other tensor whole by its file's owner. Pure: every rank computes the same list."""
+    pieces = {} if plan.codec is not None else (pieces or {})
     out = []
     for file, names in plan.files.items():
         specs = [s for n in names for s in plan.stored_specs(n)]
         header, offsets = safetensors_header(specs)
-        items = tuple(WriteItem(s.name, *offsets[s.name], plan.owners[file]) for s in specs)
-        out.append(FilePlan(plan.component, file, tuple(names), plan.owners[file], header, items, plan.codec))
+        owner, items, mine = plan.owners[file], [], {}
+        for s in specs:
+            start, end = offsets[s.name]
+            if s.name not in pieces:
+                items.append(WriteItem(s.name, start, end, owner))
+                continue
+            mine[s.name] = pieces[s.name]
+            items += [WriteItem(s.name, start + first * s.dtype.itemsize, start + (first + count) * s.dtype.itemsize,
+                                rank) for rank, first, count in pieces[s.name] if count]
+        out.append(FilePlan(plan.component, file, tuple(names), owner, header, tuple(items), plan.codec, mine))
     return out
 
 
+def tiling(numel: int, held: list[tuple[int, int, int]]) -> Pieces | None:
+    """The pieces `held` ((rank, first element, count) from every rank) in element order if together they cover
+    `[0, numel)` exactly once (empty ones dropped), else None (the tensor is assembled instead)."""
+    parts = sorted((first, rank, count) for rank, first, count in held if count)
+    end = 0
+    for first, _, count in parts:
+        if first != end:
+            return None
+        end += count
+    return tuple((rank, first, count) for first, rank, count in parts) if numel and end == numel else None
+
+
 def safetensors_header(specs: list[TensorSpec]) -> tuple[dict, dict[str, tuple[int, int]]]:
-    """The header `safetensors.torch.save_file` writes for these tensors (with `{"format": "pt"}` metadata), and
-    each tensor's byte range in the data section."""
+    """The header `safetensors.torch.save_file` writes for these tensors (with `{"format": "pt"}` metadata; the same
+    bytes, see `FilePlan.header_bytes`), and each tensor's byte range in the data section."""
     offsets, start = {}, 0
-    for spec in sorted(specs, key=lambda s: (-s.dtype.itemsize, s.name)):
+    ordered = sorted(specs, key=lambda s: (-s.dtype.itemsize, s.name))
+    for spec in ordered:
         offsets[spec.name] = (start, start + spec.nbytes)
         start += spec.nbytes
     header = {s.name: {"dtype": safetensors_dtype(s.dtype), "shape": list(s.shape),
-                       "data_offsets": list(offsets[s.name])} for s in specs}
+                       "data_offsets": list(offsets[s.name])} for s in ordered}  # in layout order, like safetensors
     return {"__metadata__": {"format": "pt"}, **header}, offsets

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import traceback
@@ -35,16 +36,13 @@ from .components import MASTER, Component, Role, component
 from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
 from .options import UnifiedCheckpointOptions
-from .planning import ComponentPlan, Encoder, FilePlan, file_plans, plan_component
+from .planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, plan_component, tiling
 from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
                              remove_writer_marks, sees_writer, staging_dir)
-from .storage.files import FileRecord, write_bytes
+from .storage.files import FileRecord, RangeRecord, combine_ranges, write_bytes
 from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .storage.safetensors_io import index_name, write_index
-from .storage.writer import StorageWriter, WholeFileWriter
-
-#: How planned files land on disk (storage/writer.py); the save loop below is the same for every strategy.
-WRITER: StorageWriter = WholeFileWriter()
+from .storage.writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +69,23 @@ class SavePlan:
 
     components: dict[str, ComponentPlan]
     saved_by: dict
+    pieces: dict[str, dict[str, Pieces]] = dataclasses.field(default_factory=dict)  # component -> tensor -> pieces
 
     @property
     def files(self) -> list[FilePlan]:
         """Every file with its header and write items, in the order all ranks walk them."""
-        return [f for cplan in self.components.values() for f in file_plans(cplan)]
+        return [f for name, cplan in self.components.items() for f in file_plans(cplan, self.pieces.get(name))]
+
+    @property
+    def writer(self) -> StorageWriter:
+        """In place into shared files when the plan has pieces (one folder every rank sees), else whole files."""
+        return SharedFileWriter(dist.rank()) if self.pieces else WholeFileWriter()
 
 
-def plan_save(engine: EngineAdapter, request: SaveRequest) -> SavePlan:
-    """The save plan, identical on all ranks. Collective (locality hints of sharded engines): all ranks must
-    call it."""
+def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False) -> SavePlan:
+    """The save plan, identical on all ranks; with `shared` (every rank sees the staging folder), the tensors the
+    ranks hold in pieces are planned to be written in place. Collective (locality hints of sharded engines, the
+    census of pieces): all ranks must call it."""
     components = [c for c in engine.components() if request.include_optimizer or c.role is not Role.OPTIMIZER]
     plans = {}
     for c in components:
@@ -91,7 +96,26 @@ def plan_save(engine: EngineAdapter, request: SaveRequest) -> SavePlan:
         if codec is not None:
             metadata["codec"] = codec.metadata()
         plans[c.name] = dataclasses.replace(plan, index_metadata=metadata)
-    return SavePlan(plans, copy.deepcopy(engine.saved_by()))
+    pieces = census_of_pieces(engine, plans) if shared else {}
+    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces)
+
+
+def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:
+    """Per component, the tensors the ranks together hold exactly once in contiguous pieces, with every rank's
+    piece (`planning.tiling`); every component gets an entry, so a plan made for a shared folder is never empty.
+    Collective (one all-gather of the pieces' bounds): all ranks must call it."""
+    local = {name: {n: (f.start, f.values.numel()) for n, f in engine.fragments(name).items()}
+             for name, cplan in plans.items() if cplan.codec is None}
+    everyone = dist.all_gather_object(local)
+    out: dict[str, dict[str, Pieces]] = {}
+    for name, cplan in plans.items():
+        held = {}
+        for rank, share in enumerate(everyone):
+            for tensor, (start, count) in share.get(name, {}).items():
+                held.setdefault(tensor, []).append((rank, start, count))
+        out[name] = {t: p for t, bounds in held.items()
+                     if (p := tiling(math.prod(cplan.specs[t].shape), bounds)) is not None}
+    return out
 
 
 def encoder_for(c: Component, engine: EngineAdapter, options: UnifiedCheckpointOptions) -> Encoder | None:
@@ -126,10 +150,10 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: E
     rank if any rank failed, leaving no `checkpoint-N` behind (an existing complete one stays untouched).
     """
     staging = open_staging(Path(request.final_dir))
-    plan = plan_save(engine, request)
+    plan = plan_save(engine, request, shared=staging.shared)
     show = request.show_progress and dist.rank() == 0
-    outcome = guarded(lambda: _write_share(engine, plan.files, staging.path, f"Saving {request.final_dir.name}",
-                                           show) + write_extras(staging.path))
+    outcome = guarded(lambda: _write_share(engine, plan.writer, plan.files, staging.path,
+                                           f"Saving {request.final_dir.name}", show) + write_extras(staging.path))
     raise_if_failed(conclude(plan, staging, request, outcome, after_commit=after_commit), staging)
     return staging.final
 
@@ -220,32 +244,39 @@ def raise_if_failed(reports, staging: Staging) -> None:
     )
 
 
-def assembled_files(engine: EngineAdapter, files: list[FilePlan], desc: str, show: bool) -> Iterator[FilePlan]:
+def assembled_files(engine: EngineAdapter, writer: StorageWriter, files: list[FilePlan], desc: str,
+                    show: bool) -> Iterator[FilePlan]:
     """The save loop, the same for sync and async saves: walk every file in the same order on all ranks, let the
-    storage writer assemble it (`engine.exchange` for whole files: a collective on sharded engines), and yield the
-    files this rank writes, each once it is assembled. Collective: all ranks must run it to the end."""
+    storage writer assemble it (`engine.exchange` of what is written whole: a collective on sharded engines), and
+    yield the files this rank writes (part of), each once it is assembled. Collective: all ranks must run it to the
+    end."""
     for file in tqdm(files, desc=desc, unit="file", disable=not show):
-        WRITER.assemble(engine, file)
-        if WRITER.writes(file, dist.rank()):
+        writer.assemble(engine, file)
+        if writer.writes(file, dist.rank()):
             yield file
 
 
-def _write_share(engine: EngineAdapter, files: list[FilePlan], staging: Path, desc: str,
-                 show: bool) -> list[FileRecord]:
-    """Write this rank's files as the save loop yields them, in a writer thread, so writing one file overlaps
-    assembling the next. Collective: all ranks must call it."""
+def _write_share(engine: EngineAdapter, writer: StorageWriter, files: list[FilePlan], staging: Path, desc: str,
+                 show: bool) -> list[FileRecord | RangeRecord]:
+    """Write this rank's files (or parts of files) as the save loop yields them, in a writer thread, so writing
+    one file overlaps assembling the next. Collective: all ranks must call it."""
     futures = []
     with ThreadPoolExecutor(max_workers=1) as pool:
-        for file in assembled_files(engine, files, desc, show):
-            futures.append(pool.submit(lambda f=file: WRITER.write(staging, f, engine.tensors(f.component,
-                                                                                               f.tensor_names))))
-        return [f.result() for f in futures]
+        for file in assembled_files(engine, writer, files, desc, show):
+            futures.append(pool.submit(lambda f=file: writer.write(staging, f, writer.local_tensors(engine, f))))
+        return [record for f in futures for record in f.result()]
 
 
-def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest, records: list[FileRecord]) -> dict[str, bytes]:
-    """Rank 0: write the indexes and the manifest (last) into its staging folder. Returns the bytes of the small
-    files every folder holds (empty when all ranks share one folder)."""
+def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest,
+              records: list[FileRecord | RangeRecord]) -> dict[str, bytes]:
+    """Rank 0: combine the ranges the ranks wrote into file records, write the indexes and the manifest (last)
+    into its staging folder. Returns the bytes of the small files every folder holds (empty when all ranks share
+    one folder)."""
     shards = {f for cplan in plan.components.values() for f in cplan.files}
+    ranges = [r for r in records if isinstance(r, RangeRecord)]
+    if ranges:
+        sizes = {f.name: f.size for f in plan.files}
+        records = [r for r in records if not isinstance(r, RangeRecord)] + combine_ranges(sizes, ranges)
     entries = {}
     for name, cplan in plan.components.items():
         index = None
@@ -291,7 +322,7 @@ def save_model_weights(engine: EngineAdapter, folder: Path, max_shard_size: int,
     raise_if_failed([dist.broadcast_object(status)], staging)
 
     def write() -> None:
-        _write_share(engine, file_plans(plan), staging.path, f"Saving the model to {folder}",
+        _write_share(engine, WholeFileWriter(), file_plans(plan), staging.path, f"Saving the model to {folder}",
                      show_progress and dist.rank() == 0)
         if dist.rank() == 0:
             if plan.is_sharded:

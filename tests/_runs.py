@@ -399,9 +399,9 @@ def slow_snapshot(seconds: float):
 
     original = AsyncSaver._snapshot
 
-    def late(self, engine, mine):
+    def late(self, *args):
         time.sleep(seconds)
-        return original(self, engine, mine)
+        return original(self, *args)
 
     AsyncSaver._snapshot = late
     try:

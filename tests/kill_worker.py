@@ -1,6 +1,7 @@
 """Train 9 steps saving at 3 and 6; die (os._exit, no clean-up: what SIGKILL leaves) at POINT during the
 step-6 save.   python tests/kill_worker.py RUN_DIR POINT"""
 
+import dataclasses
 import os
 import sys
 
@@ -15,7 +16,7 @@ from _runs import train  # noqa: E402
 
 KILLED = 137
 state = {"saves": 0}
-ORIGINAL_WRITE_SHARD = writer.write_shard
+ORIGINAL_WRITE_RANGES = writer.write_ranges
 
 
 def die():
@@ -33,11 +34,10 @@ def during_second_save(fn, on_call=1, before=None):
     return wrapper
 
 
-def half_file_then_die(path, tensors):
-    ORIGINAL_WRITE_SHARD(path, tensors)
-    data = open(path, "rb").read()
-    with open(path, "wb") as f:
-        f.write(data[: len(data) // 2])
+def half_file_then_die(path, file, rank, tensors):
+    """In the middle of writing a shared file in place: the file exists at its final size with its header and the
+    first half of its ranges; the rest is never written."""
+    ORIGINAL_WRITE_RANGES(path, dataclasses.replace(file, items=file.items[: len(file.items) // 2]), rank, tensors)
     die()
 
 
@@ -57,8 +57,8 @@ def async_points() -> dict:
     def patch(name, wrapper):
         return lambda: setattr(writer, name, wrapper(getattr(writer, name)))
     return {
-        "async-between-shards": patch("write_shard", lambda f: during_second_save(f, 3)),
-        "async-mid-file": patch("write_shard", lambda f: during_second_save(f, 2, before=half_file_then_die)),
+        "async-between-shards": patch("write_ranges", lambda f: during_second_save(f, 3)),
+        "async-mid-file": patch("write_ranges", lambda f: during_second_save(f, 2, before=half_file_then_die)),
         "async-before-manifest": lambda: setattr(save, "write_manifest", during_second_save(save.write_manifest)),
         "async-before-rename": lambda: setattr(save, "commit", during_second_save(save.commit)),
     }
@@ -72,10 +72,10 @@ def count_saves(fn):
 
 
 POINTS = {
-    "before-first-shard": lambda: setattr(writer, "write_shard", during_second_save(writer.write_shard, 1)),
-    "between-shards": lambda: setattr(writer, "write_shard", during_second_save(writer.write_shard, 3)),
-    "mid-file": lambda: setattr(writer, "write_shard", during_second_save(writer.write_shard, 2,
-                                                                          before=half_file_then_die)),
+    "before-first-shard": lambda: setattr(writer, "write_ranges", during_second_save(writer.write_ranges, 1)),
+    "between-shards": lambda: setattr(writer, "write_ranges", during_second_save(writer.write_ranges, 3)),
+    "mid-file": lambda: setattr(writer, "write_ranges", during_second_save(writer.write_ranges, 2,
+                                                                            before=half_file_then_die)),
     "before-extras": lambda: setattr(integration, "_move_in", during_second_save(integration._move_in)),
     "before-index": lambda: setattr(save, "write_index", during_second_save(save.write_index, 1)),
     "between-indexes": lambda: setattr(save, "write_index", during_second_save(save.write_index, 2)),

@@ -27,14 +27,14 @@ def test_async_checkpoints_are_complete_and_resume_exactly(tmp_path):
 
 
 def _fail_writes_of(step: int, monkeypatch):
-    real = writer_module.write_shard
+    real = writer_module.write_ranges
 
-    def write_shard(path, tensors):
+    def write_ranges(path, *args):
         if f".checkpoint-{step}." in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, tensors)
+        return real(path, *args)
 
-    monkeypatch.setattr(writer_module, "write_shard", write_shard)
+    monkeypatch.setattr(writer_module, "write_ranges", write_ranges)
 
 
 @pytest.mark.parametrize("failing_step,surfaces_at", [(6, "end of training"), (3, "the next save")])

@@ -94,17 +94,17 @@ def test_runs_compute_alike_whatever_threads_the_caller_set(tmp_path, monkeypatc
 
 def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch):
     record_fault("ENOSPC (sync)", survived=False)
-    real = writer_module.write_shard
+    real = writer_module.write_ranges
     written = []
 
-    def failing(path, tensors):
+    def failing(path, *args):
         if ".checkpoint-6." in str(path) and len(written) == 2:  # second save, after two of its files
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         if ".checkpoint-6." in str(path):
             written.append(path)
-        return real(path, tensors)
+        return real(path, *args)
 
-    monkeypatch.setattr(writer_module, "write_shard", failing)
+    monkeypatch.setattr(writer_module, "write_ranges", failing)
     with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
         train(tmp_path, max_steps=6, save_steps=3, unified_checkpoint_max_shard_size="40KB")
     assert "No space left on device" in str(e.value) and "checkpoint-6" in str(e.value)

@@ -261,6 +261,60 @@ def test_file_plan_is_the_file_save_file_writes(tmp_path):
     assert files[[f.name for f in files].index(plan.weight_map["w"])].header_rank == 2
 
 
+def test_ranks_writing_their_pieces_in_place_make_the_file_save_file_writes(tmp_path):
+    """Three ranks write their own ranges of shared files in place (uneven pieces, an empty one, a tensor no rank
+    holds in pieces written whole by the header rank, bf16 beside fp32): every file is byte for byte what
+    safetensors' `save_file` writes, and the CRC-32 combined from the ranks' range records is the file's."""
+    from safetensors.torch import save_file
+
+    from hf_unified_ckpt.planning import file_plans, tiling
+    from hf_unified_ckpt.storage.files import file_crc32
+    from hf_unified_ckpt.storage.files import combine_ranges
+    from hf_unified_ckpt.storage.writer import write_ranges
+
+    tensors = {"w": torch.randn(7, 3), "v": torch.randn(11).to(torch.bfloat16), "b": torch.randn(5),
+               "m/step": torch.tensor(4.0)}
+    bounds = {"w": [(0, 0, 9), (1, 9, 0), (2, 9, 12)], "v": [(2, 0, 4), (0, 4, 7)], "b": [(1, 0, 5)]}
+    pieces = {n: tiling(tensors[n].numel(), b) for n, b in bounds.items()}
+    assert pieces["w"] == ((0, 0, 9), (2, 9, 12)) and pieces["v"] == ((2, 0, 4), (0, 4, 7))
+    plan = plan_component("optimizer", [TensorSpec.of(n, t) for n, t in tensors.items()], writers=3,
+                          max_shard_size=80)
+    records = []
+    for file in file_plans(plan, pieces):
+        assert set(file.whole_names) == {"m/step"} & set(file.tensor_names)
+        for rank in sorted(file.writers):
+            mine = {n: tensors[n].reshape(-1)[first:first + count] for n, held in file.pieces.items()
+                    for r, first, count in held if r == rank}
+            if rank == file.header_rank:
+                mine.update({n: tensors[n] for n in file.whole_names})
+            records += write_ranges(tmp_path / file.name, file, rank, mine)
+        save_file({n: tensors[n] for n in file.tensor_names}, str(tmp_path / "ref.safetensors"),
+                  metadata={"format": "pt"})
+        assert (tmp_path / file.name).read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    combined = combine_ranges({f.name: f.size for f in file_plans(plan, pieces)}, records)
+    assert len(combined) == len(plan.files) >= 2
+    for record in combined:
+        assert record.crc32 == file_crc32(tmp_path / record.name)
+        assert record.size == (tmp_path / record.name).stat().st_size
+
+
+def test_pieces_that_do_not_tile_are_assembled_and_bad_ranges_fail_the_save():
+    """Overlapping pieces (replicas: HSDP, a tensor-parallel shard held by every data-parallel rank), gaps or a
+    short cover are not written in place; range records that leave a hole or write twice fail the save."""
+    from hf_unified_ckpt.planning import tiling
+    from hf_unified_ckpt.storage.files import RangeRecord, combine_ranges
+
+    assert tiling(10, [(0, 0, 5), (1, 0, 5), (2, 5, 5), (3, 5, 5)]) is None  # two replicas of two shards
+    assert tiling(10, [(0, 0, 4), (1, 5, 5)]) is None and tiling(10, [(0, 0, 9)]) is None
+    assert tiling(0, []) is None and tiling(10, [(1, 0, 10)]) == ((1, 0, 10),)
+    with pytest.raises(RuntimeError, match=r"bytes \[4, 6\) unwritten"):
+        combine_ranges({"f": 10}, [RangeRecord("f", 0, 4, 0), RangeRecord("f", 6, 4, 0)])
+    with pytest.raises(RuntimeError, match="written twice"):
+        combine_ranges({"f": 10}, [RangeRecord("f", 0, 6, 0), RangeRecord("f", 4, 6, 0)])
+    with pytest.raises(RuntimeError, match="wrote 8 bytes of the 10"):
+        combine_ranges({"f": 10}, [RangeRecord("f", 0, 8, 0)])
+
+
 def test_scheduler_state_follows_the_matched_param_groups():
     """A scheduler saved with DeepSpeed's one group resumes over DDP/FSDP's two (the empty group keeps its own
     values), and back; torch's schedulers refuse per-group lists of another length."""

@@ -19,6 +19,18 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class Fragment:
+    """What this rank holds of one tensor: elements `[start, start + values.numel())` of its flattened full
+    tensor of shape `shape` (`values`: a 1-D view of the live data); `replicated` when every rank holds the whole
+    tensor."""
+
+    shape: tuple[int, ...]
+    start: int
+    values: torch.Tensor
+    replicated: bool = False
+
+
+@dataclass(frozen=True)
 class LoadSources:
     """What an engine loads from: a reader per component name, and the global step.
 
@@ -49,6 +61,11 @@ class EngineAdapter(Protocol):
     every rank computes the same plan. `preferred_owners` and `exchange` (which assembles one file's tensors on the rank `owner` that
     writes it) may be collectives on sharded engines: all ranks call them in the same order. After `exchange`,
     `tensors` only reads what this rank holds, and may run in a writer thread.
+
+    `fragments` lists the tensors of a component that are split over the ranks in contiguous ranges of their
+    flattened elements (one range per rank, possibly empty), with this rank's range: the shared-file writer writes
+    those in place, with no exchange. It reads only what this rank holds (no collective) and must describe the
+    same split on every call of one save.
     """
 
     engine: str
@@ -64,6 +81,8 @@ class EngineAdapter(Protocol):
     def exchange(self, component: str, names: Sequence[str], owner: int) -> None: ...
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
+
+    def fragments(self, component: str, names: Sequence[str] | None = None) -> dict[str, Fragment]: ...
 
     def optimizer_metadata(self) -> dict: ...
 

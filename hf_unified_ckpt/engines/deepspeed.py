@@ -34,7 +34,7 @@ from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_s
 from ..planning import TensorSpec
 from ..storage.reader import read_flat_range
 from ..storage.safetensors_io import ComponentReader
-from .base import component_source
+from .base import Fragment, component_source
 
 logger = logging.getLogger(__name__)
 
@@ -351,15 +351,39 @@ class DeepSpeedEngine:
         _, p, key = source
         return p._hp_mapping.get_hp_fragment(key).view(p.shape)
 
+    def fragments(self, component: str, names: Sequence[str] | None = None) -> dict[str, Fragment]:
+        """This rank's piece of every tensor of `component` that DeepSpeed splits over the ranks: the fp32
+        fragments of ZeRO-1/2 (master weights, optimizer state) and the partitions of ZeRO-3 (weights too); views
+        of the live flat buffers. Buffers, scalars and ZeRO-1/2's whole weights are not listed. Local only."""
+        names = [s.name for s in self.specs(component)] if names is None else names
+        out = {}
+        for name in names:
+            source = self._source(component, name)
+            if source[0] == "hp" or (source[0] == "lp" and self.stage == 3):
+                out[name] = self._piece(source)
+        return out
+
+    def _piece(self, source: tuple) -> Fragment:
+        p, key = source[1], (source[2] if source[0] == "hp" else None)
+        if self.stage == 3:
+            from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+            _, start, count = self._partition(p)
+            flat = (p.ds_tensor.data if source[0] == "lp" else safe_get_local_fp32_param(p) if key is None
+                    else safe_get_local_optimizer_state(p, key))
+            return Fragment(tuple(p.ds_shape), start, flat.reshape(-1)[:count])
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is None:
+            return Fragment(tuple(p.shape), 0, torch.empty(0, dtype=torch.float32))
+        return Fragment(tuple(p.shape), mapping.lp_fragment_address.start, mapping.get_hp_fragment(key).reshape(-1))
+
     def write_configs(self, folder) -> None:
         write_model_configs(self.module, folder)
 
     def parameter_fragments(self) -> dict:
         """This rank's fp32 fragment (ZeRO-1/2) or partition (ZeRO-3) of every trainable parameter, as
-        `ema.Fragment`s keyed like the weights files (an empty one where it holds none, so every rank lists every
+        `Fragment`s keyed like the weights files (an empty one where it holds none, so every rank lists every
         parameter). Local only."""
-        from ..ema import Fragment
-
         out = {}
         for name, p in self._trainable():
             key = self._weight_key.get(name, name)
@@ -397,6 +421,8 @@ class DeepSpeedEngine:
             raise UnsupportedCheckpointError(f"the checkpoint has no weights for {count_and_first(missing)}; "
                                              "build the same "
                                              "architecture as the run that saved it.")
+        if self.stage == 3:
+            self._release_gathered()
         # master weights (or the model weights standing in for them) are keyed like the weights files
         for name, p in self._named:  # a PEFT model's base weights are not in the checkpoint: they stay as built
             if name in self._weight_key:
@@ -411,6 +437,16 @@ class DeepSpeedEngine:
             self._load_optimizer(optimizer)  # a resume: the engine's counters follow the checkpoint
             self.ds.global_steps = sources.global_step
             self.ds.global_samples = sources.global_step * self.ds.train_batch_size()
+
+    def _release_gathered(self) -> None:
+        """ZeRO-3: drop the full copies of parameters that are gathered now (small ones below
+        `stage3_param_persistence_threshold` stay gathered between steps), as DeepSpeed's own `partition` does; the
+        next forward gathers them again from the partitions this load writes. Local only."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        gathered = [p for _, p in self._named if p.ds_status == ZeroParamStatus.AVAILABLE]
+        if gathered:
+            gathered[0].partition(param_list=gathered, has_been_updated=False)
 
     def _partition(self, p) -> tuple[int, int, int]:
         """ZeRO-3: (padded partition size, first element, element count) of this rank's partition of `p`."""

@@ -22,7 +22,7 @@ from ..hf_model import naming_policy, write_model_configs
 from ..names import optimizer_key, split_optimizer_key
 from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder
 from ..planning import TensorSpec
-from .base import component_source
+from .base import Fragment, component_source
 
 
 def _is_sharded(t) -> bool:
@@ -48,6 +48,31 @@ def local_chunks(t) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor
     if isinstance(t, ShardedTensor):
         return [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor) for s in t.local_shards()]
     return [(tuple(0 for _ in t.shape), tuple(t.shape), t)]
+
+
+def row_fragment(t) -> Fragment | None:
+    """This rank's part of `t` as a `Fragment` when `t` is sharded by blocks of whole rows (FSDP2's Shard(0) on
+    its mesh, FSDP1's row-sharded ShardedTensor): one contiguous range of its flattened elements (empty where this
+    rank holds no row). None for a tensor that is not sharded, or sharded some other way. Local only."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if not _is_sharded(t) or t.dim() == 0:
+        return None
+    shape = _global_shape(t)
+    if isinstance(t, ShardedTensor):
+        pieces = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor) for s in t.local_shards()]
+    else:
+        local = t.to_local()
+        pieces = [(tuple(c.offsets), tuple(c.sizes), local) for c in t.__create_chunk_list__()]
+    pieces = [p for p in pieces if p[2].numel()]
+    if not pieces:
+        return Fragment(shape, 0, torch.empty(0, dtype=t.dtype))
+    if len(pieces) > 1:
+        return None
+    offsets, sizes, local = pieces[0]
+    if tuple(sizes[1:]) != shape[1:] or any(offsets[1:]):
+        return None
+    return Fragment(shape, offsets[0] * int(torch.Size(shape[1:]).numel()), local.detach().reshape(-1))
 
 
 def _full_on(t, owner: int) -> torch.Tensor | None:
@@ -183,6 +208,16 @@ class FSDPEngine:
                 if full is not None:
                     self._cache[(component, name)] = full.detach().cpu()
 
+    def fragments(self, component: str, names: Sequence[str] | None = None) -> dict[str, Fragment]:
+        """This rank's rows of every tensor of `component` sharded by whole rows (`row_fragment`). Local only."""
+        source = self._source(component)
+        out = {}
+        for name in source if names is None else names:
+            fragment = row_fragment(source[name]) if torch.is_tensor(source[name]) else None
+            if fragment is not None:
+                out[name] = fragment
+        return out
+
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Tensors this rank writes (after `exchange`); local reads only."""
         source = self._source(component)
@@ -193,10 +228,8 @@ class FSDPEngine:
         return out
 
     def parameter_fragments(self) -> dict:
-        """This rank's rows of every trainable FSDP2 parameter (its DTensor's local shard), as `ema.Fragment`s
+        """This rank's rows of every trainable FSDP2 parameter (its DTensor's local shard), as `Fragment`s
         (an empty one where it holds no row). Local only."""
-        from ..ema import Fragment
-
         if self.version != 2:
             raise UnsupportedCheckpointError("an EMA of the weights needs FSDP2 (fsdp_version 2) under FSDP; FSDP1's "
                                              "flat parameters are not supported. Use FSDP2 or drop the word 'ema'.")

@@ -16,7 +16,7 @@ from ..hf_model import is_peft_model, model_state_for_save, naming_policy, param
 from ..optim_state import flatten_optimizer_state, unflatten_optimizer_state
 from ..planning import TensorSpec
 from ..storage.safetensors_io import ComponentReader
-from .base import component_source
+from .base import Fragment, component_source
 
 
 class ReplicatedEngine:
@@ -77,13 +77,15 @@ class ReplicatedEngine:
         source = self._source(component)
         return {n: source[n] for n in names}
 
+    def fragments(self, component: str, names: Sequence[str] | None = None) -> dict[str, Fragment]:
+        """None: every rank holds every tensor whole."""
+        return {}
+
     def optimizer_metadata(self) -> dict:
         return self._optimizer_flat()[1]
 
     def parameter_fragments(self) -> dict:
-        """Every trainable parameter, whole (every rank holds it), as `ema.Fragment`s. Local only."""
-        from ..ema import Fragment
-
+        """Every trainable parameter, whole (every rank holds it), as `Fragment`s. Local only."""
         return {self.naming.weight_key(n) or self._names[id(p)]: Fragment(tuple(p.shape), 0, p.detach().reshape(-1),
                                                                           replicated=True)
                 for n, p in self.module.named_parameters() if p.requires_grad}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,36 @@ class FileRecord:
 
     def as_dict(self) -> dict:
         return {"size": self.size, CHECKSUM_ALGORITHM: self.crc32}
+
+
+@dataclass(frozen=True)
+class RangeRecord:
+    """One byte range `[offset, offset + length)` of file `name` that one rank wrote, with its CRC-32."""
+
+    name: str
+    offset: int
+    length: int
+    crc32: int
+
+
+def combine_ranges(sizes: Mapping[str, int], records: Iterable[RangeRecord]) -> list[FileRecord]:
+    """The record of every file in `sizes` (name -> planned size) from the ranges all ranks wrote of it, after
+    checking that they tile the file exactly (a gap or an overlap is a bug in the plan: the save fails)."""
+    by_file: dict[str, list[RangeRecord]] = {name: [] for name in sizes}
+    for record in records:
+        by_file[record.name].append(record)
+    out = []
+    for name, ranges in by_file.items():
+        crc, end = 0, 0
+        for r in sorted(ranges, key=lambda r: r.offset):
+            if r.offset != end:
+                raise RuntimeError(f"{name}: the ranks' writes leave bytes [{min(end, r.offset)}, "
+                                   f"{max(end, r.offset)}) {'unwritten' if r.offset > end else 'written twice'}.")
+            crc, end = crc32_combine(crc, r.crc32, r.length), end + r.length
+        if end != sizes[name]:
+            raise RuntimeError(f"{name}: the ranks wrote {end} bytes of the {sizes[name]} planned.")
+        out.append(FileRecord(name, end, f"{crc:08x}"))
+    return out
 
 
 def check_plain_name(name: str, where: str) -> str:
@@ -48,29 +80,38 @@ def file_crc32(path: str | os.PathLike) -> str:
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks)."""
-    def times(matrix: list[int], vector: int) -> int:
-        out, i = 0, 0
-        while vector:
-            if vector & 1:
-                out ^= matrix[i]
-            vector >>= 1
-            i += 1
-        return out
-
-    def square(matrix: list[int]) -> list[int]:
-        return [times(matrix, matrix[n]) for n in range(32)]
-
-    operator = [0xEDB88320] + [1 << n for n in range(31)]  # appends one zero bit
-    for _ in range(3):
-        operator = square(operator)  # one zero byte
-    while len2 > 0:
+    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks): crc(A)
+    shifted over len(B) zero bytes, XOR crc(B). The shift is a product of GF(2) 32x32 matrices, one per set bit of
+    len(B), each the zero-byte operator squared k times (computed once per process)."""
+    k = 0
+    while len2:
         if len2 & 1:
-            crc1 = times(operator, crc1)
+            crc1 = _gf2_times(_zeros_operator(k), crc1)
         len2 >>= 1
-        if len2:
-            operator = square(operator)
+        k += 1
     return crc1 ^ crc2
+
+
+def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+@functools.cache
+def _zeros_operator(k: int) -> tuple[int, ...]:
+    """The operator that appends 2**k zero bytes to a CRC-32 register."""
+    if k == 0:
+        bit = (0xEDB88320,) + tuple(1 << n for n in range(31))  # appends one zero bit
+        for _ in range(3):
+            bit = tuple(_gf2_times(bit, bit[n]) for n in range(32))
+        return bit
+    half = _zeros_operator(k - 1)
+    return tuple(_gf2_times(half, half[n]) for n in range(32))
 
 
 def fsync_file(path: str | os.PathLike) -> None:

@@ -7,6 +7,7 @@ every file it lists is present with the recorded size (and checksum, when checke
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .files import CHECKSUM_ALGORITHM, FileRecord, check_plain_name, file_crc32, read_json, write_json
+from .files import (CHECKSUM_ALGORITHM, FileRecord, RangeRecord, check_plain_name, combine_ranges, read_json,
+                    write_json)
 from .headers import read_safetensors_header
 
 MANIFEST_NAME = "unified_checkpoint.json"
@@ -105,21 +107,73 @@ def read_manifest(folder: str | os.PathLike) -> dict:
     return manifest
 
 
+#: Files are checksummed in ranges of this many bytes, spread over threads and ranks, then combined.
+VERIFY_CHUNK = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes `[offset, offset + length)` of file `name`, checksummed as one task."""
+
+    name: str
+    offset: int
+    length: int
+
+
+def chunks_of(sizes: Mapping[str, int], chunk: int = VERIFY_CHUNK) -> list[Chunk]:
+    """Every file of `sizes` (name -> recorded size) cut into ranges of at most `chunk` bytes, biggest first."""
+    out = [Chunk(n, offset, min(chunk, size - offset)) for n, size in sizes.items()
+           for offset in range(0, max(size, 1), chunk)]
+    return sorted(out, key=lambda c: (-c.length, c.name, c.offset))
+
+
 def verify_folder(folder: str | os.PathLike, manifest: Mapping, names: Iterable[str] | None = None,
                   checksums: bool = True, show_progress: bool = False) -> list[str]:
     """Check the listed files (all by default): present, of the recorded size, checksum matching, safetensors
     headers well formed and index entries plain names. Returns one message per problem (empty = good)."""
-    folder = Path(folder)
     table = manifest["files"]
-    todo = sorted(names if names is not None else table, key=lambda n: -table[n]["size"])  # big files first
-    with ThreadPoolExecutor(max_workers=_verify_threads()) as pool:  # CRC-32 releases the GIL
-        results = pool.map(lambda n: _check_file(folder, n, table, checksums), todo)
+    names = sorted(names if names is not None else table)
+    chunks = chunks_of({n: table[n]["size"] for n in names}) if checksums else []
+    problems, records = check_share(folder, table, names, chunks, show_progress)
+    return sorted(problems + checksum_problems(table, records))
+
+
+def check_share(folder: str | os.PathLike, table: Mapping, names: Iterable[str], chunks: Iterable[Chunk],
+                show_progress: bool = False) -> tuple[list[str], list[RangeRecord]]:
+    """One process's share of a verification: the size, header and index checks of `names`, and the CRC-32 of
+    each range in `chunks` (of files whose size is the recorded one), on a pool of threads (CRC-32 and reads
+    release the GIL). Returns the problems and the range records (`checksum_problems` combines everyone's)."""
+    folder = Path(folder)
+    tasks = [("file", n) for n in names] + [("chunk", c) for c in chunks]
+    with ThreadPoolExecutor(max_workers=_verify_threads()) as pool:
+        results = pool.map(lambda t: _check_file(folder, t[1], table) if t[0] == "file" else
+                           _checksum(folder, t[1], table[t[1].name]["size"]), tasks)
         if show_progress:
             from tqdm.auto import tqdm  # here: tqdm.auto takes a tenth of the command line's start-up
 
-            results = tqdm(results, total=len(todo), desc=f"Verifying {folder.name}", unit="file")
-        problems = [p for found in results for p in found]
-    return sorted(problems)
+            results = tqdm(results, total=len(tasks), desc=f"Verifying {folder.name}", unit="part")
+        done = list(results)
+    problems = [p for (kind, _), found in zip(tasks, done) if kind == "file" for p in found]
+    records = [r for (kind, _), r in zip(tasks, done) if kind == "chunk" and r is not None]
+    return problems, records
+
+
+def checksum_problems(table: Mapping, records: Iterable[RangeRecord]) -> list[str]:
+    """Compare each file's CRC-32, combined from the ranges checksummed of it (by any rank), with the recorded
+    one. A file whose ranges do not cover it (its size is wrong: reported by the size check) is skipped."""
+    by_file: dict[str, list[RangeRecord]] = {}
+    for record in records:
+        by_file.setdefault(record.name, []).append(record)
+    problems = []
+    for name, ranges in sorted(by_file.items()):
+        try:
+            (actual,) = combine_ranges({name: table[name]["size"]}, ranges)
+        except RuntimeError:
+            continue
+        if actual.crc32 != table[name].get(CHECKSUM_ALGORITHM):
+            problems.append(f"{name}: {CHECKSUM_ALGORITHM} {actual.crc32} does not match the recorded "
+                            f"{table[name].get(CHECKSUM_ALGORITHM)} (the bytes changed after the save)")
+    return problems
 
 
 def _verify_threads() -> int:
@@ -127,18 +181,33 @@ def _verify_threads() -> int:
     return max(1, min(8, per_process))
 
 
-def _check_file(folder: Path, name: str, table: Mapping, checksums: bool) -> list[str]:
-    expected = table[name]
+def _check_file(folder: Path, name: str, table: Mapping) -> list[str]:
     path = folder / name
-    problem = size_problem(name, path.stat().st_size if path.is_file() else None, expected["size"])
-    if problem:
-        return [problem]
-    if checksums:
-        actual = file_crc32(path)
-        if actual != expected.get(CHECKSUM_ALGORITHM):
-            return [f"{name}: {CHECKSUM_ALGORITHM} {actual} does not match the recorded "
-                    f"{expected.get(CHECKSUM_ALGORITHM)} (the bytes changed after the save)"]
-    return _check_content(path, table)
+    problem = size_problem(name, path.stat().st_size if path.is_file() else None, table[name]["size"])
+    return [problem] if problem else _check_content(path, table)
+
+
+def _checksum(folder: Path, chunk: Chunk, size: int) -> RangeRecord | None:
+    """The CRC-32 of one range, None when the file is missing or not of its recorded `size`."""
+    try:
+        fd = os.open(folder / chunk.name, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        crc, done = 0, 0
+        while done < chunk.length:
+            data = os.pread(fd, min(_READ_BYTES, chunk.length - done), chunk.offset + done)
+            if not data:
+                return None
+            crc, done = zlib.crc32(data, crc), done + len(data)
+        return RangeRecord(chunk.name, chunk.offset, chunk.length, crc)
+    finally:
+        os.close(fd)
+
+
+_READ_BYTES = 16 * 2**20
 
 
 def size_problem(name: str, size: int | None, expected: int) -> str:

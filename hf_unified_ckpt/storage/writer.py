@@ -2,25 +2,32 @@
 
 The save loop (`save.py`) is the same for every strategy and for sync and async saves: every rank walks the files
 of the plan in the same order, the strategy assembles what it needs for each file (a collective on sharded
-engines), and the files this rank takes part in are handed to `write` (in a writer thread, or in the background
-after a snapshot).
+engines), hands the tensors this rank writes to `local_tensors`, and `write` puts them on disk (in a writer thread,
+or in the background after a snapshot).
 
-- `WholeFileWriter` (the strategy in use): each file is written whole by the one rank its write items name, with
-  safetensors' own `save_file` (see `safetensors_io.write_shard`); sharded engines first assemble its tensors on
-  that rank with `engine.exchange`.
-
-A strategy in which every rank writes its own byte ranges of shared files (the planned header, then its
-`WriteItem`s at their offsets, no assembly) is another class with these three methods, not another save loop.
+- `SharedFileWriter` (every rank sees one folder): every rank writes the byte ranges it holds straight into the
+  shared files at their planned offsets. The header rank creates the file at its final size and writes the header;
+  every writer opens it without truncating, `pwrite`s its items, and fsyncs it. Sharded tensors (`FilePlan.pieces`)
+  never cross ranks; only what no rank holds whole in one piece (other layouts, codec-encoded tensors) is assembled
+  on the header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
+  range it wrote; rank 0 combines them into the file's record (`combine_ranges`), checking they tile the file.
+- `WholeFileWriter` (machine-local folders: a rank cannot write into another machine's file): each file is written
+  whole by its one writer with safetensors' own `save_file` (`safetensors_io.write_shard`), after its tensors were
+  assembled there.
 """
 
 from __future__ import annotations
 
+import os
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from ..planning import FilePlan
-from .files import FileRecord
+import torch
+
+from ..planning import FilePlan, WriteItem
+from .files import FileRecord, RangeRecord
 from .safetensors_io import write_shard
 
 
@@ -33,8 +40,12 @@ class StorageWriter(Protocol):
     def writes(self, file: FilePlan, rank: int) -> bool:
         """Whether `rank` writes (part of) `file`."""
 
-    def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> FileRecord:
-        """Write this rank's part of `file` into `folder` from `tensors` (name -> tensor); local I/O only."""
+    def local_tensors(self, engine, file: FilePlan) -> dict[str, torch.Tensor]:
+        """What this rank writes of `file` (after `assemble`), by stored name: whole tensors, or the 1-D piece this
+        rank holds of a tensor in `file.pieces`. Local reads only (may run in a writer thread)."""
+
+    def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
+        """Write this rank's part of `file` into `folder` from `local_tensors`' result; local I/O only."""
 
 
 class WholeFileWriter:
@@ -47,11 +58,78 @@ class WholeFileWriter:
     def writes(self, file: FilePlan, rank: int) -> bool:
         return owner_of(file) == rank
 
-    def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> FileRecord:
-        return write_shard(Path(folder) / file.name, file.stored_tensors(dict(tensors)))
+    def local_tensors(self, engine, file: FilePlan) -> dict[str, torch.Tensor]:
+        return engine.tensors(file.component, file.tensor_names)
+
+    def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
+        return [write_shard(Path(folder) / file.name, file.stored_tensors(dict(tensors)))]
 
 
 def owner_of(file: FilePlan) -> int:
     """The one rank that writes `file` whole: its header's writer, which every write item names."""
     assert file.writers <= {file.header_rank}, f"{file.name} has several writers; WholeFileWriter writes files whole"
     return file.header_rank
+
+
+class SharedFileWriter:
+    """Every rank writes its own byte ranges of the shared files in place (see the module docstring)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def assemble(self, engine, file: FilePlan) -> None:
+        """Assemble on the header rank the tensors it writes whole (engines skip those it already holds whole).
+        Collective: all ranks must call it, in plan order."""
+        engine.exchange(file.component, file.whole_names, file.header_rank)
+
+    def writes(self, file: FilePlan, rank: int) -> bool:
+        return rank in file.writers
+
+    def local_tensors(self, engine, file: FilePlan) -> dict[str, torch.Tensor]:
+        out = {}
+        if self.rank == file.header_rank and file.whole_names:
+            out.update(file.stored_tensors(engine.tensors(file.component, file.whole_names)))
+        mine = [n for n in file.pieces if any(r == self.rank and count for r, _, count in file.pieces[n])]
+        if mine:
+            out.update({n: f.values for n, f in engine.fragments(file.component, mine).items()})
+        return out
+
+    def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
+        return write_ranges(Path(folder) / file.name, file, self.rank, tensors)
+
+
+def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> list[RangeRecord]:
+    """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in `path`, created
+    if missing and never truncated, then fsync it. Returns one record per range written."""
+    head = file.header_bytes
+    items = file.items_of(rank)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        records = []
+        if rank == file.header_rank:
+            os.ftruncate(fd, file.size)
+            records.append(_pwrite(fd, file.name, head, 0))
+        for item in items:
+            records.append(_pwrite(fd, file.name, _item_bytes(item, tensors[item.name]), len(head) + item.start))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return records
+
+
+def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()) if tensor.nbytes else memoryview(b"")
+    if len(data) != item.end - item.start:
+        raise ValueError(f"{item.name}: rank {item.rank} holds {len(data)} bytes of the {item.end - item.start} it "
+                         "was planned to write; the engine's shards changed after the save was planned.")
+    return data
+
+
+def _pwrite(fd: int, name: str, data, offset: int) -> RangeRecord:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return RangeRecord(name, offset, len(view), zlib.crc32(view))
