@@ -266,6 +266,9 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("die_at_commit"):
         with die_at_commit(*run["die_at_commit"]):
             return run_spec({k: v for k, v in run.items() if k != "die_at_commit"}, world_size)
+    if run.get("die_mid_write"):
+        with die_mid_write(*run["die_mid_write"]):
+            return run_spec({k: v for k, v in run.items() if k != "die_mid_write"}, world_size)
     overrides = dict(run.get("overrides", {}))
     model = run.get("model", "llama")
     if run.get("zero"):
@@ -431,6 +434,31 @@ def die_at_commit(when: str, nth: int):
         yield
     finally:
         save_module.commit = original
+
+
+@contextlib.contextmanager
+def die_mid_write(rank: int, step: int):
+    """Rank `rank` dies as under kill -9 in the middle of its first in-place write into a file that several ranks
+    write, in the save of `step`: the file exists (at its final size, if the header rank got there first) with half
+    of this rank's ranges written; the other ranks are stopped by the launcher."""
+    import dataclasses
+
+    import hf_unified_ckpt.storage.writer as writer
+
+    original = writer.write_ranges
+
+    def dying(path, file, r, tensors):
+        if r == rank and f".checkpoint-{step}." in str(path) and len(file.writers) > 1:
+            mine = file.items_of(r)
+            original(path, dataclasses.replace(file, items=tuple(mine[: max(1, len(mine) // 2)])), r, tensors)
+            os._exit(9)
+        return original(path, file, r, tensors)
+
+    writer.write_ranges = dying
+    try:
+        yield
+    finally:
+        writer.write_ranges = original
 
 
 #: The decoder layer class of each test model: one FSDP unit each.

@@ -46,12 +46,17 @@ def fsdp_runs(tmp_path_factory):
              for w in (1, 2, 3)}
     chain = {w: [_spec(tmp, kind, f"chain-{kind}", resume, **LONG) for kind, ww, resume in CHAIN
                  if ww == w and kind != "single"] for w in (2, 3)}
+    killed = {**_spec(tmp, "f2", "killed"), "die_mid_write": [1, 6]}
+    out = {"killed": torchrun(2, [killed], tmp, expect_failure=True)}
+    out["killed-staging"] = sorted(p.name for p in (tmp / "killed" / ".checkpoint-6.incomplete").glob("*.safetensors"))
+    out["killed-six"] = detect_layout(tmp / "killed" / "checkpoint-6").kind  # before the resumed run writes it
+    resumed = {**_spec(tmp, "f2", "killed-resumed"), "output_dir": str(tmp / "killed"), "resume": True}
     torchrun(2, [_spec(tmp, name, name) for name in SAVERS] + cells[2] + chain[2][:1], tmp)
-    torchrun(3, cells[3] + chain[3], tmp)
+    torchrun(3, cells[3] + chain[3] + [resumed], tmp)
     torchrun(2, chain[2][1:], tmp)
     torchrun(1, cells[1], tmp)
-    out = {}
-    for tag in list(SAVERS) + [_tag(c) for c in CELLS if c[1] != "single"] + [f"chain-{k}" for k, _, _ in CHAIN[:-1]]:
+    for tag in (["killed-resumed"] + list(SAVERS) + [_tag(c) for c in CELLS if c[1] != "single"]
+                + [f"chain-{k}" for k, _, _ in CHAIN[:-1]]):
         out[tag] = torch.load(tmp / f"{tag}.pt", weights_only=False)
     for c in CELLS:
         if c[1] == "single":
@@ -72,6 +77,18 @@ def test_fsdp_resume_matches_uninterrupted(fsdp_runs, cell):
     saved_by, resumed_as, world = cell
     exact = world == 2 and (saved_by == resumed_as or (saved_by, resumed_as) == ("f1", "f2"))
     _compare(out[_tag(cell)], out[saved_by], (4, 5, 6), exact)
+
+
+@pytest.mark.dist
+def test_rank_killed_in_the_middle_of_a_shared_file_write(fsdp_runs):
+    """FSDP2 x 2 writes its shards in place into shared files; rank 1 dies (kill -9) half-way through its ranges
+    of the step-6 save. Nothing of step 6 is committed, the partly written file stays in the staging folder only,
+    and `resume_from_checkpoint=True` at 3 ranks picks checkpoint-3 and continues as the uninterrupted run."""
+    tmp, out = fsdp_runs
+    assert out["killed"].returncode != 0 and out["killed-staging"], out["killed"].stderr[-3000:]
+    assert out["killed-six"] == "unknown"  # no checkpoint-6 folder at all
+    assert out["killed-resumed"]["global_step"] == 6
+    _compare(out["killed-resumed"], out["f2"], (4, 5, 6), exact=False)
 
 
 @pytest.mark.dist
