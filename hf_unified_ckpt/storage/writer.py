@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
@@ -100,18 +101,21 @@ class SharedFileWriter:
 
 def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> list[RangeRecord]:
     """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in `path`, created
-    if missing and never truncated, then fsync it. Returns one record per range written."""
+    if missing and never truncated, then fsync it. While a helper thread waits for the disk (fsync releases the
+    GIL), this thread computes each range's CRC-32 from memory. Returns one record per range written."""
     head = file.header_bytes
-    items = file.items_of(rank)
+    ranges = [(0, memoryview(head))] if rank == file.header_rank else []
+    ranges += [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in file.items_of(rank)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        records = []
         if rank == file.header_rank:
             os.ftruncate(fd, file.size)
-            records.append(_pwrite(fd, file.name, head, 0))
-        for item in items:
-            records.append(_pwrite(fd, file.name, _item_bytes(item, tensors[item.name]), len(head) + item.start))
-        os.fsync(fd)
+        for offset, data in ranges:
+            _pwrite(fd, data, offset)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            durable = pool.submit(os.fsync, fd)
+            records = [RangeRecord(file.name, offset, len(data), zlib.crc32(data)) for offset, data in ranges]
+            durable.result()
     finally:
         os.close(fd)
     return records
@@ -128,8 +132,7 @@ def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:
     return data
 
 
-def _pwrite(fd: int, name: str, data, offset: int) -> RangeRecord:
-    view, done = memoryview(data), 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    return RangeRecord(name, offset, len(view), zlib.crc32(view))
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
