@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _runs import assert_resumed_matches, run_spec
-from conftest import torchrun
+from conftest import record_fault, torchrun
 from hf_unified_ckpt.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
@@ -85,10 +85,12 @@ def test_rank_killed_in_the_middle_of_a_shared_file_write(fsdp_runs):
     of the step-6 save. Nothing of step 6 is committed, the partly written file stays in the staging folder only,
     and `resume_from_checkpoint=True` at 3 ranks picks checkpoint-3 and continues as the uninterrupted run."""
     tmp, out = fsdp_runs
+    record_fault("rank killed mid shared-file write (FSDP2 x 2)", survived=False)
     assert out["killed"].returncode != 0 and out["killed-staging"], out["killed"].stderr[-3000:]
     assert out["killed-six"] == "unknown"  # no checkpoint-6 folder at all
     assert out["killed-resumed"]["global_step"] == 6
     _compare(out["killed-resumed"], out["f2"], (4, 5, 6), exact=False)
+    record_fault("rank killed mid shared-file write (FSDP2 x 2)", survived=True)
 
 
 @pytest.mark.dist
