@@ -384,19 +384,7 @@ class DeepSpeedEngine:
         """This rank's fp32 fragment (ZeRO-1/2) or partition (ZeRO-3) of every trainable parameter, as
         `Fragment`s keyed like the weights files (an empty one where it holds none, so every rank lists every
         parameter). Local only."""
-        out = {}
-        for name, p in self._trainable():
-            key = self._weight_key.get(name, name)
-            if self.stage == 3:
-                from deepspeed.utils import safe_get_local_fp32_param
-
-                _, start, count = self._partition(p)
-                out[key] = Fragment(tuple(p.ds_shape), start, safe_get_local_fp32_param(p).reshape(-1)[:count])
-                continue
-            mapping = getattr(p, "_hp_mapping", None)
-            values = mapping.get_hp_fragment().reshape(-1) if mapping is not None else torch.empty(0)
-            out[key] = Fragment(tuple(p.shape), mapping.lp_fragment_address.start if mapping else 0, values)
-        return out
+        return {self._weight_key.get(name, name): self._piece(("hp", p, None)) for name, p in self._trainable()}
 
     def master_fragments(self):
         """(name, this rank's fp32 master elements, the bf16 weight elements at the same flat positions) of every
