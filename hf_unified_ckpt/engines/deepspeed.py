@@ -466,9 +466,9 @@ class DeepSpeedEngine:
                 mapping.get_hp_fragment(key).copy_(values)
             return
         size, start, count = self._partition(p)
-        padded = torch.zeros(size, dtype=torch.float32)
-        if count:
-            padded[:count] = read_flat_range(reader, key_in_file, shape, start, count)
+        padded = read_flat_range(reader, key_in_file, shape, start, count).float() if count else None
+        if count < size:  # only the last rank's partition has padding (or a rank past the end: all of it)
+            padded = torch.cat([t for t in (padded, torch.zeros(size - count)) if t is not None])
         if key is None:
             safe_set_local_fp32_param(p, padded)
         else:
