@@ -77,13 +77,17 @@ class AsyncSaver:
             self._snapshot_done.set()
         _yield_cpu_to_training()
         outcome = snapshot if not snapshot[0] else guarded(
-            lambda: [r for file, tensors in snapshot[1] for r in plan.writer.write(staging.path, file, tensors)]
-            + write_extras(staging.path))
+            lambda: self._write(plan.writer, staging.path, snapshot[1]) + write_extras(staging.path))
         try:
             reports = conclude(plan, staging, request, outcome, group=self._group, after_commit=after_commit)
         except Exception as e:  # a collective failed (another rank died): report it as this save's failure
             reports = [(False, f"rank {dist.rank()}: {type(e).__name__}: {e}")]
         self._result = (reports, staging)
+
+    @staticmethod
+    def _write(writer, folder: Path, snapshot: list[tuple[FilePlan, dict[str, torch.Tensor]]]) -> list:
+        with writer.syncing():
+            return [r for file, tensors in snapshot for r in writer.write(folder, file, tensors)]
 
     def _snapshot(self, engine, writer, mine: list[FilePlan]) -> list[tuple[FilePlan, dict[str, torch.Tensor]]]:
         files = []

@@ -261,10 +261,11 @@ def _write_share(engine: EngineAdapter, writer: StorageWriter, files: list[FileP
     """Write this rank's files (or parts of files) as the save loop yields them, in a writer thread, so writing
     one file overlaps assembling the next. Collective: all ranks must call it."""
     futures = []
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with writer.syncing(), ThreadPoolExecutor(max_workers=1) as pool:
         for file in assembled_files(engine, writer, files, desc, show):
             futures.append(pool.submit(lambda f=file: writer.write(staging, f, writer.local_tensors(engine, f))))
-        return [record for f in futures for record in f.result()]
+        records = [record for f in futures for record in f.result()]
+    return records
 
 
 def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest,

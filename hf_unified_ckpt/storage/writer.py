@@ -7,7 +7,8 @@ or in the background after a snapshot).
 
 - `SharedFileWriter` (every rank sees one folder): every rank writes the byte ranges it holds straight into the
   shared files at their planned offsets. The header rank creates the file at its final size and writes the header;
-  every writer opens it without truncating, `pwrite`s its items, and fsyncs it. Sharded tensors (`FilePlan.pieces`)
+  every writer opens it without truncating, `pwrite`s its items, and fsyncs it (in the background while it writes its
+  next file; the save waits for every fsync before it reports its ranges). Sharded tensors (`FilePlan.pieces`)
   never cross ranks; only what no rank holds whole in one piece (other layouts, codec-encoded tensors) is assembled
   on the header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
   range it wrote; rank 0 combines them into the file's record (`combine_ranges`), checking they tile the file.
@@ -18,17 +19,18 @@ or in the background after a snapshot).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from ..planning import FilePlan, WriteItem
-from .files import FileRecord, RangeRecord
+from .files import FileRecord, RangeRecord, fsync_file
 from .safetensors_io import write_shard
 
 
@@ -46,7 +48,12 @@ class StorageWriter(Protocol):
         rank holds of a tensor in `file.pieces`. Local reads only (may run in a writer thread)."""
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
-        """Write this rank's part of `file` into `folder` from `local_tensors`' result; local I/O only."""
+        """Write this rank's part of `file` into `folder` from `local_tensors`' result; local I/O only. Durable on
+        return, or (inside `syncing`) by the end of the `syncing` block."""
+
+    def syncing(self) -> contextlib.AbstractContextManager:
+        """A block of `write`s whose fsyncs may run in the background, all done (their errors raised) when the
+        block ends without an exception."""
 
 
 class WholeFileWriter:
@@ -65,6 +72,10 @@ class WholeFileWriter:
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         return [write_shard(Path(folder) / file.name, file.stored_tensors(dict(tensors)))]
 
+    def syncing(self) -> contextlib.AbstractContextManager:
+        """`write_shard` fsyncs each file itself (its CRC pass overlaps the wait)."""
+        return contextlib.nullcontext()
+
 
 def owner_of(file: FilePlan) -> int:
     """The one rank that writes `file` whole: its header's writer, which every write item names."""
@@ -77,6 +88,8 @@ class SharedFileWriter:
 
     def __init__(self, rank: int):
         self.rank = rank
+        self._fsyncs: list[Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def assemble(self, engine, file: FilePlan) -> None:
         """Assemble on the header rank the tensors it writes whole (engines skip those it already holds whole).
@@ -96,13 +109,32 @@ class SharedFileWriter:
         return out
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
-        return write_ranges(Path(folder) / file.name, file, self.rank, tensors)
+        path = Path(folder) / file.name
+        records = write_ranges(path, file, self.rank, tensors)
+        if self._pool is None:
+            fsync_file(path)
+        else:  # the disk flushes this file while the next one is written; `syncing` waits for it
+            self._fsyncs.append(self._pool.submit(fsync_file, path))
+        return records
+
+    @contextlib.contextmanager
+    def syncing(self) -> Iterator[None]:
+        """Within the block, each written file is fsynced by a helper thread (fsync releases the GIL) while the
+        writer goes on with the next file; leaving the block waits for every fsync and raises the first failure."""
+        self._pool, self._fsyncs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync"), []
+        try:
+            yield
+        finally:
+            self._pool.shutdown(wait=True)
+            fsyncs, self._pool, self._fsyncs = self._fsyncs, None, None
+        for done in fsyncs:
+            done.result()
 
 
 def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> list[RangeRecord]:
     """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in `path`, created
-    if missing and never truncated, then fsync it. While a helper thread waits for the disk (fsync releases the
-    GIL), this thread computes each range's CRC-32 from memory. Returns one record per range written."""
+    if missing and never truncated, and compute each range's CRC-32 from memory once the bytes are in the page
+    cache. Returns one record per range written. The caller fsyncs the file (`SharedFileWriter.write`)."""
     head = file.header_bytes
     ranges = [(0, memoryview(head))] if rank == file.header_rank else []
     ranges += [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in file.items_of(rank)]
@@ -112,13 +144,9 @@ def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, to
             os.ftruncate(fd, file.size)
         for offset, data in ranges:
             _pwrite(fd, data, offset)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            durable = pool.submit(os.fsync, fd)
-            records = [RangeRecord(file.name, offset, len(data), zlib.crc32(data)) for offset, data in ranges]
-            durable.result()
     finally:
         os.close(fd)
-    return records
+    return [RangeRecord(file.name, offset, len(data), zlib.crc32(data)) for offset, data in ranges]
 
 
 def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:
