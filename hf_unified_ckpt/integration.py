@@ -20,6 +20,7 @@ adds a `UnifiedCheckpointCallback`. Nothing is patched globally. The mixin overr
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import inspect
 import logging
@@ -78,8 +79,27 @@ class _Resume:
         return int(self.manifest.get("saved_by", {}).get("world_size", 1))
 
 
+_NATIVE_TP_REFUSAL = (
+    "{path} was written by the Trainer's own save, and this run's model is sharded at load time (tensor "
+    "parallelism). For such a model transformers saves only the weights (save_only_model=True: its optimizer state "
+    "cannot be gathered; a forced optimizer.pt holds rank 0's shards only), so training cannot resume from it "
+    "exactly. Start a new run from its weights: from_pretrained('{path}', tp_plan='auto'). Checkpoints this run "
+    "saves are unified and resume at any TP degree or engine.")
+
+
 class UnifiedCheckpointMixin:
-    """Trainer mixin with the unified save and resume paths. Prefer `attach(trainer)` to subclassing."""
+    """Trainer mixin with the unified save and resume paths. Prefer `attach(trainer)` to subclassing, except for a
+    model sharded at load time (tensor parallelism: `from_pretrained(..., tp_plan="auto")` or a
+    `DistributedConfig`): `Trainer.__init__` refuses to checkpoint its optimizer state before any callback runs, so
+    build it from a subclass, `class TPTrainer(UnifiedCheckpointMixin, Trainer)`, which lifts that refusal while
+    the Trainer is built (unified checkpoints save every rank's shards) and attaches itself."""
+
+    def __init__(self, *args, **kwargs):
+        model = kwargs.get("model", args[0] if args else None)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        with _optimizer_state_checkpointable(model, training_args):
+            super().__init__(*args, **kwargs)
+        attach(self)
 
     # ---- resume -----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -121,6 +141,8 @@ class UnifiedCheckpointMixin:
             return str(path)
         layout = detect_layout(path)
         self._uc_check_loadable(layout)
+        if layout.kind == HF_TRAINER and _engine_of(self).name == "tensor_parallel":
+            raise UnsupportedCheckpointError(_NATIVE_TP_REFUSAL.format(path=path))
         if not verdict.complete:  # this rank sees it whole, another does not
             raise IncompleteCheckpointError(f"{path}: {verdict.reason}.")
         if layout.kind == FSDP:  # always read offline: works from and into every engine and world size
@@ -172,6 +194,9 @@ class UnifiedCheckpointMixin:
         if options.async_save and self.args.push_to_hub:
             raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
                                              "before the background save commits. Drop one of them.")
+        refusal = _engine_of(self).refusal(self)
+        if refusal:
+            raise UnsupportedCheckpointError(refusal)
         kind = _engine_of(self).name
         asked = self.args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
         if asked and kind != "fsdp" and dist.rank() == 0:
@@ -441,6 +466,10 @@ def _no_topology(trainer) -> None:
     return None
 
 
+def _nothing_refused(trainer) -> str | None:
+    return None
+
+
 def _callback_waits(trainer, wait) -> None:
     """The optimizer step runs outside backward: `UnifiedCheckpointCallback.on_pre_optimizer_step` waits."""
 
@@ -455,6 +484,7 @@ class _Engine:
     build: Callable[[object], object]  # the EngineAdapter for this trainer's prepared engine
     topology: Callable[[object], dict | None] = _no_topology  # what a legacy folder must match to load natively
     step_barrier: Callable[[object, Callable[[], None]], None] = _callback_waits  # async snapshot vs optimizer step
+    refusal: Callable[[object], str | None] = _nothing_refused  # why this run cannot be checkpointed, checked in train()
 
 
 def _build_deepspeed(trainer):
@@ -478,16 +508,41 @@ def _deepspeed_step_barrier(trainer, wait) -> None:
     wait_before_steps(trainer.model_wrapped, wait)
 
 
+def _deepspeed_refusal(trainer) -> str | None:
+    """DeepSpeed AutoTP replaces the sharded linears by layers holding TP-local weights under the full names, which
+    the unified save cannot put together yet (it would write the local shards)."""
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    size = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    if size > 1:
+        return (f"DeepSpeed AutoTP (tensor_parallel.autotp_size={size} in the DeepSpeed config) is not supported by "
+                "unified checkpoints yet: its layers keep TP-local weights under the full names. Use transformers' "
+                "tensor parallelism (from_pretrained(..., tp_plan='auto')), or drop autotp_size.")
+    return None
+
+
 def _build_fsdp(trainer):
     from .engines.fsdp import FSDPEngine
 
     return FSDPEngine(trainer.model_wrapped, trainer.optimizer)
 
 
+def _sharded_at_load(trainer) -> bool:
+    """transformers sharded the model itself when loading it (tensor parallelism, alone or with FSDP2: `tp_plan`,
+    `DistributedConfig`); the Trainer then leaves it unwrapped, with DTensor parameters."""
+    return bool(getattr(trainer, "is_distributed_loading_by_transformers", False))
+
+
+def _build_tensor_parallel(trainer):
+    from .engines.fsdp import FSDPEngine
+
+    return FSDPEngine(trainer.model_wrapped, trainer.optimizer, kind="tensor_parallel")
+
+
 _ENGINES = (
     _Engine("deepspeed", lambda t: getattr(t, "is_deepspeed_enabled", False), _build_deepspeed,
-            topology=_deepspeed_topology, step_barrier=_deepspeed_step_barrier),
+            topology=_deepspeed_topology, step_barrier=_deepspeed_step_barrier, refusal=_deepspeed_refusal),
     _Engine("fsdp", lambda t: getattr(t, "is_fsdp_enabled", False), _build_fsdp),
+    _Engine("tensor_parallel", _sharded_at_load, _build_tensor_parallel),
     _Engine("replicated", lambda t: True, lambda t: ReplicatedEngine(t.model_wrapped, t.optimizer)),
 )
 
@@ -547,6 +602,23 @@ class UnifiedCheckpointCallback(TrainerCallback):
 
 
 _SUBCLASSES: dict[type, type] = {}
+
+
+@contextlib.contextmanager
+def _optimizer_state_checkpointable(model, training_args):
+    """While the Trainer is built: transformers refuses `save_only_model=False` for a model sharded at load time,
+    because its own save keeps one rank's optimizer shards; unified checkpoints save all of them, so with
+    `unified_checkpoint=True` the flag reads True during `Trainer.__init__` and is set back after."""
+    options = getattr(training_args, "unified_checkpoint_options", None)
+    lift = (options is not None and options.enabled and not training_args.save_only_model
+            and getattr(model, "is_distributed_loading_by_transformers", False))
+    if lift:
+        training_args.save_only_model = True
+    try:
+        yield
+    finally:
+        if lift:
+            training_args.save_only_model = False
 
 
 def _trainer_holding(callback) -> object | None:

@@ -55,12 +55,56 @@ def build_model(kind: str = "llama", seed: int = 0):
         config = GPT2Config(vocab_size=VOCAB, n_embd=30, n_layer=2, n_head=3, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
         return GPT2LMHeadModel(config)
+    if kind in TP_LLAMA:  # heads tensor parallelism can split, widths it cannot split evenly
+        return LlamaForCausalLM(LlamaConfig(**TP_LLAMA[kind]))
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
 
         base = build_model("llama", seed)
         return get_peft_model(base, LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     raise ValueError(kind)
+
+
+#: Llamas that transformers' tensor-parallel plan can shard at 2 ranks (it splits attention by heads: 4 heads, 2 KV
+#: heads), with rows that still split unevenly (vocab 97: 49/48; intermediate 37: 19/18); one with tied embeddings.
+TP_LLAMA = {kind: dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+            for kind, tied in (("llama_tp", False), ("llama_tp_tied", True))}
+
+
+def tp_model(kind: str, tp_size: int, fsdp_size: int, workdir, dtype: str | None = None):
+    """The `kind` model loaded as tensor-parallel users load it: `from_pretrained` with a `DistributedConfig`, which
+    shards it at load time (DTensor parameters on a (fsdp, tp) mesh; FSDP2 applied by transformers when
+    fsdp_size > 1), from the seeded weights rank 0 writes first."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # transformers writes from rank 0 only once there is a process group
+        dist.init_process_group("gloo")
+    folder = os.path.join(str(workdir), f"pretrained-{kind}")
+    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(folder, "config.json")):
+        build_model(kind).save_pretrained(folder)
+    dist.barrier()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype or "float32"),
+                                                distributed_config=DistributedConfig(tp_size=tp_size,
+                                                                                     fsdp_size=fsdp_size))
+
+
+_TP_TRAINERS: dict = {}
+
+
+def tp_trainer_class():
+    """`Trainer` with the plugin mixed in: the way to build a Trainer for a model sharded at load time, which the
+    plain Trainer refuses to checkpoint with optimizer state in its `__init__`, before any callback runs."""
+    if not _TP_TRAINERS:
+        from transformers import Trainer
+
+        from hf_unified_ckpt import UnifiedCheckpointMixin
+
+        _TP_TRAINERS["cls"] = type("TPTrainer", (UnifiedCheckpointMixin, Trainer), {})
+    return _TP_TRAINERS["cls"]
 
 
 def make_args(output_dir, world_size: int = 1, max_steps: int = 6, save_steps: int = 3, optim: str = "adamw_torch",
@@ -127,19 +171,26 @@ def disable_deepspeed_jit() -> None:
 
 
 def make_trainer(output_dir, model_kind: str = "llama", world_size: int = 1, optim: str = "adamw_torch",
-                 attach: bool = True, eval_dataset=None, **overrides):
-    """A Trainer (attached) for one run, computing with `THREADS` threads."""
+                 attach: bool = True, eval_dataset=None, tp: tuple[int, int] | None = None, **overrides):
+    """A Trainer (attached) for one run, computing with `THREADS` threads. `tp` = (tp_size, fsdp_size): the model is
+    sharded at load time by transformers and the global batch is split over the data-parallel ranks only."""
     from transformers import Trainer
 
     import hf_unified_ckpt
 
     reset_accelerate_state()
     model_dtype = overrides.pop("model_dtype", None)
+    if tp:
+        world_size //= tp[0]
     args = make_args(output_dir, world_size=world_size, optim=optim, **overrides)
-    model = build_model(model_kind)
-    if model_dtype:
-        model = model.to(getattr(torch, model_dtype))
-    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), eval_dataset=eval_dataset)
+    if tp:
+        model = tp_model(model_kind, *tp, os.path.dirname(os.path.abspath(str(output_dir))), model_dtype)
+    else:
+        model = build_model(model_kind)
+        if model_dtype:
+            model = model.to(getattr(torch, model_dtype))
+    cls = tp_trainer_class() if tp and attach else Trainer
+    trainer = cls(model=model, args=args, train_dataset=TokenDataset(), eval_dataset=eval_dataset)
     if attach:
         hf_unified_ckpt.attach(trainer)
     assert torch.get_num_threads() == THREADS, "something changed the thread count after pin_threads()"
@@ -179,6 +230,23 @@ def assert_sharded(trainer) -> None:
         assert local < sum(p.numel() for p in params) or world == 1
 
 
+def assert_tensor_parallel(trainer, tp_size: int, fsdp_size: int) -> None:
+    """transformers really sharded the model: every linear weight is a DTensor split over a `tp` mesh dimension of
+    `tp_size` (and an `fsdp` one of `fsdp_size`), holding less than the whole tensor on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    linears = {n: p for n, p in trainer.model_wrapped.named_parameters() if n.endswith("proj.weight")}
+    assert linears and all(isinstance(p, DTensor) for p in linears.values()), "not tensor-parallel"
+    for name, p in linears.items():
+        sizes = dict(zip(p.device_mesh.mesh_dim_names, p.device_mesh.shape))
+        assert sizes.get("tp") == tp_size and sizes.get("fsdp", 1) == fsdp_size, (name, sizes)
+        assert p.to_local().numel() < p.numel(), name
+
+
+def _has_dtensors(model) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
 def final_state(trainer) -> dict[str, torch.Tensor]:
     """Full model weights by name on every rank. Collective under ZeRO-3: all ranks call it."""
     from accelerate.utils import extract_model_from_parallel
@@ -194,7 +262,7 @@ def final_state(trainer) -> dict[str, torch.Tensor]:
 
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {k: _full(v).detach().clone() for k, v in module.state_dict().items()}  # DTensors: tensor parallelism
 
 
 def _gather_sharded(t) -> torch.Tensor:
@@ -219,7 +287,7 @@ def optimizer_state(trainer) -> dict[str, torch.Tensor]:
     Collective under DeepSpeed: all ranks call it."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         return _deepspeed_full_state(trainer)
-    if getattr(trainer, "is_fsdp_enabled", False):
+    if getattr(trainer, "is_fsdp_enabled", False) or _has_dtensors(trainer.model_wrapped):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         osd = get_optimizer_state_dict(trainer.model_wrapped, trainer.optimizer,
@@ -285,8 +353,10 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("eval"):  # evaluation every save, e.g. for load_best_model_at_end
         overrides["eval_dataset"] = TokenDataset(12, seed=7)
     shim = run.get("fsdp") and run.get("fsdp_shim", True)  # without it accelerate runs DDP on CPU, silently
-    with fsdp_on_cpu() if shim else contextlib.nullcontext():
-        trainer = make_trainer(run["output_dir"], model, world_size, run.get("optim", "adamw_torch"), **overrides)
+    tp = tuple(run["tp"]) if run.get("tp") else None  # (tp_size, fsdp_size)
+    with fsdp_on_cpu() if shim else tp_on_cpu() if tp else contextlib.nullcontext():
+        trainer = make_trainer(run["output_dir"], model, world_size, run.get("optim", "adamw_torch"),
+                               attach=run.get("attach", True), tp=tp, **overrides)
         if run.get("expect_error"):
             return _refused(trainer, run.get("resume"), run["expect_error"])
         at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None
@@ -295,6 +365,8 @@ def run_spec(run: dict, world_size: int) -> dict:
         trainer.train(resume_from_checkpoint=run.get("resume"))
     if shim:
         assert_sharded(trainer)
+    if tp:
+        assert_tensor_parallel(trainer, *tp)
     if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
         trainer.save_model(run["save_model"])
     return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {}),
@@ -462,7 +534,8 @@ def die_mid_write(rank: int, step: int):
 
 
 #: The decoder layer class of each test model: one FSDP unit each.
-LAYER_CLASS = {"llama": "LlamaDecoderLayer", "lora": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
+LAYER_CLASS = {"llama": "LlamaDecoderLayer", "lora": "LlamaDecoderLayer", "gpt2": "GPT2Block",
+               "llama_tp": "LlamaDecoderLayer", "llama_tp_tied": "LlamaDecoderLayer"}
 
 
 def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT", model: str = "llama") -> dict:
@@ -504,6 +577,36 @@ class fsdp_on_cpu:
         from accelerate.state import AcceleratorState
 
         AcceleratorState.__init__ = self._original
+
+
+class tp_on_cpu:
+    """Test-only shim: the Trainer turns a tensor-parallel model (`model.tp_size > 1`) into an accelerate
+    `ParallelismConfig`, which accelerate (1.15) accepts only for FSDP2, DeepSpeed or GPU-like devices and refuses
+    on CPU (`ParallelismConfig._validate_accelerator`: "... but got DistributedType.MULTI_CPU"). While active, that
+    one check passes for MULTI_CPU when TP is enabled (its size check is kept); accelerate then leaves the model
+    unwrapped, as on GPUs. Tests that use it assert the model really is tensor-parallel (`assert_tensor_parallel`)."""
+
+    def __enter__(self):
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DistributedType
+
+        self._original = original = ParallelismConfig._validate_accelerator
+
+        def validate(config, accelerator):
+            if accelerator.distributed_type == DistributedType.MULTI_CPU and config.tp_enabled:
+                if config.total_size != accelerator.num_processes:
+                    raise ValueError(f"ParallelismConfig total_size ({config.total_size}) != num_processes "
+                                     f"({accelerator.num_processes})")
+                return None
+            return original(config, accelerator)
+
+        ParallelismConfig._validate_accelerator = validate
+        return self
+
+    def __exit__(self, *exc):
+        from accelerate.parallelism_config import ParallelismConfig
+
+        ParallelismConfig._validate_accelerator = self._original
 
 
 def assert_resumed_matches(resumed: dict, baseline: dict, steps, exact: bool, loss_rtol: float, state_atol: float):

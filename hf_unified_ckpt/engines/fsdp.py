@@ -1,11 +1,14 @@
-"""FSDP2 (DTensor parameters) and FSDP1 (FlatParameter, ShardedTensor state dicts).
+"""Models whose parameters are sharded tensors: FSDP2 (DTensor), transformers' tensor parallelism (DTensor, alone
+or with FSDP2: `from_pretrained(..., tp_plan="auto")` or a `DistributedConfig`), and FSDP1 (FlatParameter,
+ShardedTensor state dicts).
 
 Built on `torch.distributed.checkpoint.state_dict`: `get_model_state_dict` / `get_optimizer_state_dict` with
 `StateDictOptions(full_state_dict=False)` give name-keyed sharded tensors (DTensor for FSDP2, ShardedTensor for
 FSDP1) without any flat-parameter arithmetic. Save assembles each tensor on the rank that writes it
 (`DTensor.full_tensor()` / `ShardedTensor.gather`); load copies, into each local shard, only the slice of the
 file that shard covers (DCP's chunk metadata: `DTensor.__create_chunk_list__`, `ShardedTensor.local_shards()`),
-then hands the state dicts back with `set_model_state_dict` / `set_optimizer_state_dict`.
+then hands the state dicts back with `set_model_state_dict` / `set_optimizer_state_dict`. Tensor parallelism's
+colwise (Shard(0)) and rowwise (Shard(1)) layers are one more DTensor layout to these helpers.
 """
 
 from __future__ import annotations
@@ -84,37 +87,57 @@ def _full_on(t, owner: int) -> torch.Tensor | None:
         out = torch.empty(tuple(t.size()), dtype=t.dtype) if dist.rank() == owner else None
         t.gather(dst=owner, out=out)
         return out
-    if t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),) and t.device_mesh.size() == dist.world_size():
-        return _gather_rows(t, owner)
-    full = t.full_tensor()  # other layouts: DTensor's own all-gather
+    mesh = t.device_mesh
+    if (mesh.ndim == 1 and len(t.placements) == 1 and type(t.placements[0]) is Shard
+            and mesh.mesh.flatten().tolist() == list(range(dist.world_size()))):
+        return _gather_dim(t, owner, t.placements[0].dim)  # FSDP2's rows, TP's rows or columns over every rank
+    full = t.full_tensor()  # other layouts (2-D meshes, replicas): DTensor's own all-gather
     return full if dist.rank() == owner else None
 
 
-def _gather_rows(t, owner: int) -> torch.Tensor | None:
-    """Gather a dim-0-sharded DTensor (torch.chunk layout, as FSDP2 shards) to `owner` only: each rank pads its
-    rows to the largest chunk so gloo's equal-size gather applies. Collective: all ranks must call it."""
+def _gather_dim(t, owner: int, dim: int) -> torch.Tensor | None:
+    """Gather a DTensor sharded along `dim` over all ranks in rank order (torch.chunk layout, as FSDP2 and tensor
+    parallelism shard) to `owner` only: each rank pads its piece to the largest chunk so gloo's equal-size gather
+    applies. Collective: all ranks must call it."""
     import torch.distributed as tdist
 
-    rows, world = t.shape[0], dist.world_size()
-    chunk = -(-rows // world)
+    size, world = t.shape[dim], dist.world_size()
     local = t.to_local()
-    padded = torch.zeros((chunk, *t.shape[1:]), dtype=local.dtype)
-    padded[: local.shape[0]] = local
+    shape = list(t.shape)
+    shape[dim] = -(-size // world)
+    padded = torch.zeros(shape, dtype=local.dtype)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
     pieces = [torch.empty_like(padded) for _ in range(world)] if dist.rank() == owner else None
     tdist.gather(padded, pieces, dst=owner)
-    return torch.cat(pieces)[:rows] if pieces is not None else None
+    return torch.cat(pieces, dim=dim).narrow(dim, 0, size) if pieces is not None else None
+
+
+def device_mesh_of(model: nn.Module) -> dict[str, int]:
+    """Name -> size of each dimension of the largest device mesh the model's DTensor parameters live on (`{}` when
+    it has none): {"tp": 2} for tensor parallelism at 2, {"fsdp": 2, "tp": 2} for FSDP2 x TP."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
+    if not meshes:
+        return {}
+    mesh = max(meshes, key=lambda m: m.ndim)
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {name: int(size) for name, size in zip(names, mesh.shape)}
 
 
 class FSDPEngine:
-    """Adapter for a model wrapped by FSDP2 (`fully_shard`) or FSDP1 (`FullyShardedDataParallel`)."""
+    """Adapter for a model wrapped by FSDP2 (`fully_shard`) or FSDP1 (`FullyShardedDataParallel`), or sharded at
+    load time by transformers' tensor parallelism (`kind="tensor_parallel"`: DTensor parameters on a `tp` mesh
+    dimension, with an `fsdp` one under FSDP2 x TP; the norms stay whole, replicated on every rank)."""
 
-    def __init__(self, model: nn.Module, optimizer):
+    def __init__(self, model: nn.Module, optimizer, kind: str = "fsdp"):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         self.model = model
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
         self.version = 2 if any(type(p).__name__ == "DTensor" for p in model.parameters()) else 1
-        self.engine = f"fsdp{self.version}"
+        self.kind = kind
+        self.engine = f"fsdp{self.version}" if kind == "fsdp" else kind
         self._options = StateDictOptions(full_state_dict=False)
         self.naming = naming_policy(_unwrap(model))
         if self.version == 1 and self.naming.adapter_map is not None:
@@ -170,8 +193,10 @@ class FSDPEngine:
 
     # ---- EngineAdapter: description --------------------------------------------------------------------
     def saved_by(self) -> dict:
-        return saved_by("fsdp", dist.world_size(), [t.dtype for t in self._model_state().values()],
-                        fsdp_version=self.version)
+        mesh = device_mesh_of(self.model)
+        fsdp = self.kind == "fsdp" or mesh.get("fsdp", 1) > 1
+        return saved_by(self.kind, dist.world_size(), [t.dtype for t in self._model_state().values()],
+                        fsdp_version=self.version if fsdp else None, **({"device_mesh": mesh} if mesh else {}))
 
     def needs_fp32_master(self) -> bool:
         return any(p.requires_grad and p.dtype == torch.float32 for p in self.model.parameters())
@@ -228,19 +253,18 @@ class FSDPEngine:
         return out
 
     def parameter_fragments(self) -> dict:
-        """This rank's rows of every trainable FSDP2 parameter (its DTensor's local shard), as `Fragment`s
-        (an empty one where it holds no row). Local only."""
-        if self.version != 2:
-            raise UnsupportedCheckpointError("an EMA of the weights needs FSDP2 (fsdp_version 2) under FSDP; FSDP1's "
-                                             "flat parameters are not supported. Use FSDP2 or drop the word 'ema'.")
+        """This rank's rows of every trainable FSDP2 parameter (its DTensor's local shard, `row_fragment`), as
+        `Fragment`s (an empty one where it holds no row). Local only."""
+        if self.version != 2 or self.kind != "fsdp":
+            raise UnsupportedCheckpointError(
+                "an EMA of the weights needs FSDP2 (fsdp_version 2) among the sharded engines; "
+                + ("tensor parallelism's column-sharded and replicated parameters are not supported yet."
+                   if self.kind != "fsdp" else "FSDP1's flat parameters are not supported.")
+                + " Use FSDP2, DeepSpeed or DDP, or drop the word 'ema'.")
         out = {}
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                chunks = local_chunks(p)
-                shape = _global_shape(p)
-                start = chunks[0][0][0] * int(torch.Size(shape[1:]).numel()) if chunks and shape else 0
-                values = chunks[0][2].detach().reshape(-1) if chunks else torch.empty(0)
-                out[self.naming.weight_key(name) or self.naming.stored_key(name)] = Fragment(shape, start, values)
+                out[self.naming.weight_key(name) or self.naming.stored_key(name)] = row_fragment(p)
         return out
 
     def write_configs(self, folder) -> None:
