@@ -60,12 +60,13 @@ def tp_runs(tmp_path_factory):
     autotp = {"output_dir": str(tmp / "autotp"), "result": str(tmp / "autotp.pt"), "model": "llama_tp",
               "overrides": {"deepspeed": {**zero_config(1), "tensor_parallel": {"autotp_size": 2}}},
               "expect_error": "AutoTP"}
+    ema = {**_spec(tmp, "tp", "ema-refused", unified_checkpoint_config="ema"), "expect_error": "tensor parallelism"}
     torchrun(4, [_spec(tmp, "fsdp_tp", "fsdp_tp")], tmp)
     torchrun(2, [_spec(tmp, kind, kind) for kind in ("tp", "tp_tied", "tp_bf16", "z3")]
-             + hops[2] + [native, refused, autotp], tmp)
+             + hops[2] + [native, refused, autotp, ema], tmp)
     torchrun(4, hops[4], tmp)
     out = {tag: torch.load(tmp / f"{tag}.pt", weights_only=False)
-           for tag in ["tp", "tp_tied", "tp_bf16", "z3", "fsdp_tp", "native-refused", "autotp"]
+           for tag in ["tp", "tp_tied", "tp_bf16", "z3", "fsdp_tp", "native-refused", "autotp", "ema-refused"]
            + [_tag(h) for h in HOPS if h[2] > 1]}
     for spec, hop in zip(hops[1], [h for h in HOPS if h[2] == 1]):
         out[_tag(hop)] = run_spec(spec, 1)
@@ -143,3 +144,9 @@ def test_deepspeed_autotp_is_refused_before_the_first_step(tp_runs):
     together yet: refused in train(), before the first step, instead of committing a checkpoint of local shards."""
     _, out = tp_runs
     assert out["autotp"]["global_step"] == 0 and "autotp_size" in out["autotp"]["error"]
+
+
+@pytest.mark.dist
+def test_ema_under_tp_is_refused_before_the_first_step(tp_runs):
+    _, out = tp_runs
+    assert out["ema-refused"]["global_step"] == 0 and "drop the word 'ema'" in out["ema-refused"]["error"]
