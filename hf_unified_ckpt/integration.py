@@ -204,7 +204,8 @@ class UnifiedCheckpointMixin:
                            "trained with %s: accelerate "
                            "applies FSDP only on accelerators and falls back to DDP on CPU. Checkpoints are saved "
                            "for the engine that runs.",
-                           "DeepSpeed" if kind == "deepspeed" else "DDP" if dist.world_size() > 1 else "one process")
+                           {"deepspeed": "DeepSpeed", "tensor_parallel": "tensor parallelism"}.get(
+                               kind, "DDP" if dist.world_size() > 1 else "one process"))
 
     def _uc_resuming(self, checkpoint) -> _Resume | None:
         resume = getattr(self, "_uc_resume", None)
