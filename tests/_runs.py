@@ -325,6 +325,22 @@ def record(trainer, losses) -> dict:
             "global_step": trainer.state.global_step, "best": trainer.state.best_model_checkpoint}
 
 
+def spec_of(kinds: dict, tmp, kind: str, tag: str, resume: tuple[str, int] | None = None, **overrides) -> dict:
+    """The run spec of a `kind` (its fields in `kinds`) writing into `tmp/tag` and its record into `tmp/tag.pt`,
+    resumed from `tmp/<resume[0]>/checkpoint-<resume[1]>`, with extra TrainingArguments `overrides`."""
+    spec = {k: (dict(v) if isinstance(v, dict) else v) for k, v in kinds[kind].items()}
+    spec["overrides"] = {**spec.get("overrides", {}), **overrides}
+    spec.update(output_dir=str(tmp / tag), result=str(tmp / f"{tag}.pt"))
+    if resume:
+        spec["resume"] = str(tmp / resume[0] / f"checkpoint-{resume[1]}")
+    return spec
+
+
+def hop_tag(hop) -> str:
+    """The tag of a resume hop (saved by, resumed as, world size)."""
+    return f"{hop[0]}-to-{hop[1]}-at{hop[2]}"
+
+
 def run_spec(run: dict, world_size: int) -> dict:
     """Execute one run described as a dict (the format the torchrun worker reads). "zero": N runs DeepSpeed
     ZeRO stage N; "slow_snapshot": seconds an async save's snapshot sleeps before it copies."""
@@ -356,7 +372,7 @@ def run_spec(run: dict, world_size: int) -> dict:
     tp = tuple(run["tp"]) if run.get("tp") else None  # (tp_size, fsdp_size)
     with fsdp_on_cpu() if shim else tp_on_cpu() if tp else contextlib.nullcontext():
         trainer = make_trainer(run["output_dir"], model, world_size, run.get("optim", "adamw_torch"),
-                               attach=run.get("attach", True), tp=tp, **overrides)
+                               tp=tp, **overrides)
         if run.get("expect_error"):
             return _refused(trainer, run.get("resume"), run["expect_error"])
         at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None

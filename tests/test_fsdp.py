@@ -6,7 +6,7 @@ silent fallback to DDP fails. Tolerances as in test_resume_equivalence.py (fp32 
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, run_spec
+from _runs import assert_resumed_matches, hop_tag, run_spec, spec_of
 from conftest import record_fault, torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -26,17 +26,11 @@ CHAIN = [("z3", 2, None), ("f2", 3, ("chain-z3", 2)), ("ddp", 2, ("chain-f2", 4)
 LONG = {"max_steps": 8, "save_steps": 2}
 
 
-def _tag(c):
-    return f"{c[0]}-to-{c[1]}-at{c[2]}"
+_tag = hop_tag
 
 
 def _spec(tmp, kind, tag, resume=None, **extra):
-    spec = {k: (dict(v) if isinstance(v, dict) else v) for k, v in KINDS[kind].items()}
-    spec["overrides"] = {**spec.get("overrides", {}), **extra}
-    spec.update(output_dir=str(tmp / tag), result=str(tmp / f"{tag}.pt"))
-    if resume:
-        spec["resume"] = str(tmp / resume[0] / f"checkpoint-{resume[1]}")
-    return spec
+    return spec_of(KINDS, tmp, kind, tag, resume, **extra)
 
 
 @pytest.fixture(scope="module")

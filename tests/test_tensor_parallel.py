@@ -12,7 +12,7 @@ Sizes do not divide evenly (vocab 97, intermediate 37).
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, run_spec, zero_config
+from _runs import assert_resumed_matches, hop_tag, run_spec, spec_of, zero_config
 from conftest import torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -38,24 +38,18 @@ HOPS = [  # (saved by, resumed as, processes of the resumed run)
 NATIVE_REFUSAL = "written by the Trainer's own save"
 
 
-def _tag(hop):
-    return f"{hop[0]}-to-{hop[1]}-at{hop[2]}"
+_tag = hop_tag
 
 
 def _spec(tmp, kind, tag, resume=None, **extra):
-    spec = {k: (dict(v) if isinstance(v, dict) else v) for k, v in KINDS[kind].items()}
-    spec["overrides"] = {**spec.get("overrides", {}), **extra}
-    spec.update(output_dir=str(tmp / tag), result=str(tmp / f"{tag}.pt"))
-    if resume:
-        spec["resume"] = str(tmp / resume[0] / f"checkpoint-{resume[1]}")
-    return spec
+    return spec_of(KINDS, tmp, kind, tag, resume, **extra)
 
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     hops = {w: [_spec(tmp, h[1], _tag(h), (h[0], 3)) for h in HOPS if h[2] == w] for w in (1, 2, 4)}
-    native = {**_spec(tmp, "tp", "native", save_only_model=True, max_steps=3), "attach": False, "result": None}
+    native = {**_spec(tmp, "tp", "native", save_only_model=True, max_steps=3, attach=False), "result": None}
     refused = {**_spec(tmp, "tp", "native-refused", resume=("native", 3)), "expect_error": NATIVE_REFUSAL}
     autotp = {"output_dir": str(tmp / "autotp"), "result": str(tmp / "autotp.pt"), "model": "llama_tp",
               "overrides": {"deepspeed": {**zero_config(1), "tensor_parallel": {"autotp_size": 2}}},
