@@ -42,7 +42,7 @@ from .engines.base import LoadSources
 from .engines.replicated import ReplicatedEngine
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete
-from .legacy import legacy_components, open_legacy
+from .legacy import check_readable, legacy_components, open_legacy
 from .lineage import error_half_life, options_for_save, restored_step
 from .ema import BackgroundUpdates, ExponentialAverage, WithEma
 from .load import fetch_small_files, load_checkpoint, verify_checkpoint
@@ -150,6 +150,7 @@ class UnifiedCheckpointMixin:
         elif layout.kind == DEEPSPEED:
             legacy = open_legacy(layout)
             if legacy.topology() != _engine_of(self).topology(self):
+                check_readable(legacy)
                 self._uc_resume = _Resume(layout, legacy=legacy)  # resharded offline; native DeepSpeed refuses
                 if dist.rank() == 0:
                     logger.info("%s was written by DeepSpeed %s; this run differs, so it is read offline and "
@@ -499,7 +500,7 @@ def _deepspeed_topology(trainer) -> dict:
     by DeepSpeed itself)."""
     config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
     return {"world_size": dist.world_size(), "zero_stage": int(config.get("zero_optimization", {}).get("stage", 0)),
-            "bf16": bool(trainer.args.bf16)}
+            "bf16": bool(trainer.args.bf16), "autotp_size": _autotp_size(config)}
 
 
 def _deepspeed_step_barrier(trainer, wait) -> None:
@@ -509,15 +510,19 @@ def _deepspeed_step_barrier(trainer, wait) -> None:
     wait_before_steps(trainer.model_wrapped, wait)
 
 
+def _autotp_size(config: dict) -> int:
+    return int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+
+
 def _deepspeed_refusal(trainer) -> str | None:
-    """DeepSpeed AutoTP replaces the sharded linears by layers holding TP-local weights under the full names, which
-    the unified save cannot put together yet (it would write the local shards)."""
+    """DeepSpeed AutoTP is supported with ZeRO-1/2 (`engines/autotp.py`); with ZeRO-3 each rank's partition is of
+    its TP slice, which the ZeRO-3 reader does not follow."""
     config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
-    size = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-    if size > 1:
-        return (f"DeepSpeed AutoTP (tensor_parallel.autotp_size={size} in the DeepSpeed config) is not supported by "
-                "unified checkpoints yet: its layers keep TP-local weights under the full names. Use transformers' "
-                "tensor parallelism (from_pretrained(..., tp_plan='auto')), or drop autotp_size.")
+    size, stage = _autotp_size(config), int(config.get("zero_optimization", {}).get("stage", 0))
+    if size > 1 and stage == 3:
+        return (f"DeepSpeed AutoTP (tensor_parallel.autotp_size={size}) with ZeRO stage 3 is not supported by unified "
+                "checkpoints: use AutoTP with ZeRO stage 1 or 2, ZeRO-3 without autotp_size, or transformers' tensor "
+                "parallelism (from_pretrained(..., tp_plan='auto')).")
     return None
 
 

@@ -7,6 +7,7 @@ The global batch (6) is kept constant across world sizes 1, 2 and 3.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 
@@ -139,6 +140,18 @@ def reset_accelerate_state() -> None:
     except ImportError:
         return
     unset_hf_deepspeed_config()
+    _reset_deepspeed_autotp()
+
+
+def _reset_deepspeed_autotp() -> None:
+    """DeepSpeed AutoTP records its first `tp_model_init` (size, dtype, group) for the whole process and refuses a
+    later run that differs (a bf16 run after an fp32 one): forgotten here, as a new process would. Its model- and
+    data-parallel groups stay for the process too, so a launch runs its DeepSpeed runs without AutoTP first."""
+    import sys
+
+    init_utils = sys.modules.get("deepspeed.runtime.tensor_parallel.init_utils")
+    if init_utils is not None:
+        init_utils._TP_MODEL_INIT_ARGS = None
 
 
 def zero_config(stage: int, fp16: dict | None = None, **extra) -> dict:
@@ -261,8 +274,38 @@ def final_state(trainer) -> dict[str, torch.Tensor]:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+            return {k: _autotp_full(v, v.detach().clone()) for k, v in module.state_dict(keep_vars=True).items()}
     return {k: _full(v).detach().clone() for k, v in module.state_dict().items()}  # DTensors: tensor parallelism
+
+
+def _autotp_full(p, local: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an AutoTP-sharded parameter's slice `local` (as it is for unsharded ones), gathered over
+    the TP group along the dimension DeepSpeed's metadata names. Collective over the TP group."""
+    from deepspeed.module_inject.layers import DS_AUTOTP_UC_META
+    from deepspeed.utils import groups
+
+    meta = getattr(p, DS_AUTOTP_UC_META, None)
+    if not meta or meta.get("replicated") or meta.get("partition_dim") is None:
+        return local
+    dim, sizes = meta["partition_dim"], meta["partition_sizes"]
+    shape = list(local.shape)
+    shape[dim] = max(sizes)
+    padded = local.new_zeros(shape)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(pieces, padded, group=groups.get_tensor_model_parallel_group())
+    return torch.cat([t.narrow(dim, 0, n) for t, n in zip(pieces, sizes)], dim=dim)
+
+
+def assert_autotp(trainer, tp_size: int) -> None:
+    """DeepSpeed AutoTP really sharded the model: its linears are AutoTP layers holding less than the full
+    weight, split over a tensor-parallel group of `tp_size`."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    layers = [m for m in trainer.model_wrapped.module.modules() if isinstance(m, TensorParallel_Layer)]
+    assert layers, "no AutoTP layers"
+    for layer in layers:
+        assert layer.tp_world_size == tp_size and layer.weight.numel() < math.prod(layer._orig_weight_shape), layer
 
 
 def _gather_sharded(t) -> torch.Tensor:
@@ -313,8 +356,8 @@ def _deepspeed_full_state(trainer) -> dict[str, torch.Tensor]:
     for name, p in trainer.model_wrapped.module.named_parameters():
         if p.requires_grad:
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{name}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
-            out[f"{name}/master"] = safe_get_full_fp32_param(p).detach().cpu().clone()
+                out[f"{name}/{key}"] = _autotp_full(p, safe_get_full_optimizer_state(p, key).detach().cpu().clone())
+            out[f"{name}/master"] = _autotp_full(p, safe_get_full_fp32_param(p).detach().cpu().clone())
     return out
 
 
@@ -358,6 +401,9 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("zero"):
         disable_deepspeed_jit()
         overrides["deepspeed"] = zero_config(run["zero"], **(FP16_SCALER if run.get("fp16") else {}))
+    if run.get("autotp"):  # DeepSpeed AutoTP: the global batch is split over the data-parallel ranks only
+        overrides["deepspeed"]["tensor_parallel"] = {"autotp_size": run["autotp"]}
+        overrides["per_device_train_batch_size"] = GLOBAL_BATCH * run["autotp"] // world_size
     if run.get("fp16"):
         fp16_on_cpu()
         if run.get("forget_loss_scaler"):  # the control: a resume that leaves the scaler as configured
@@ -383,6 +429,8 @@ def run_spec(run: dict, world_size: int) -> dict:
         assert_sharded(trainer)
     if tp:
         assert_tensor_parallel(trainer, *tp)
+    if run.get("autotp"):
+        assert_autotp(trainer, run["autotp"])
     if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
         trainer.save_model(run["save_model"])
     return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {}),

@@ -12,7 +12,7 @@ Sizes do not divide evenly (vocab 97, intermediate 37).
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, hop_tag, run_spec, spec_of, zero_config
+from _runs import assert_resumed_matches, hop_tag, run_spec, spec_of
 from conftest import torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -51,16 +51,13 @@ def tp_runs(tmp_path_factory):
     hops = {w: [_spec(tmp, h[1], _tag(h), (h[0], 3)) for h in HOPS if h[2] == w] for w in (1, 2, 4)}
     native = {**_spec(tmp, "tp", "native", save_only_model=True, max_steps=3, attach=False), "result": None}
     refused = {**_spec(tmp, "tp", "native-refused", resume=("native", 3)), "expect_error": NATIVE_REFUSAL}
-    autotp = {"output_dir": str(tmp / "autotp"), "result": str(tmp / "autotp.pt"), "model": "llama_tp",
-              "overrides": {"deepspeed": {**zero_config(1), "tensor_parallel": {"autotp_size": 2}}},
-              "expect_error": "AutoTP"}
     ema = {**_spec(tmp, "tp", "ema-refused", unified_checkpoint_config="ema"), "expect_error": "tensor parallelism"}
     torchrun(4, [_spec(tmp, "fsdp_tp", "fsdp_tp")], tmp)
     torchrun(2, [_spec(tmp, kind, kind) for kind in ("tp", "tp_tied", "tp_bf16", "z3")]
-             + hops[2] + [native, refused, autotp, ema], tmp)
+             + hops[2] + [native, refused, ema], tmp)
     torchrun(4, hops[4], tmp)
     out = {tag: torch.load(tmp / f"{tag}.pt", weights_only=False)
-           for tag in ["tp", "tp_tied", "tp_bf16", "z3", "fsdp_tp", "native-refused", "autotp", "ema-refused"]
+           for tag in ["tp", "tp_tied", "tp_bf16", "z3", "fsdp_tp", "native-refused", "ema-refused"]
            + [_tag(h) for h in HOPS if h[2] > 1]}
     for spec, hop in zip(hops[1], [h for h in HOPS if h[2] == 1]):
         out[_tag(hop)] = run_spec(spec, 1)
@@ -130,14 +127,6 @@ def test_native_tp_checkpoint_is_refused_before_the_first_step(tp_runs):
     assert native.complete and native.kind == "hf-trainer"
     assert out["native-refused"]["global_step"] == 0, out["native-refused"]
     assert "from_pretrained" in out["native-refused"]["error"]
-
-
-@pytest.mark.dist
-def test_deepspeed_autotp_is_refused_before_the_first_step(tp_runs):
-    """DeepSpeed AutoTP (ZeRO-1, 2 ranks) keeps TP-local weights under full names, which no unified save puts
-    together yet: refused in train(), before the first step, instead of committing a checkpoint of local shards."""
-    _, out = tp_runs
-    assert out["autotp"]["global_step"] == 0 and "autotp_size" in out["autotp"]["error"]
 
 
 @pytest.mark.dist

@@ -15,6 +15,11 @@ Reading and writing go through DeepSpeed's own accessors:
 
 Per-group scalars of the base optimizer (Adam's `step`) are written once per parameter, as 0-d tensors, like
 every other engine writes them.
+
+With DeepSpeed AutoTP (`tensor_parallel.autotp_size`, ZeRO-1/2) a sharded parameter holds one slice of its full
+tensor (`autotp.TPSplit`) and ZeRO's fragments are ranges of that slice: the specs give full shapes, row slices are
+written in place by their holders, column slices are gathered over the tensor-parallel group, and a load reads
+each rank's slice of the rows that cover its fragment.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_s
 from ..planning import TensorSpec
 from ..storage.reader import read_flat_range
 from ..storage.safetensors_io import ComponentReader
+from .autotp import TPSplit, autotp_splits, gather_split, read_split_range
 from .base import Fragment, component_source
 
 logger = logging.getLogger(__name__)
@@ -91,6 +97,8 @@ class DeepSpeedEngine:
         self._keys: list[tuple[list[str], list[str]]] | None = None
         self._buffer_map: dict[str, torch.Tensor] | None = None
         self._tables: dict[str, tuple] | None = None
+        self.tp_size = int(ds_engine.autotp_size() or 1) if hasattr(ds_engine, "autotp_size") else 1
+        self._tp_index, self._split = self._tensor_parallel()
         if self.stage != 3:
             for g in range(len(self._groups)):
                 self._link_fragments(g)
@@ -102,11 +110,28 @@ class DeepSpeedEngine:
         model writes its adapter only)."""
         return [(self.naming.stored_key(name), p) for name, p in self.module.named_parameters()]
 
+    def _tensor_parallel(self) -> tuple[int, dict[int, TPSplit]]:
+        """(this rank's TP index, the `TPSplit` of every AutoTP-sharded parameter by id); (0, {}) without AutoTP."""
+        if self.tp_size <= 1:
+            return 0, {}
+        if self.stage == 3:
+            raise UnsupportedCheckpointError(
+                f"DeepSpeed AutoTP (autotp_size={self.tp_size}) with ZeRO stage 3 is not supported by unified "
+                "checkpoints; use AutoTP with ZeRO stage 1 or 2, or ZeRO-3 without AutoTP.")
+        from deepspeed.utils import groups
+
+        index = int(groups.get_tensor_model_parallel_rank())
+        splits = autotp_splits(self._named, index)
+        return index, {id(self._by_name[n]): split for n, split in splits.items()}
+
     def _trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self._named if p.requires_grad]
 
     def _full_shape(self, p) -> tuple[int, ...]:
-        return tuple(p.ds_shape) if self.stage == 3 else tuple(p.shape)
+        if self.stage == 3:
+            return tuple(p.ds_shape)
+        split = self._split.get(id(p))
+        return split.shape if split is not None else tuple(p.shape)
 
     def _lp_groups(self) -> list[list[str]]:
         """Names of the lp parameters of each base-optimizer param group (DeepSpeed keeps the grouping in its
@@ -152,9 +177,10 @@ class DeepSpeedEngine:
 
     # ---- EngineAdapter: description --------------------------------------------------------------------
     def saved_by(self) -> dict:
+        mesh = {"device_mesh": {"dp": dist.world_size() // self.tp_size, "tp": self.tp_size}} if self.tp_size > 1 else {}
         return saved_by("deepspeed", dist.world_size(), [self.lp_dtype], zero_stage=self.stage,
                         master_weights=self.has_master and self.master_policy == "save",
-                        master_weights_dtype="float32" if self.has_master else None)
+                        master_weights_dtype="float32" if self.has_master else None, **mesh)
 
     def needs_fp32_master(self) -> bool:
         """bf16 training keeps fp32 master weights; fp32 training loads them into the parameters."""
@@ -286,7 +312,7 @@ class DeepSpeedEngine:
         kind = source[0]
         if kind in ("buffer", "scalar"):
             return True
-        if self.stage == 3:
+        if self.stage == 3 or id(source[1]) in self._split:
             return False
         if kind == "lp":
             return True
@@ -320,16 +346,20 @@ class DeepSpeedEngine:
             if dist.rank() == owner:
                 self._cache[(component, name)] = value.detach().to("cpu", copy=True)
 
-    @staticmethod
-    def _assemble(source: tuple) -> torch.Tensor:
+    def _assemble(self, source: tuple) -> torch.Tensor:
+        """The full tensor of `source`. Collective: all ranks must call it (ZeRO's data-parallel all-reduce, then,
+        for an AutoTP slice, an all-gather over the tensor-parallel group)."""
         import deepspeed
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        p = source[1]
         if source[0] == "lp":
-            with deepspeed.zero.GatheredParameters([source[1]]):
-                return source[1].data.clone()
-        _, p, key = source
-        return safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+            with deepspeed.zero.GatheredParameters([p]):
+                local = p.data.clone()
+        else:
+            local = safe_get_full_fp32_param(p) if source[2] is None else safe_get_full_optimizer_state(p, source[2])
+        split = self._split.get(id(p))
+        return local if split is None else gather_split(local, split, groups.get_tensor_model_parallel_group())
 
     # ---- EngineAdapter: local tensors ---------------------------------------------------------------------
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -360,8 +390,22 @@ class DeepSpeedEngine:
         for name in names:
             source = self._source(component, name)
             if source[0] == "hp" or (source[0] == "lp" and self.stage == 3):
-                out[name] = self._piece(source)
+                piece = self._shared_piece(source)
+                if piece is not None:
+                    out[name] = piece
         return out
+
+    def _shared_piece(self, source: tuple) -> Fragment | None:
+        """This rank's piece as a range of the full tensor. Under AutoTP: a row slice's fragment is shifted to its
+        rows, a column slice has no single range (None: it is gathered), and the tensor-parallel ranks' copies of a
+        replicated parameter count once (TP rank 0's)."""
+        piece = self._piece(source)
+        split = self._split.get(id(source[1]))
+        if split is not None:
+            return split.globalize(piece)
+        if self._tp_index != 0:
+            return Fragment(piece.shape, 0, piece.values[:0])
+        return piece
 
     def _piece(self, source: tuple) -> Fragment:
         p, key = source[1], (source[2] if source[0] == "hp" else None)
@@ -384,6 +428,13 @@ class DeepSpeedEngine:
         """This rank's fp32 fragment (ZeRO-1/2) or partition (ZeRO-3) of every trainable parameter, as
         `Fragment`s keyed like the weights files (an empty one where it holds none, so every rank lists every
         parameter). Local only."""
+        if self.tp_size > 1:
+            raise UnsupportedCheckpointError(
+                "an EMA of the weights is not supported with DeepSpeed AutoTP yet (its column-sharded parameters "
+                "have no single range per rank). Drop the word 'ema', or train without autotp_size.")
+        return self._local_pieces()
+
+    def _local_pieces(self) -> dict:
         return {self._weight_key.get(name, name): self._piece(("hp", p, None)) for name, p in self._trainable()}
 
     def master_fragments(self):
@@ -392,7 +443,7 @@ class DeepSpeedEngine:
         reads only."""
         if not self.has_master:
             return
-        for name, frag in self.parameter_fragments().items():
+        for name, frag in self._local_pieces().items():
             n = frag.values.numel()
             if n:
                 p = self._by_name[self._weight_param.get(name, name)]
@@ -442,10 +493,18 @@ class DeepSpeedEngine:
         start = dist.rank() * size
         return size, start, max(0, min(size, p.ds_numel - start))
 
+    def _read_range(self, reader: ComponentReader, name: str, p, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of this rank's flattened `p` (its AutoTP slice, if sharded)."""
+        split = self._split.get(id(p))
+        if split is not None:
+            return read_split_range(reader, name, split, start, count)
+        return read_flat_range(reader, name, self._full_shape(p), start, count)
+
     def _load_lp(self, reader: ComponentReader, name: str, p) -> None:
         with torch.no_grad():
             if self.stage != 3:
-                p.data.copy_(reader.get(name))
+                p.data.copy_(self._read_range(reader, name, p, 0, p.numel()).view(p.shape) if id(p) in self._split
+                             else reader.get(name))
                 return
             _, start, count = self._partition(p)
             if count:
@@ -461,7 +520,7 @@ class DeepSpeedEngine:
             if mapping is None:
                 return
             address = mapping.lp_fragment_address
-            values = read_flat_range(reader, key_in_file, shape, address.start, address.numel)
+            values = self._read_range(reader, key_in_file, p, address.start, address.numel)
             with torch.no_grad():
                 mapping.get_hp_fragment(key).copy_(values)
             return

@@ -35,8 +35,21 @@ def legacy_components(legacy, for_loading: bool = False) -> dict:
     separate fp32 copy; for loading always, the model weights standing in for fp32 training) and optimizer."""
     from ..components import MASTER, MODEL, OPTIMIZER
 
+    check_readable(legacy)
     sources = {MODEL.name: legacy.model_source()}
     if for_loading or legacy.saved_by()["master_weights"]:
         sources[MASTER.name] = legacy.master_source()
     sources[OPTIMIZER.name] = legacy.optimizer_source()
     return sources
+
+
+def check_readable(legacy) -> None:
+    """Refuse a legacy checkpoint whose tensors this library cannot put together offline: DeepSpeed AutoTP's, one
+    mp_rank file per slice of the sharded weights."""
+    tp_size = getattr(legacy, "tp_size", 1)
+    if tp_size > 1:
+        raise UnsupportedCheckpointError(
+            f"{legacy.dir} was written by DeepSpeed AutoTP ({tp_size} tensor-parallel ranks, one mp_rank_* file per "
+            "slice of the sharded weights); this library does not put those slices together offline. Resume it with "
+            f"the DeepSpeed config and world size that wrote it ({legacy.topology()}): DeepSpeed loads it itself, "
+            "and the next save is unified, resumable anywhere.")

@@ -135,6 +135,7 @@ class LegacyDeepSpeedCheckpoint:
                                              "checkpoints can be read.")
         self.lp_dtype = torch.bfloat16 if (config.get("bf16") or {}).get("enabled") else torch.float32
         self.global_step = int(self.models[0].get("global_steps") or 0)
+        self.tp_size = int(self.models[0].get("mp_world_size") or 1)  # DeepSpeed AutoTP: one mp_rank file per slice
         self.param_shapes: list[OrderedDict] = self.models[0]["param_shapes"]
         self.group_of = {n: g for g, shapes in enumerate(self.param_shapes) for n in shapes}
         self.shape_of = {n: tuple(s) for shapes in self.param_shapes for n, s in shapes.items()}
@@ -142,8 +143,8 @@ class LegacyDeepSpeedCheckpoint:
 
     # ---- layout ------------------------------------------------------------------------------------------
     def topology(self) -> dict:
-        return {"world_size": self.world_size, "zero_stage": self.stage,
-                "bf16": self.lp_dtype == torch.bfloat16}
+        return {"world_size": self.world_size * self.tp_size, "zero_stage": self.stage,
+                "bf16": self.lp_dtype == torch.bfloat16, "autotp_size": self.tp_size}
 
     def _base_state(self, r: int) -> dict:
         return self.optim[r]["base_optimizer_state"] if self.stage != 3 else self.optim[r]["optimizer_state_dict"]
