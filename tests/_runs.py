@@ -683,3 +683,31 @@ def assert_resumed_matches(resumed: dict, baseline: dict, steps, exact: bool, lo
         got = resumed["state"][key]
         assert torch.equal(got, ref) if exact else torch.allclose(got.double(), ref.double(), rtol=0,
                                                                   atol=state_atol), key
+
+
+#: The ordinary Trainer options around the loop: eval every 2 steps, `load_best_model_at_end` (greater_is_better on
+#: eval_loss makes an early checkpoint the best one, so loading it visibly changes the final weights) and
+#: `save_total_limit=2` (rotation must keep the best one); `loop_spec` adds `save_model` after training.
+BEST = {"max_steps": 6, "save_steps": 2, "eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True,
+        "metric_for_best_model": "eval_loss", "greater_is_better": True, "save_total_limit": 2}
+
+
+def loop_spec(spec: dict, model_dir) -> dict:
+    """`spec` with evaluation, `load_best_model_at_end`, rotation (`BEST`) and a `save_model(model_dir)` at the end."""
+    return {**spec, "eval": True, "save_model": str(model_dir), "overrides": {**spec.get("overrides", {}), **BEST}}
+
+
+def assert_loop_options(run_dir, result: dict, model_dir) -> None:
+    """A `loop_spec` run: the best checkpoint is an earlier one kept by rotation, the final weights are its weights,
+    and `from_pretrained(model_dir)` loads those final weights."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    best = result["best"]
+    assert best is not None and not best.endswith("checkpoint-6"), best
+    kept = sorted(p.name for p in Path(run_dir).glob("checkpoint-*"))
+    assert kept == sorted({"checkpoint-6", Path(best).name}), kept
+    for folder in (best, model_dir):
+        loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert [k for k, v in result["state"].items() if not torch.equal(loaded[k], v)] == [], folder

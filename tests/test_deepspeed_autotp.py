@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, hop_tag, run_spec, spec_of
+from _runs import assert_loop_options, assert_resumed_matches, hop_tag, loop_spec, run_spec, spec_of
 from conftest import torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -50,10 +50,11 @@ def autotp_runs(tmp_path_factory):
     native = _spec(tmp, "atp", "native", unified_checkpoint=False, attach=False)
     native_resumed = _spec(tmp, "atp", "native-resumed", resume=("native", 3))
     zero3 = {**_spec(tmp, "atp", "zero3-refused"), "zero": 3, "expect_error": "ZeRO stage 3"}
+    loop = loop_spec(_spec(tmp, "atp", "atp-loop"), tmp / "atp-model")
     torchrun(2, [_spec(tmp, "z2", "z2")] + [_spec(tmp, k, k) for k in ("atp", "atp_tied", "atp_bf16")]
-             + hops[2] + [native, native_resumed, zero3], tmp)
+             + hops[2] + [native, native_resumed, zero3, loop], tmp)
     torchrun(4, [_spec(tmp, "atp4", "atp4")] + hops[4], tmp)
-    tags = ["z2", "atp", "atp_tied", "atp_bf16", "atp4", "native", "native-resumed", "zero3-refused"]
+    tags = ["z2", "atp", "atp_tied", "atp_bf16", "atp4", "native", "native-resumed", "zero3-refused", "atp-loop"]
     out = {tag: torch.load(tmp / f"{tag}.pt", weights_only=False) for tag in tags + [hop_tag(h) for h in HOPS
                                                                                     if h[2] > 1]}
     for spec, hop in zip(hops[1], [h for h in HOPS if h[2] == 1]):
@@ -182,3 +183,12 @@ def test_split_range_reads_only_the_rows_it_covers(dim):
             assert torch.equal(got, local[start:start + count]), (index, start, count)
             (first, last), = reader.rows
             assert last - first <= -(-count // split.local_shape[1]) + 1, reader.rows
+
+
+@pytest.mark.dist
+def test_trainer_loop_options_under_autotp(autotp_runs):
+    """Eval every 2 steps, `load_best_model_at_end` with `save_total_limit=2`, then `trainer.save_model(dir)`, on an
+    AutoTP=2 run: the best (earlier) checkpoint is kept and loaded, and `from_pretrained(dir)` gives the final
+    weights."""
+    tmp, out = autotp_runs
+    assert_loop_options(tmp / "atp-loop", out["atp-loop"], tmp / "atp-model")

@@ -14,7 +14,7 @@ test_resume_equivalence.py (measured ~1e-7, allowed LOSS_RTOL = STATE_ATOL = 1e-
 import pytest
 import torch
 
-from _runs import TokenDataset, assert_resumed_matches, run_spec
+from _runs import BEST, TokenDataset, assert_resumed_matches, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -24,10 +24,6 @@ ANY_SIZE = {"single": {}}
 # (saved by at 2 ranks, resumed as, world size): every engine at 2 and 3 ranks, and across engines.
 CELLS = ([(e, e, w) for e in ENGINES for w in (2, 3)]
          + [("z3", "f2", 3), ("f2", "z3", 2), ("z2", "f1", 2), ("f2", "single", 1), ("z3", "single", 1)])
-# load_best_model_at_end: greater_is_better on eval_loss makes an early checkpoint the best one, so loading it
-# visibly changes the final weights; save_total_limit=2 makes rotation keep it.
-BEST = {"max_steps": 6, "save_steps": 2, "eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True,
-        "metric_for_best_model": "eval_loss", "greater_is_better": True, "save_total_limit": 2}
 REFUSED = {  # run -> what the error says; each must stop before step 1
     "lora-f1": ({"fsdp": 1, "model": "lora"}, "PEFT/LoRA models under FSDP1 are not supported"),
 }

@@ -12,7 +12,7 @@ Sizes do not divide evenly (vocab 97, intermediate 37).
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, hop_tag, run_spec, spec_of
+from _runs import assert_loop_options, assert_resumed_matches, hop_tag, loop_spec, run_spec, spec_of
 from conftest import torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -52,12 +52,13 @@ def tp_runs(tmp_path_factory):
     native = {**_spec(tmp, "tp", "native", save_only_model=True, max_steps=3, attach=False), "result": None}
     refused = {**_spec(tmp, "tp", "native-refused", resume=("native", 3)), "expect_error": NATIVE_REFUSAL}
     ema = {**_spec(tmp, "tp", "ema-refused", unified_checkpoint_config="ema"), "expect_error": "tensor parallelism"}
+    loop = loop_spec(_spec(tmp, "tp", "tp-loop"), tmp / "tp-model")
     torchrun(4, [_spec(tmp, "fsdp_tp", "fsdp_tp")], tmp)
     torchrun(2, [_spec(tmp, kind, kind) for kind in ("tp", "tp_tied", "tp_bf16", "z3")]
-             + hops[2] + [native, refused, ema], tmp)
+             + hops[2] + [native, refused, ema, loop], tmp)
     torchrun(4, hops[4], tmp)
     out = {tag: torch.load(tmp / f"{tag}.pt", weights_only=False)
-           for tag in ["tp", "tp_tied", "tp_bf16", "z3", "fsdp_tp", "native-refused", "ema-refused"]
+           for tag in ["tp", "tp_tied", "tp_bf16", "z3", "fsdp_tp", "native-refused", "ema-refused", "tp-loop"]
            + [_tag(h) for h in HOPS if h[2] > 1]}
     for spec, hop in zip(hops[1], [h for h in HOPS if h[2] == 1]):
         out[_tag(hop)] = run_spec(spec, 1)
@@ -133,3 +134,11 @@ def test_native_tp_checkpoint_is_refused_before_the_first_step(tp_runs):
 def test_ema_under_tp_is_refused_before_the_first_step(tp_runs):
     _, out = tp_runs
     assert out["ema-refused"]["global_step"] == 0 and "drop the word 'ema'" in out["ema-refused"]["error"]
+
+
+@pytest.mark.dist
+def test_trainer_loop_options_under_tp(tp_runs):
+    """Eval every 2 steps, `load_best_model_at_end` with `save_total_limit=2`, then `trainer.save_model(dir)`, on a
+    TP=2 run: the best (earlier) checkpoint is kept and loaded, and `from_pretrained(dir)` gives the final weights."""
+    tmp, out = tp_runs
+    assert_loop_options(tmp / "tp-loop", out["tp-loop"], tmp / "tp-model")
