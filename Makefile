@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # torch first: its 2.13.0 CPU build lies on this machine; a looser requirement would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 PINS   := transformers==5.23.0 accelerate==1.15.0 safetensors==0.8.0 deepspeed==0.19.8 \
-          peft==0.21.2 trl==1.16.0 pytest==9.2.0 matplotlib==3.11.2
+          peft==0.21.2 trl==1.16.0 pytest==9.2.0 matplotlib==3.11.2 isal==1.9.1
 
 .PHONY: demo test venv clean
 

@@ -225,6 +225,21 @@ def test_crc32_combine_matches_zlib(n):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
+def test_the_checksum_is_zlibs_crc32():
+    """Files are checked with ISA-L's CRC-32 when python-isal is installed (it is, with the package): the same
+    values as zlib's, for bytes, a tensor's memory and a mapped range, from any starting value."""
+    import os
+    import zlib
+
+    from hf_unified_ckpt.storage.checksum import crc32
+
+    data = os.urandom(1 << 20)
+    tensor = memoryview(torch.randn(333).numpy()).cast("B")
+    for buf, start in ((b"", 0), (data, 0), (memoryview(data)[5:70001], 12345), (tensor, 7)):
+        assert crc32(buf, start) == zlib.crc32(buf, start)
+    assert crc32.__module__ == "isal.isal_zlib"
+
+
 def test_write_shard_checksum_equals_reading_the_file(tmp_path):
     from hf_unified_ckpt.storage.files import file_crc32
     from hf_unified_ckpt.storage.safetensors_io import write_shard

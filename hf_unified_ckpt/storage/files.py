@@ -6,12 +6,12 @@ import functools
 import json
 import os
 import threading
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CorruptCheckpointError
+from .checksum import crc32
 
 CHECKSUM_ALGORITHM = "crc32"
 _CHUNK = 16 * 2**20
@@ -75,7 +75,7 @@ def file_crc32(path: str | os.PathLike) -> str:
     crc = 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return f"{crc:08x}"
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .checksum import crc32
 from .files import (CHECKSUM_ALGORITHM, FileRecord, RangeRecord, check_plain_name, combine_ranges, read_json,
                     write_json)
 from .headers import read_safetensors_header
@@ -205,7 +205,7 @@ def _checksum(folder: Path, chunk: Chunk, size: int) -> RangeRecord | None:
                        offset=first) as mapped, memoryview(mapped) as view:
             crc, skip = 0, chunk.offset - first
             for at in range(skip, skip + chunk.length, _READ_BYTES):
-                crc = zlib.crc32(view[at:min(at + _READ_BYTES, skip + chunk.length)], crc)
+                crc = crc32(view[at:min(at + _READ_BYTES, skip + chunk.length)], crc)
         return RangeRecord(chunk.name, chunk.offset, chunk.length, crc)
 
 

@@ -8,7 +8,6 @@ import json
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CorruptCheckpointError
+from .checksum import crc32
 from .files import FileRecord, check_plain_name, crc32_combine, file_crc32, fsync_file, read_json, write_json
 from .headers import read_safetensors_header, tensor_specs
 from .reader import FileHandle, FileOpener, LogicalReader, Specs, TensorReader, TensorSlice
@@ -61,7 +61,7 @@ def write_shard(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) ->
                 durable.result()
         data_crc = 0
         for name in order:
-            data_crc = zlib.crc32(_bytes_of(out[name]), data_crc)
+            data_crc = crc32(_bytes_of(out[name]), data_crc)
         durable.result()
     return FileRecord(path.name, path.stat().st_size, _file_crc(path, out, order, data_crc))
 
@@ -88,7 +88,7 @@ def _file_crc(path: Path, tensors: dict[str, torch.Tensor], order: list[str], da
         start += tensors[name].nbytes
     if offsets != expected or path.stat().st_size != 8 + n + start:
         return file_crc32(path)
-    head_crc = zlib.crc32(header_bytes, zlib.crc32(struct.pack("<Q", n)))
+    head_crc = crc32(header_bytes, crc32(struct.pack("<Q", n)))
     return f"{crc32_combine(head_crc, data_crc, start):08x}"
 
 

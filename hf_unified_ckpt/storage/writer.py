@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Protocol
 import torch
 
 from ..planning import FilePlan, WriteItem
+from .checksum import crc32
 from .files import FileRecord, RangeRecord, fsync_file
 from .safetensors_io import write_shard
 
@@ -146,7 +146,7 @@ def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, to
             _pwrite(fd, data, offset)
     finally:
         os.close(fd)
-    return [RangeRecord(file.name, offset, len(data), zlib.crc32(data)) for offset, data in ranges]
+    return [RangeRecord(file.name, offset, len(data), crc32(data)) for offset, data in ranges]
 
 
 def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:
