@@ -711,3 +711,15 @@ def assert_loop_options(run_dir, result: dict, model_dir) -> None:
     for folder in (best, model_dir):
         loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
         assert [k for k, v in result["state"].items() if not torch.equal(loaded[k], v)] == [], folder
+
+
+def assert_from_pretrained_equals(folder, state: dict, tied: bool = False) -> None:
+    """`from_pretrained(folder)` gives `state` (every tensor it loads, `==`); with `tied`, lm_head is still the
+    embedding."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    if tied:
+        assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()

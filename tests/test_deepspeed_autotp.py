@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from _runs import assert_loop_options, assert_resumed_matches, hop_tag, loop_spec, run_spec, spec_of
+from _runs import (assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches, hop_tag, loop_spec,
+                   run_spec, spec_of)
 from conftest import torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -120,15 +121,8 @@ def test_autotp_checkpoint_is_unified_and_records_the_mesh(autotp_runs, kind):
 @pytest.mark.dist
 @pytest.mark.parametrize("kind", ["atp", "atp_tied", "atp4"])
 def test_autotp_checkpoint_loads_with_from_pretrained(autotp_runs, kind):
-    from transformers import AutoModelForCausalLM
-
     tmp, out = autotp_runs
-    loaded = AutoModelForCausalLM.from_pretrained(tmp / kind / "checkpoint-6")
-    state = out[kind]["state"]
-    for name, tensor in loaded.state_dict().items():
-        assert torch.equal(tensor, state[name]), name
-    if kind == "atp_tied":
-        assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert_from_pretrained_equals(tmp / kind / "checkpoint-6", out[kind]["state"], tied=kind == "atp_tied")
 
 
 @pytest.mark.dist

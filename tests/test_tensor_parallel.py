@@ -12,7 +12,8 @@ Sizes do not divide evenly (vocab 97, intermediate 37).
 import pytest
 import torch
 
-from _runs import assert_loop_options, assert_resumed_matches, hop_tag, loop_spec, run_spec, spec_of
+from _runs import (assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches, hop_tag, loop_spec,
+                   run_spec, spec_of)
 from conftest import torchrun
 from hf_unified_ckpt.layout import detect_layout
 
@@ -108,15 +109,8 @@ def test_tp_checkpoint_is_unified_and_records_the_mesh(tp_runs, kind):
 @pytest.mark.dist
 @pytest.mark.parametrize("kind", ["tp", "tp_tied", "fsdp_tp"])
 def test_tp_checkpoint_loads_with_from_pretrained(tp_runs, kind):
-    from transformers import AutoModelForCausalLM
-
     tmp, out = tp_runs
-    loaded = AutoModelForCausalLM.from_pretrained(tmp / kind / "checkpoint-6")
-    state = out[kind]["state"]
-    for name, tensor in loaded.state_dict().items():
-        assert torch.equal(tensor, state[name]), name
-    if kind == "tp_tied":
-        assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert_from_pretrained_equals(tmp / kind / "checkpoint-6", out[kind]["state"], tied=kind == "tp_tied")
 
 
 @pytest.mark.dist
