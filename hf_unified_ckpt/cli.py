@@ -75,12 +75,12 @@ def _print_info(info: dict) -> None:
             print(f"  parameters:  {info['parameters']:,}; all components: {per['all']:.3f} bytes/parameter")
 
 
-def _verify(path: str) -> int:
+def _verify(path: str, checksums: bool = True) -> int:
     layout = detect_layout(path)
     if layout.kind != UNIFIED or layout.manifest is None:
         print(f"FAIL {path}: not a complete unified checkpoint (kind {layout.kind}): {layout.reason}", file=sys.stderr)
         return 1
-    problems = verify_folder(layout.path, layout.manifest, checksums=True)
+    problems = verify_folder(layout.path, layout.manifest, checksums=checksums)
     if problems:
         print(f"FAIL {path}: {len(problems)} problem(s)", file=sys.stderr)
         for p in problems:
@@ -88,7 +88,8 @@ def _verify(path: str) -> int:
         if hint := spread_hint(problems):
             print(hint.strip(), file=sys.stderr)
         return 1
-    print(f"OK {path}: {len(layout.manifest['files'])} files, sizes and checksums match (step {layout.global_step})")
+    what = "sizes and checksums match" if checksums else "complete, sizes match"
+    print(f"OK {path}: {len(layout.manifest['files'])} files, {what} (step {layout.global_step})")
     return 0
 
 
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                            help="largest file written, and about the memory convert holds (default 100MB)")
     p_convert.add_argument("--ckpt-quant-stage", choices=["O0", "O1", "O2"], default="O0",
                            help="compress the optimizer moments: O1 int8, O2 int4 (default O0: exact)")
+    p_convert.add_argument("--verify", action="store_true",
+                           help="then re-read every file from disk and check its CRC-32, as `verify` does (default: "
+                                "the checksums are computed from the bytes as they are written, and the folder is "
+                                "checked complete with the sizes its manifest records)")
     p_convert.add_argument("--quiet", action="store_true", help="no progress bar")
     p_export = sub.add_parser("export", help="a unified checkpoint's weights (model, fp32 master or EMA) as a plain "
                                              "Hugging Face model folder that from_pretrained loads")
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             out = convert(args.legacy_dir, args.out_dir, args.max_shard_size, show_progress=not args.quiet,
                           ckpt_quant_stage=args.ckpt_quant_stage)
             print(f"converted {args.legacy_dir} -> {out}")
-            return _verify(str(out))
+            return _verify(str(out), checksums=args.verify)
         if args.command == "info":
             info = _info(args.path)
             print(json.dumps(info, sort_keys=True)) if args.json else _print_info(info)

@@ -85,7 +85,7 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
     engine = OfflineEngine(legacy_components(legacy), legacy.saved_by())
     options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size)
     step = layout.global_step if layout.global_step is not None else legacy.global_step
-    request = SaveRequest(out_dir, step, options, show_progress=show_progress)
+    request = SaveRequest(out_dir, step, options, show_progress=show_progress, direct_io=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if out_dir.exists():
         out_dir.rmdir()  # empty: the commit renames the staging folder into place

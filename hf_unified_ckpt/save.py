@@ -59,6 +59,9 @@ class SaveRequest:
     options: UnifiedCheckpointOptions
     include_optimizer: bool = True
     show_progress: bool = True
+    #: Files one process writes whole go to disk with direct I/O (`storage.direct`) where the filesystem allows:
+    #: the offline converter, whose output the job does not read back.
+    direct_io: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class SavePlan:
     components: dict[str, ComponentPlan]
     saved_by: dict
     pieces: dict[str, dict[str, Pieces]] = dataclasses.field(default_factory=dict)  # component -> tensor -> pieces
+    direct_io: bool = False  # SaveRequest.direct_io
 
     @property
     def files(self) -> list[FilePlan]:
@@ -79,7 +83,7 @@ class SavePlan:
     @property
     def writer(self) -> StorageWriter:
         """In place into shared files when the plan has pieces (one folder every rank sees), else whole files."""
-        return SharedFileWriter(dist.rank()) if self.pieces else WholeFileWriter()
+        return SharedFileWriter(dist.rank(), self.direct_io) if self.pieces else WholeFileWriter()
 
 
 def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False) -> SavePlan:
@@ -97,7 +101,7 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False)
             metadata["codec"] = codec.metadata()
         plans[c.name] = dataclasses.replace(plan, index_metadata=metadata)
     pieces = census_of_pieces(engine, plans) if shared else {}
-    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces)
+    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, request.direct_io)
 
 
 def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:

@@ -240,6 +240,35 @@ def test_the_checksum_is_zlibs_crc32():
     assert crc32.__module__ == "isal.isal_zlib"
 
 
+def test_direct_io_writes_the_same_bytes_through_a_reused_bounce_buffer(tmp_path, monkeypatch):
+    """`write_whole_direct` (the converter's O_DIRECT path): ranges copied through a page-aligned buffer smaller
+    than the file, a last block padded then truncated away, sizes that are no multiple of any block; ranges that do
+    not tile the file, and filesystems that refuse O_DIRECT (EINVAL), fall back to the caller's buffered write."""
+    import errno
+    import os
+
+    from hf_unified_ckpt.storage import direct
+
+    data = os.urandom(3 * 8192 + 77)
+    pieces = [memoryview(data)[a:b] for a, b in ((0, 13), (13, 9000), (9000, 9001), (9001, len(data)))]
+    ranges = [(a, piece) for a, piece in zip((0, 13, 9000, 9001), pieces)]
+    for n, chunk in enumerate((8192, 4096 * 5, direct.CHUNK)):  # several buffer fills, one partial, one
+        path = tmp_path / f"f{n}"
+        assert direct.write_whole_direct(path, ranges, len(data), chunk=chunk)
+        assert path.read_bytes() == data
+    assert not direct.write_whole_direct(tmp_path / "gap", ranges[:1] + ranges[2:], len(data))  # a gap
+    assert not direct.write_whole_direct(tmp_path / "short", ranges, len(data) + 1)  # does not reach the end
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)  # what tmpfs answers
+    assert not direct.write_whole_direct(tmp_path / "tmpfs", ranges, len(data))
+
+
 def test_write_shard_checksum_equals_reading_the_file(tmp_path):
     from hf_unified_ckpt.storage.files import file_crc32
     from hf_unified_ckpt.storage.safetensors_io import write_shard

@@ -30,6 +30,7 @@ import torch
 
 from ..planning import FilePlan, WriteItem
 from .checksum import crc32
+from .direct import write_whole_direct
 from .files import FileRecord, RangeRecord, fsync_file
 from .safetensors_io import write_shard
 
@@ -86,8 +87,9 @@ def owner_of(file: FilePlan) -> int:
 class SharedFileWriter:
     """Every rank writes its own byte ranges of the shared files in place (see the module docstring)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, direct_io: bool = False):
         self.rank = rank
+        self.direct_io = direct_io
         self._fsyncs: list[Future] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -110,7 +112,7 @@ class SharedFileWriter:
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         path = Path(folder) / file.name
-        records = write_ranges(path, file, self.rank, tensors)
+        records = write_ranges(path, file, self.rank, tensors, self.direct_io)
         if self._pool is None:
             fsync_file(path)
         else:  # the disk flushes this file while the next one is written; `syncing` waits for it
@@ -131,13 +133,22 @@ class SharedFileWriter:
             done.result()
 
 
-def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> list[RangeRecord]:
+def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],
+                 direct_io: bool = False) -> list[RangeRecord]:
     """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in `path`, created
     if missing and never truncated, and compute each range's CRC-32 from memory once the bytes are in the page
-    cache. Returns one record per range written. The caller fsyncs the file (`SharedFileWriter.write`)."""
+    cache. With `direct_io`, a file this rank writes whole goes to disk through `direct.write_whole_direct`
+    (bypassing the page cache) where the filesystem allows it. Returns one record per range written. The caller
+    fsyncs the file (`SharedFileWriter.write`)."""
     head = file.header_bytes
     ranges = [(0, memoryview(head))] if rank == file.header_rank else []
     ranges += [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in file.items_of(rank)]
+    if not (direct_io and write_whole_direct(path, sorted(ranges, key=lambda r: r[0]), file.size)):
+        _write_buffered(path, file, rank, ranges)
+    return [RangeRecord(file.name, offset, len(data), crc32(data)) for offset, data in ranges]
+
+
+def _write_buffered(path: Path, file: FilePlan, rank: int, ranges: list[tuple[int, memoryview]]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         if rank == file.header_rank:
@@ -146,7 +157,6 @@ def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, to
             _pwrite(fd, data, offset)
     finally:
         os.close(fd)
-    return [RangeRecord(file.name, offset, len(data), crc32(data)) for offset, data in ranges]
 
 
 def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:
