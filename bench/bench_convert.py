@@ -9,7 +9,8 @@ Llama of bench_save.py for one step with the plain Trainer (no unified checkpoin
 subprocess on that folder:
 
   ours:   python -m hf_unified_ckpt convert CKPT OUT --quiet        model + optimizer (+ fp32 master under bf16),
-                                                                    fsync'd, then every file verified (CRC-32)
+                                                                    durable (direct I/O + fsync), CRC-32 of every
+                                                                    byte written, then checked complete (sizes)
   theirs: python -m deepspeed.utils.zero_to_fp32 CKPT OUT --safe_serialization   fp32 model weights only, no fsync
 
 and prints medians of wall time and peak RSS (the child's ru_maxrss from os.wait4, imports included):
@@ -207,8 +208,9 @@ def print_table(rows: list[dict], reps: int, floor: dict, ours_args: str) -> Non
         print(f"weights equal: {x['weights_equal']}  ({x['config']}: our {x['compared']} files vs zero_to_fp32's "
               "model.safetensors, torch.equal per tensor)")
     print("targets: time ratio <= 1.0, RSS ratio <= 0.5. Conservative for us on time: ours writes model + optimizer "
-          "state\n(+ fp32 master weights under bf16), fsyncs it and verifies every CRC-32; zero_to_fp32 writes only "
-          "the fp32 weights and does\nnot fsync (+fsync s: the fsync of its output afterwards, not in its time).")
+          "state\n(+ fp32 master weights under bf16), durably (direct I/O + fsync), with the CRC-32 of every byte; "
+          "zero_to_fp32 writes only\nthe fp32 weights and does not fsync (+fsync s: the fsync of its output "
+          "afterwards, not in its time).")
     print(f"import-only floor (fresh interpreter): ours {floor['ours'][0]:.2f} s / {floor['ours'][1] / MiB:.0f} MiB, "
           f"zero_to_fp32 {floor['theirs'][0]:.2f} s / {floor['theirs'][1] / MiB:.0f} MiB")
     print(f"raw seconds: {json.dumps({x['config']: x['raw'] for x in rows})}")
