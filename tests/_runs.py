@@ -583,12 +583,12 @@ def die_mid_write(rank: int, step: int):
 
     original = writer.write_ranges
 
-    def dying(path, file, r, tensors):
+    def dying(path, file, r, tensors, **kwargs):
         if r == rank and f".checkpoint-{step}." in str(path) and len(file.writers) > 1:
             mine = file.items_of(r)
-            original(path, dataclasses.replace(file, items=tuple(mine[: max(1, len(mine) // 2)])), r, tensors)
+            original(path, dataclasses.replace(file, items=tuple(mine[: max(1, len(mine) // 2)])), r, tensors, **kwargs)
             os._exit(9)
-        return original(path, file, r, tensors)
+        return original(path, file, r, tensors, **kwargs)
 
     writer.write_ranges = dying
     try:

@@ -34,10 +34,11 @@ def during_second_save(fn, on_call=1, before=None):
     return wrapper
 
 
-def half_file_then_die(path, file, rank, tensors):
+def half_file_then_die(path, file, rank, tensors, **kwargs):
     """In the middle of writing a shared file in place: the file exists at its final size with its header and the
     first half of its ranges; the rest is never written."""
-    ORIGINAL_WRITE_RANGES(path, dataclasses.replace(file, items=file.items[: len(file.items) // 2]), rank, tensors)
+    ORIGINAL_WRITE_RANGES(path, dataclasses.replace(file, items=file.items[: len(file.items) // 2]), rank, tensors,
+                          **kwargs)
     die()
 
 

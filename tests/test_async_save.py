@@ -29,10 +29,10 @@ def test_async_checkpoints_are_complete_and_resume_exactly(tmp_path):
 def _fail_writes_of(step: int, monkeypatch):
     real = writer_module.write_ranges
 
-    def write_ranges(path, *args):
+    def write_ranges(path, *args, **kwargs):
         if f".checkpoint-{step}." in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, *args)
+        return real(path, *args, **kwargs)
 
     monkeypatch.setattr(writer_module, "write_ranges", write_ranges)
 

@@ -97,12 +97,12 @@ def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch)
     real = writer_module.write_ranges
     written = []
 
-    def failing(path, *args):
+    def failing(path, *args, **kwargs):
         if ".checkpoint-6." in str(path) and len(written) == 2:  # second save, after two of its files
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         if ".checkpoint-6." in str(path):
             written.append(path)
-        return real(path, *args)
+        return real(path, *args, **kwargs)
 
     monkeypatch.setattr(writer_module, "write_ranges", failing)
     with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:

@@ -112,7 +112,7 @@ class SharedFileWriter:
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         path = Path(folder) / file.name
-        records = write_ranges(path, file, self.rank, tensors, self.direct_io)
+        records = write_ranges(path, file, self.rank, tensors, direct_io=self.direct_io)
         if self._pool is None:
             fsync_file(path)
         else:  # the disk flushes this file while the next one is written; `syncing` waits for it
