@@ -19,6 +19,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from .files import pwrite_all
+
 #: Bounce buffer size (a multiple of every logical block size in use: 512 B and 4 KiB).
 CHUNK = 8 * 2**20
 _ALIGN = 4096
@@ -76,13 +78,7 @@ def _stream(fd: int, ranges: Sequence[tuple[int, memoryview]], buf: memoryview) 
             buf[filled:filled + n] = data[done:done + n]
             filled, done = filled + n, done + n
             if filled == len(buf):
-                _pwrite_all(fd, buf, written)
+                pwrite_all(fd, buf, written)
                 written, filled = written + filled, 0
     if filled:
-        _pwrite_all(fd, buf[:-(-filled // _ALIGN) * _ALIGN], written)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
+        pwrite_all(fd, buf[:-(-filled // _ALIGN) * _ALIGN], written)

@@ -114,6 +114,13 @@ def _zeros_operator(k: int) -> tuple[int, ...]:
     return tuple(_gf2_times(half, half[n]) for n in range(32))
 
 
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """`os.pwrite` until every byte of `data` is written at `offset` (a write may be short)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
 def fsync_file(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -31,7 +31,7 @@ import torch
 from ..planning import FilePlan, WriteItem
 from .checksum import crc32
 from .direct import write_whole_direct
-from .files import FileRecord, RangeRecord, fsync_file
+from .files import FileRecord, RangeRecord, fsync_file, pwrite_all
 from .safetensors_io import write_shard
 
 
@@ -154,7 +154,7 @@ def _write_buffered(path: Path, file: FilePlan, rank: int, ranges: list[tuple[in
         if rank == file.header_rank:
             os.ftruncate(fd, file.size)
         for offset, data in ranges:
-            _pwrite(fd, data, offset)
+            pwrite_all(fd, data, offset)
     finally:
         os.close(fd)
 
@@ -168,9 +168,3 @@ def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:
         raise ValueError(f"{item.name}: rank {item.rank} holds {len(data)} bytes of the {item.end - item.start} it "
                          "was planned to write; the engine's shards changed after the save was planned.")
     return data
-
-
-def _pwrite(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
