@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .components import OPTIMIZER, Component, component
 from .errors import UnsupportedCheckpointError
@@ -19,6 +21,9 @@ from .options import parse_options
 from .planning import TensorSpec
 from .save import SaveRequest, save_checkpoint
 from .storage.files import FileRecord, record_file
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +57,10 @@ class OfflineEngine:
     def exchange(self, component: str, names, owner: int) -> None:
         """Nothing to assemble: one process holds (lazily) everything."""
 
-    def tensors(self, component: str, names) -> dict:
-        return {n: self.sources[component].get(n) for n in names}
+    def tensors(self, component: str, names) -> Mapping[str, torch.Tensor]:
+        """The tensors `names`, each read from the legacy files when looked up (not kept: the writer streams a file
+        tensor by tensor, reading the next while it writes one)."""
+        return _OnLookup(self.sources[component], tuple(names))
 
     def fragments(self, component: str, names=None) -> dict:
         """None: the one process writes every tensor whole."""
@@ -64,6 +71,24 @@ class OfflineEngine:
 
     def write_configs(self, folder) -> None:
         """Configs are copied with the other non-tensor files."""
+
+
+class _OnLookup(Mapping):
+    """`names` of a `TensorSource`, each computed anew when looked up."""
+
+    def __init__(self, source: TensorSource, names: tuple[str, ...]):
+        self._source, self._names = source, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._source.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "100MB",

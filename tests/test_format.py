@@ -240,33 +240,85 @@ def test_the_checksum_is_zlibs_crc32():
     assert crc32.__module__ == "isal.isal_zlib"
 
 
-def test_direct_io_writes_the_same_bytes_through_a_reused_bounce_buffer(tmp_path, monkeypatch):
-    """`write_whole_direct` (the converter's O_DIRECT path): ranges copied through a page-aligned buffer smaller
-    than the file, a last block padded then truncated away, sizes that are no multiple of any block; ranges that do
-    not tile the file, and filesystems that refuse O_DIRECT (EINVAL), fall back to the caller's buffered write."""
+def test_direct_io_streams_the_same_bytes_through_a_reused_bounce_buffer(tmp_path, monkeypatch):
+    """`write_whole_direct` (the converter's O_DIRECT path): ranges consumed one at a time and copied through a
+    page-aligned buffer smaller than the file, a last block padded then truncated away, sizes that are no multiple
+    of any block, each range's CRC-32; ranges that do not tile the file are refused, and a filesystem that refuses
+    O_DIRECT (EINVAL at open or at the first write) gets None before any range is consumed."""
     import errno
     import os
+    import zlib
 
     from hf_unified_ckpt.storage import direct
 
     data = os.urandom(3 * 8192 + 77)
-    pieces = [memoryview(data)[a:b] for a, b in ((0, 13), (13, 9000), (9000, 9001), (9001, len(data)))]
-    ranges = [(a, piece) for a, piece in zip((0, 13, 9000, 9001), pieces)]
+    bounds = ((0, 13), (13, 9000), (9000, 9001), (9001, len(data)))
+    ranges = [(a, memoryview(data)[a:b]) for a, b in bounds]
+    expected = [(a, b - a, zlib.crc32(data[a:b])) for a, b in bounds]
     for n, chunk in enumerate((8192, 4096 * 5, direct.CHUNK)):  # several buffer fills, one partial, one
         path = tmp_path / f"f{n}"
-        assert direct.write_whole_direct(path, ranges, len(data), chunk=chunk)
+        assert direct.write_whole_direct(path, iter(ranges), len(data), chunk=chunk) == expected
         assert path.read_bytes() == data
-    assert not direct.write_whole_direct(tmp_path / "gap", ranges[:1] + ranges[2:], len(data))  # a gap
-    assert not direct.write_whole_direct(tmp_path / "short", ranges, len(data) + 1)  # does not reach the end
-    real_open = os.open
+    with pytest.raises(ValueError, match="starts at byte 9000, expected 13"):
+        direct.write_whole_direct(tmp_path / "gap", ranges[:1] + ranges[2:], len(data))
+    with pytest.raises(ValueError, match="the file is"):
+        direct.write_whole_direct(tmp_path / "short", ranges, len(data) + 1)
+    consumed = []
+
+    def watched():
+        for r in ranges:
+            consumed.append(r)
+            yield r
+
+    real_open, real_pwrite = os.open, os.pwrite
 
     def no_direct(path, flags, *args):
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
+    def no_direct_write(fd, data, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
     monkeypatch.setattr(os, "open", no_direct)  # what tmpfs answers
-    assert not direct.write_whole_direct(tmp_path / "tmpfs", ranges, len(data))
+    assert direct.write_whole_direct(tmp_path / "tmpfs", watched(), len(data)) is None
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "pwrite", no_direct_write)  # opened, but the first aligned write is refused
+    assert direct.write_whole_direct(tmp_path / "late", watched(), len(data)) is None
+    assert consumed == []
+
+
+def test_prefetching_runs_ahead_by_a_bounded_number_of_bytes_and_hands_over_errors():
+    """The converter's reader thread (`writer._prefetching`): every range in order; never more than the limit
+    (plus two ranges) produced ahead of the consumer; a reader error raised in the consumer; a consumer that stops
+    early stops the reader."""
+    import threading
+
+    from hf_unified_ckpt.storage.writer import _prefetching
+
+    produced = []
+
+    def ranges(n, fail_at=None):
+        for i in range(n):
+            if i == fail_at:
+                raise OSError("disk read failed")
+            produced.append(i)
+            yield i * 10, memoryview(bytes(10))
+
+    seen, lead = [], []
+    with _prefetching(ranges(50), limit=25) as items:
+        for offset, data in items:
+            seen.append(offset)
+            lead.append(len(produced) - len(seen))
+    assert seen == [i * 10 for i in range(50)]
+    assert 1 <= max(lead) <= 25 // 10 + 2  # ready: up to the limit + one range; one more in the reader's hands
+    with pytest.raises(OSError, match="disk read failed"):
+        with _prefetching(ranges(10, fail_at=4), limit=100) as items:
+            list(items)
+    produced.clear()
+    with _prefetching(ranges(1000), limit=20) as items:
+        next(items)
+    assert len(produced) < 10 and not any(t.name == "prefetch" for t in threading.enumerate())
 
 
 def test_write_shard_checksum_equals_reading_the_file(tmp_path):

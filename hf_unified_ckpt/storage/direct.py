@@ -5,9 +5,11 @@ byte of a file (the offline converter); the caller still fsyncs the file for its
 
 Direct I/O needs the buffer address, file offset and length aligned to the device's logical block size: the
 bounce buffer is page-aligned (anonymous `mmap`), reused for every file of a thread, and the file's last block is
-written padded, then the file is truncated to its real size. Filesystems without direct I/O (tmpfs, some network
-filesystems) refuse it with EINVAL at open or at the first write: `write_whole_direct` then returns False and
-writes nothing, and the caller writes the file through the page cache.
+written padded, then the file is truncated to its real size. The ranges are consumed as an iterable, one at a time,
+so that the caller can produce (read, assemble) the next range while this one is written. Filesystems without
+direct I/O (tmpfs, some network filesystems) refuse it with EINVAL at open or at a first aligned write, made before
+any range is consumed: `write_whole_direct` then returns None, and the caller writes the file through the page
+cache.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
+from .checksum import crc32
 from .files import pwrite_all
 
 #: Bounce buffer size (a multiple of every logical block size in use: 512 B and 4 KiB).
@@ -27,37 +30,43 @@ _ALIGN = 4096
 _local = threading.local()
 
 
-def write_whole_direct(path: Path, ranges: Sequence[tuple[int, memoryview]], size: int, chunk: int = CHUNK) -> bool:
-    """Write `ranges` ((offset, bytes), together covering [0, size) without gaps or overlaps, in offset order)
-    into a new file `path` with direct I/O. Returns False, having written nothing that matters (the caller
-    rewrites the file), where the filesystem does not support direct I/O or the ranges do not tile the file."""
-    if not _tiles(ranges, size) or not hasattr(os, "O_DIRECT"):
-        return False
+def write_whole_direct(path: Path, ranges: Iterable[tuple[int, memoryview]], size: int,
+                       chunk: int = CHUNK) -> list[tuple[int, int, int]] | None:
+    """Write `ranges` ((offset, bytes) in offset order, together covering [0, size) without gaps or overlaps) into
+    a new file `path` with direct I/O, consuming them one at a time. Returns (offset, length, CRC-32) of each range
+    (computed from memory as it is written), or None — nothing consumed — where the filesystem does not support
+    direct I/O. Ranges that do not tile the file raise ValueError (the caller checks its plan first)."""
+    fd = _open_direct(path, _bounce(chunk))
+    if fd is None:
+        return None
+    try:
+        records = _stream(fd, ranges, _bounce(chunk))
+        if sum(length for _, length, _ in records) != size:
+            raise ValueError(f"{path}: the ranges end at {sum(n for _, n, _ in records)}, the file is {size} bytes")
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return records
+
+
+def _open_direct(path: Path, buf: memoryview) -> int | None:
+    """`path` created for direct I/O, after one aligned block was written to it; None where either is refused."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     except OSError as e:
         if e.errno == errno.EINVAL:
-            return False
+            return None
         raise
     try:
-        _stream(fd, ranges, _bounce(chunk))
-        os.ftruncate(fd, size)
+        pwrite_all(fd, buf[:_ALIGN], 0)
     except OSError as e:
-        if e.errno == errno.EINVAL:
-            return False
-        raise
-    finally:
         os.close(fd)
-    return True
-
-
-def _tiles(ranges: Sequence[tuple[int, memoryview]], size: int) -> bool:
-    end = 0
-    for offset, data in ranges:
-        if offset != end:
-            return False
-        end += len(data)
-    return end == size
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+    return fd
 
 
 def _bounce(chunk: int) -> memoryview:
@@ -67,10 +76,13 @@ def _bounce(chunk: int) -> memoryview:
     return memoryview(_local.buffer)
 
 
-def _stream(fd: int, ranges: Sequence[tuple[int, memoryview]], buf: memoryview) -> None:
+def _stream(fd: int, ranges: Iterable[tuple[int, memoryview]], buf: memoryview) -> list[tuple[int, int, int]]:
     """Copy the ranges through `buf` into the file, one full buffer per write; the last one padded to a block."""
     filled = written = 0
-    for _, data in ranges:
+    records = []
+    for offset, data in ranges:
+        if offset != written + filled:
+            raise ValueError(f"a range starts at byte {offset}, expected {written + filled} (gap or overlap)")
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         done = 0
         while done < len(data):
@@ -80,5 +92,8 @@ def _stream(fd: int, ranges: Sequence[tuple[int, memoryview]], buf: memoryview) 
             if filled == len(buf):
                 pwrite_all(fd, buf, written)
                 written, filled = written + filled, 0
+        records.append((offset, len(data), crc32(data)))
+        del data  # before the producer is asked for the next range
     if filled:
         pwrite_all(fd, buf[:-(-filled // _ALIGN) * _ALIGN], written)
+    return records

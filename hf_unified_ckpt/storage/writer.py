@@ -19,9 +19,12 @@ or in the background after a snapshot).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import os
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -101,14 +104,16 @@ class SharedFileWriter:
     def writes(self, file: FilePlan, rank: int) -> bool:
         return rank in file.writers
 
-    def local_tensors(self, engine, file: FilePlan) -> dict[str, torch.Tensor]:
-        out = {}
+    def local_tensors(self, engine, file: FilePlan) -> Mapping[str, torch.Tensor]:
+        """Whole tensors (on the header rank) and this rank's pieces; a mapping that may compute each whole tensor
+        when it is looked up (`engine.tensors` of the offline converter)."""
+        whole, pieces = {}, {}
         if self.rank == file.header_rank and file.whole_names:
-            out.update(file.stored_tensors(engine.tensors(file.component, file.whole_names)))
+            whole = file.stored_tensors(engine.tensors(file.component, file.whole_names))
         mine = [n for n in file.pieces if any(r == self.rank and count for r, _, count in file.pieces[n])]
         if mine:
-            out.update({n: f.values for n, f in engine.fragments(file.component, mine).items()})
-        return out
+            pieces = {n: f.values for n, f in engine.fragments(file.component, mine).items()}
+        return collections.ChainMap(pieces, whole)
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         path = Path(folder) / file.name
@@ -137,15 +142,101 @@ def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, to
                  direct_io: bool = False) -> list[RangeRecord]:
     """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in `path`, created
     if missing and never truncated, and compute each range's CRC-32 from memory once the bytes are in the page
-    cache. With `direct_io`, a file this rank writes whole goes to disk through `direct.write_whole_direct`
-    (bypassing the page cache) where the filesystem allows it. Returns one record per range written. The caller
-    fsyncs the file (`SharedFileWriter.write`)."""
+    cache. With `direct_io`, a file this rank writes whole is streamed to disk by `direct.write_whole_direct`
+    (bypassing the page cache) where the filesystem allows it, each tensor taken from `tensors` (which may compute
+    it on access) while the one before is written. Returns one record per range written. The caller fsyncs the
+    file (`SharedFileWriter.write`)."""
     head = file.header_bytes
+    items = file.items_of(rank)
+    if direct_io and _writes_whole(file, rank, items):
+        items = sorted(items, key=lambda item: item.start)
+        lazily = ((len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items)
+        with _prefetching(itertools.chain([(0, memoryview(head))], lazily)) as ranges:
+            written = write_whole_direct(path, ranges, file.size)
+        if written is not None:
+            return [RangeRecord(file.name, offset, length, crc) for offset, length, crc in written]
     ranges = [(0, memoryview(head))] if rank == file.header_rank else []
-    ranges += [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in file.items_of(rank)]
-    if not (direct_io and write_whole_direct(path, sorted(ranges, key=lambda r: r[0]), file.size)):
-        _write_buffered(path, file, rank, ranges)
+    ranges += [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items]
+    _write_buffered(path, file, rank, ranges)
     return [RangeRecord(file.name, offset, len(data), crc32(data)) for offset, data in ranges]
+
+
+def _writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
+    """Whether `rank`'s items and the header tile `file` (from the plan; no tensor is touched)."""
+    end = 0
+    for item in sorted(items, key=lambda item: item.start):
+        if item.start != end:
+            return False
+        end = item.end
+    return rank == file.header_rank and len(file.header_bytes) + end == file.size
+
+
+#: How many bytes of ranges the converter's reader may hold ready ahead of the writer (beyond the one being written).
+AHEAD_BYTES = 64 * 2**20
+
+
+@contextlib.contextmanager
+def _prefetching(ranges: Iterable[tuple[int, memoryview]], limit: int = AHEAD_BYTES) -> Iterator[Iterator]:
+    """`ranges`, produced by a helper thread that runs ahead of the caller (holding ready at most `limit` bytes
+    plus one range, and one more in hand), so that reading and assembling the next tensors overlaps writing this
+    one (both release the GIL)."""
+    ahead = _Ahead(iter(ranges), limit)
+    thread = threading.Thread(target=ahead.produce, name="prefetch", daemon=True)
+    thread.start()
+    try:
+        yield ahead.consume()
+    finally:
+        ahead.stop()
+        thread.join()
+
+
+class _Ahead:
+    """A bounded hand-over of ranges from one producer thread to one consumer (see `_prefetching`)."""
+
+    def __init__(self, ranges: Iterator[tuple[int, memoryview]], limit: int):
+        self._ranges, self._limit = ranges, limit
+        self._ready: collections.deque = collections.deque()
+        self._held = 0
+        self._done = self._stopped = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def produce(self) -> None:
+        try:
+            for item in self._ranges:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopped or not self._ready or self._held < self._limit)
+                    if self._stopped:
+                        return
+                    self._ready.append(item)
+                    self._held += len(item[1])
+                    self._cond.notify_all()
+        except BaseException as e:  # handed to the consumer
+            self._error = e
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def consume(self) -> Iterator[tuple[int, memoryview]]:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._ready or self._done)
+                if not self._ready:
+                    if self._error is not None:
+                        raise self._error
+                    return
+                item = self._ready.popleft()
+                self._held -= len(item[1])
+                self._cond.notify_all()
+            yield item
+            del item
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._ready.clear()
+            self._cond.notify_all()
 
 
 def _write_buffered(path: Path, file: FilePlan, rank: int, ranges: list[tuple[int, memoryview]]) -> None:
