@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import math
 import mmap
 import re
@@ -25,22 +26,53 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..optim_state import OptimizerStateEncoder
 from .sources import TensorSource
 
+logger = logging.getLogger(__name__)
 _RANK_RE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
+class _ZeroStage(int):
+    """Stands in for `deepspeed.runtime.zero.config.ZeroStageEnum` (pickled as `ZeroStageEnum(stage)`)."""
+
+    @property
+    def value(self) -> int:
+        return int(self)
+
+
+class _PickledState:
+    """Stands in for a DeepSpeed class pickled as its attributes (`fragment_address`: start, numel; `LossScaler`)."""
+
+
+#: DeepSpeed classes the partition files pickle, and plain stand-ins for them: reading a checkpoint neither imports
+#: DeepSpeed (0.5 s, most of what reading the pickles costs) nor runs arbitrary pickled code (`weights_only`).
+_STAND_INS = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+              (_PickledState, "deepspeed.utils.tensor_fragment.fragment_address"),
+              (_PickledState, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+              (_PickledState, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")]
+
+
 def _load(path: Path) -> dict:
+    """The pickled dict of a partition file, its tensors memory-mapped. Read with `weights_only` and the stand-ins
+    above; a file that pickles anything else (another DeepSpeed version's classes) is read by DeepSpeed's own
+    classes (unpickling imports DeepSpeed)."""
+    try:
+        with torch.serialization.safe_globals(_STAND_INS):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # an unknown global, or a damaged file (reported below)
+        logger.debug("%s: reading with DeepSpeed's classes (%s)", path, e)
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as e:  # pickle, zip and mmap errors alike
         raise CorruptCheckpointError(f"legacy DeepSpeed file {path} cannot be read ({type(e).__name__}: {e}).") from e
 
 
-def _copy_out(pieces: list[torch.Tensor], numel: int, mapped: list[tuple[int, int]]) -> torch.Tensor:
-    """The first `numel` elements of `pieces` copied once into a new tensor. Pieces that lie in the memory-mapped
+def _copy_out(pieces: list[torch.Tensor], numel: int, mapped: list[tuple[int, int]],
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first `numel` elements of `pieces` copied once into a new tensor (converted to `dtype` as they are
+    copied, if given). Pieces that lie in the memory-mapped
     partition files (`mapped`: address ranges of those files' mappings) hand their pages back to the kernel, so that
     reading a whole checkpoint does not keep every page it touched resident (the files are mapped private and never
     written: a page touched again is read again from the file)."""
-    out = torch.empty(numel, dtype=pieces[0].dtype if pieces else torch.float32)
+    out = torch.empty(numel, dtype=dtype or (pieces[0].dtype if pieces else torch.float32))
     at = 0
     for piece in pieces:
         take = min(piece.numel(), numel - at)
@@ -168,15 +200,16 @@ class LegacyDeepSpeedCheckpoint:
             offset += part
         return out
 
-    def fp32(self, name: str, key: str | None = None) -> torch.Tensor:
-        """Full fp32 master weight (key None) or optimizer state `key` of parameter `name`."""
+    def fp32(self, name: str, key: str | None = None, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Full fp32 master weight (key None) or optimizer state `key` of parameter `name` (converted to
+        `as_dtype` while it is copied out of the partitions, if given)."""
         shape = self.shape_of[name]
         numel = math.prod(shape)
         if self.stage == 3:
             sub, offset = self._z3_offsets[name]
             part = math.ceil(numel / self.world_size)
             pieces = [self._flats(r, key)[sub].narrow(0, offset, part) for r in range(self.world_size)]
-            return _copy_out(pieces, numel, self._mapped).view(shape)
+            return _copy_out(pieces, numel, self._mapped, as_dtype).view(shape)
         g = self.group_of[name]
         pieces = []
         for r in range(self.world_size):
@@ -187,7 +220,7 @@ class LegacyDeepSpeedCheckpoint:
         if found != numel:
             raise CorruptCheckpointError(f"{self.dir}: the fragments of {name} hold {found} elements, "
                                          f"expected {numel}.")
-        return _copy_out(pieces, numel, self._mapped).view(shape)
+        return _copy_out(pieces, numel, self._mapped, as_dtype).view(shape)
 
     # ---- components ----------------------------------------------------------------------------------------
     def _aliases(self) -> set[str]:
@@ -215,7 +248,7 @@ class LegacyDeepSpeedCheckpoint:
             if self.stage != 3:
                 entries[name] = (shape, self.lp_dtype, lambda n=name: self._copied(module[n]))
             else:
-                entries[name] = (shape, self.lp_dtype, lambda n=name: self.fp32(n).to(self.lp_dtype))
+                entries[name] = (shape, self.lp_dtype, lambda n=name: self.fp32(n, as_dtype=self.lp_dtype))
         for name, shape in self._frozen().items():
             entries[name] = (shape, module[name].dtype if self.stage != 3 else self.lp_dtype,
                              lambda n=name: self._frozen_tensor(n))
