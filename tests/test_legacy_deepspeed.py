@@ -114,6 +114,34 @@ def test_convert_matches_zero_to_fp32_and_verifies(legacy, name, tmp_path, capsy
     assert "not empty" in capsys.readouterr().err
 
 
+def test_partitions_are_read_without_deepspeed_and_without_running_pickled_code(legacy, tmp_path):
+    """The partition files are unpickled with `weights_only` and stand-ins for DeepSpeed's classes: a fresh process
+    reads every saver's tensors without importing DeepSpeed. A file pickling anything else is still read (by the
+    classes it names); a damaged one is a clear error."""
+    import subprocess
+    import sys
+    from fractions import Fraction
+
+    from hf_unified_ckpt.errors import CorruptCheckpointError
+    from hf_unified_ckpt.legacy.deepspeed import _load
+
+    folders = [str(legacy[0] / name / "checkpoint-3") for name in SAVERS]
+    code = ("import sys; from hf_unified_ckpt.legacy.deepspeed import LegacyDeepSpeedCheckpoint as L\n"
+            "for f in sys.argv[1:]:\n"
+            "    c = L(f); [c.fp32(n, k) for n in c.shape_of for k in (None, 'exp_avg')]\n"
+            "    print(c.stage, c.topology()['bf16'], [f.start for f in c.optim[0].get('param_slice_mappings', [{}])[0].values()][:1])\n"
+            "print('deepspeed imported:', 'deepspeed' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *folders], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["2 False [0]", "3 False []", "2 True [0]", "deepspeed imported: False"]
+    other = tmp_path / "other.pt"
+    torch.save({"scale": Fraction(1, 3), "t": torch.ones(3)}, other)
+    assert _load(other)["scale"] == Fraction(1, 3)
+    other.write_bytes(other.read_bytes()[:100])
+    with pytest.raises(CorruptCheckpointError, match="other.pt cannot be read"):
+        _load(other)
+
+
 def test_convert_can_compress_the_optimizer_moments(legacy, tmp_path):
     from hf_unified_ckpt.storage.safetensors_io import ComponentReader
     from test_compression import round_trip
