@@ -291,7 +291,7 @@ def test_direct_io_streams_the_same_bytes_through_a_reused_bounce_buffer(tmp_pat
 def test_prefetching_runs_ahead_by_a_bounded_number_of_bytes_and_hands_over_errors():
     """The converter's reader thread (`writer._prefetching`): every range in order; never more than the limit
     (plus two ranges) produced ahead of the consumer; a reader error raised in the consumer; a consumer that stops
-    early stops the reader."""
+    early stops the reader; nothing read before the consumer asks."""
     import threading
 
     from hf_unified_ckpt.storage.writer import _prefetching
@@ -319,6 +319,10 @@ def test_prefetching_runs_ahead_by_a_bounded_number_of_bytes_and_hands_over_erro
     with _prefetching(ranges(1000), limit=20) as items:
         next(items)
     assert len(produced) < 10 and not any(t.name == "prefetch" for t in threading.enumerate())
+    produced.clear()
+    with _prefetching(ranges(10), limit=20):
+        pass  # the writer refused before asking for a range (no direct I/O here)
+    assert produced == []
 
 
 def test_write_shard_checksum_equals_reading_the_file(tmp_path):

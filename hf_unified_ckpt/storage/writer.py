@@ -179,15 +179,13 @@ AHEAD_BYTES = 64 * 2**20
 def _prefetching(ranges: Iterable[tuple[int, memoryview]], limit: int = AHEAD_BYTES) -> Iterator[Iterator]:
     """`ranges`, produced by a helper thread that runs ahead of the caller (holding ready at most `limit` bytes
     plus one range, and one more in hand), so that reading and assembling the next tensors overlaps writing this
-    one (both release the GIL)."""
+    one (both release the GIL). The thread starts when the caller asks for the first range (a writer that refuses
+    before reading any has nothing computed in vain)."""
     ahead = _Ahead(iter(ranges), limit)
-    thread = threading.Thread(target=ahead.produce, name="prefetch", daemon=True)
-    thread.start()
     try:
         yield ahead.consume()
     finally:
         ahead.stop()
-        thread.join()
 
 
 class _Ahead:
@@ -200,8 +198,9 @@ class _Ahead:
         self._done = self._stopped = False
         self._error: BaseException | None = None
         self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._produce, name="prefetch", daemon=True)
 
-    def produce(self) -> None:
+    def _produce(self) -> None:
         try:
             for item in self._ranges:
                 with self._cond:
@@ -219,6 +218,7 @@ class _Ahead:
                 self._cond.notify_all()
 
     def consume(self) -> Iterator[tuple[int, memoryview]]:
+        self._thread.start()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._ready or self._done)
@@ -237,6 +237,8 @@ class _Ahead:
             self._stopped = True
             self._ready.clear()
             self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _write_buffered(path: Path, file: FilePlan, rank: int, ranges: list[tuple[int, memoryview]]) -> None:
