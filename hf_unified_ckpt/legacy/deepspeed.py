@@ -38,6 +38,17 @@ class _ZeroStage(int):
         return int(self)
 
 
+_ZERO_STAGES = {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3}
+
+
+def _enum_member(cls, name: str):
+    """Stands in for `getattr` in `getattr(ZeroStageEnum, "gradients")` (an enum pickled by member name); any other
+    use is refused (the file is then read with DeepSpeed's classes)."""
+    if cls is not _ZeroStage or name not in _ZERO_STAGES:
+        raise ValueError(f"getattr({cls!r}, {name!r}) is not a ZeRO stage")
+    return _ZeroStage(_ZERO_STAGES[name])
+
+
 class _PickledState:
     """Stands in for a DeepSpeed class pickled as its attributes (`fragment_address`: start, numel; `LossScaler`)."""
 
@@ -47,7 +58,8 @@ class _PickledState:
 _STAND_INS = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
               (_PickledState, "deepspeed.utils.tensor_fragment.fragment_address"),
               (_PickledState, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-              (_PickledState, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")]
+              (_PickledState, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+              (_enum_member, "builtins.getattr"), (_enum_member, "__builtin__.getattr")]
 
 
 def _load(path: Path) -> dict:
