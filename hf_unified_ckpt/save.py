@@ -157,7 +157,8 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: E
     plan = plan_save(engine, request, shared=staging.shared)
     show = request.show_progress and dist.rank() == 0
     outcome = guarded(lambda: _write_share(engine, plan.writer, plan.files, staging.path,
-                                           f"Saving {request.final_dir.name}", show) + write_extras(staging.path))
+                                           f"Saving {request.final_dir.name}", show,
+                                           meanwhile=lambda: write_extras(staging.path)))
     raise_if_failed(conclude(plan, staging, request, outcome, after_commit=after_commit), staging)
     return staging.final
 
@@ -261,15 +262,18 @@ def assembled_files(engine: EngineAdapter, writer: StorageWriter, files: list[Fi
 
 
 def _write_share(engine: EngineAdapter, writer: StorageWriter, files: list[FilePlan], staging: Path, desc: str,
-                 show: bool) -> list[FileRecord | RangeRecord]:
+                 show: bool, meanwhile: Callable[[], list[FileRecord]] | None = None) -> list[FileRecord | RangeRecord]:
     """Write this rank's files (or parts of files) as the save loop yields them, in a writer thread, so writing
-    one file overlaps assembling the next. Collective: all ranks must call it."""
+    one file overlaps assembling the next; once the loop is done, run `meanwhile` (the small files: their fsyncs
+    wait on the disk's journal while the tensors' writeback is in flight, so they wait alongside it, not after it)
+    and add its records. Collective: all ranks must call it."""
     futures = []
     with writer.syncing(), ThreadPoolExecutor(max_workers=1) as pool:
         for file in assembled_files(engine, writer, files, desc, show):
             futures.append(pool.submit(lambda f=file: writer.write(staging, f, writer.local_tensors(engine, f))))
+        extras = meanwhile() if meanwhile is not None else []
         records = [record for f in futures for record in f.result()]
-    return records
+    return records + extras
 
 
 def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest,
