@@ -11,8 +11,9 @@
 
 Launches `torchrun --nproc_per_node N` (N = --nproc, default 2; DeepSpeed ZeRO-2 or ZeRO-3 through the Trainer, or
 FSDP2 through the Trainer with the tests' CPU shim; CPU, gloo) on a Llama-style model (--size: ~50M, ~103M (default),
-~200M parameters, vocab 16000, a global batch of 4: 4 // N per rank) and, in the same launch, alternates per
-repetition (order swapped every other repetition):
+~200M parameters, vocab 16000, a global batch of 4: 4 // N per rank) and, in the same launch, after one untimed
+round, runs per repetition, in an order that rotates (each contender takes each place once every 3 repetitions),
+each started after sync(2):
 
 - our unified save (`trainer._save_checkpoint`, durable when it returns);
 - the native `Trainer._save_checkpoint`, then an fsync of every file it wrote (each rank a share), so both are timed
@@ -38,7 +39,7 @@ Prints medians and ratios with the absolute figures beside them:
 
 --json prints, as the last line of stdout, one JSON object (--matrix: a list, one per row) with the engine, dtype,
 nproc, parameter count, reps, medians in seconds, bytes, and every ratio with its target and whether it is met.
-The page cache cannot be dropped without root: hence the alternation. The CPU count is printed in the header (ranks
+The page cache cannot be dropped without root: hence the rotation. The CPU count is printed in the header (ranks
 beyond it are oversubscribed).
 """
 
@@ -267,10 +268,17 @@ def native_resume(trainer, engine: str, folder: Path) -> None:
         deepspeed_load_checkpoint(trainer.model_wrapped, str(folder))
 
 
+#: The order of the three contenders in each repetition: each takes each place equally often over 3 repetitions
+#: (on this VM the cost of a write depends on what the step before it freed); the untimed round (-1) takes the
+#: first order, so the raw write knows the size of our save.
+ORDERS = (("ours", "native", "raw"), ("native", "raw", "ours"), ("raw", "ours", "native"))
+
+
 def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m", resume: bool = True) -> None:
-    """Runs under torchrun: alternates ours / native (then raw), after one untimed round of all three (the first
+    """Runs under torchrun: rotates ours / native / raw (`ORDERS`), after one untimed round of all three (the first
     large write of a process on this VM is 3-5x slower, whichever contender makes it: without the round, ours, first
-    in the first repetition, paid it in every row), then times the native same-topology resume."""
+    in the first repetition, paid it in every row; that round's folders are the ones kept for the resumes, so every
+    timed step starts with its predecessors' folders deleted), then times the native same-topology resume."""
     import torch.distributed as dist
     from transformers import Trainer
 
@@ -299,9 +307,21 @@ def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m
             results[kind].append(max_over_ranks(seconds))
         return folder
 
+    def raw(rep: int) -> None:
+        """Raw parallel write + fsync: every rank writes its even share of the bytes our save wrote, all at once."""
+        share = int(max_over_ranks(int(results["ours_bytes"] / world) if rank == 0 else 0))
+        raw_path = out / f"raw-{rank}"
+        seconds, _ = timed(lambda: raw_write(raw_path, share, block))
+        if rep >= 0:
+            results["raw"].append(max_over_ranks(seconds))
+        raw_path.unlink()
+
     keep, block = {}, os.urandom(64 * 2**20)  # the raw write's bytes, made before any timing
     for rep in range(-1, reps):
-        for kind in (("ours", "native") if rep % 2 == 0 else ("native", "ours")):
+        for kind in ORDERS[max(rep, 0) % len(ORDERS)]:
+            if kind == "raw":
+                raw(rep)
+                continue
             folder = save(kind, rep)
             if rank == 0:
                 results[f"{kind}_bytes"] = folder_bytes(folder)
@@ -309,18 +329,10 @@ def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m
                     manifest = read_manifest(folder)
                     results["largest_share"] = _largest_share(manifest, world)
             dist.barrier()
-            if rep == reps - 1:
-                keep[kind] = folder
+            if rep == -1:  # the resume measurements read the untimed round's folders: every timed step alike
+                keep[kind] = folder  # finds its predecessors' folders deleted (their page cache freed)
             elif rank == 0:
                 shutil.rmtree(folder.parent)
-        # raw parallel write + fsync: every rank writes its even share of the bytes our save wrote, all at once
-        share = int(results["ours_bytes"] / world) if rank == 0 else 0
-        share = int(max_over_ranks(share))
-        raw_path = out / f"raw-{rank}"
-        seconds, _ = timed(lambda: raw_write(raw_path, share, block))
-        if rep >= 0:
-            results["raw"].append(max_over_ranks(seconds))
-        raw_path.unlink()
     results["native_resume"] = []
     for _ in range(reps if resume else 0):
         seconds, _ = timed(lambda: native_resume(trainer, engine, keep["native"]))
