@@ -325,6 +325,61 @@ def test_prefetching_runs_ahead_by_a_bounded_number_of_bytes_and_hands_over_erro
     assert produced == []
 
 
+def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_the_writes(tmp_path):
+    """`save._write_share` runs `meanwhile` (the small files) while its writer thread writes the tensor files, adds
+    its records after the tensors'; when `meanwhile` fails, the error is raised only once every tensor write and
+    fsync has finished (the failed save then removes a staging folder nothing writes into any more)."""
+    import contextlib
+    import threading
+    import time
+
+    from hf_unified_ckpt.save import _write_share
+
+    class SlowWriter:  # a StorageWriter whose every file takes 0.2 s to write, and whose fsyncs are tracked
+        def __init__(self):
+            self.finished, self.synced = [], None
+
+        def assemble(self, engine, file):
+            pass
+
+        def writes(self, file, rank):
+            return True
+
+        def local_tensors(self, engine, file):
+            return {}
+
+        def write(self, folder, file, tensors):
+            time.sleep(0.2)
+            self.finished.append(file)
+            return [f"record of {file}"]
+
+        @contextlib.contextmanager
+        def syncing(self):  # as SharedFileWriter's: waits for the fsyncs however the block ends
+            try:
+                yield
+            finally:
+                self.synced = len(self.finished)
+
+    writer, seen = SlowWriter(), {}
+
+    def small_files():
+        seen["writes done"], seen["thread"] = list(writer.finished), threading.current_thread()
+        return ["record of rng_state_0.pth"]
+
+    records = _write_share(None, writer, ["a", "b"], tmp_path, "", False, meanwhile=small_files)
+    assert records == ["record of a", "record of b", "record of rng_state_0.pth"]
+    assert seen["writes done"] == [] and seen["thread"] is threading.main_thread()  # overlapped, not after
+
+    writer = SlowWriter()
+
+    def failing():
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        _write_share(None, writer, ["a", "b", "c"], tmp_path, "", False, meanwhile=failing)
+    assert writer.finished == ["a", "b", "c"] and writer.synced == 3  # all written before the fsync wait ended
+
+
 def test_write_shard_checksum_equals_reading_the_file(tmp_path):
     from hf_unified_ckpt.storage.files import file_crc32
     from hf_unified_ckpt.storage.safetensors_io import write_shard
