@@ -80,10 +80,10 @@ def _load(path: Path) -> dict:
 def _copy_out(pieces: list[torch.Tensor], numel: int, mapped: list[tuple[int, int]],
               dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first `numel` elements of `pieces` copied once into a new tensor (converted to `dtype` as they are
-    copied, if given). Pieces that lie in the memory-mapped
-    partition files (`mapped`: address ranges of those files' mappings) hand their pages back to the kernel, so that
-    reading a whole checkpoint does not keep every page it touched resident (the files are mapped private and never
-    written: a page touched again is read again from the file)."""
+    copied, if given). Pieces that lie in the memory-mapped partition files (`mapped`: address ranges of those
+    files' mappings) hand their pages back to the kernel, so that reading a whole checkpoint does not keep every
+    page it touched resident (the files are mapped private and never written: a page touched again is read again
+    from the file)."""
     out = torch.empty(numel, dtype=dtype or (pieces[0].dtype if pieces else torch.float32))
     at = 0
     for piece in pieces:

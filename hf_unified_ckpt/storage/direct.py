@@ -36,13 +36,15 @@ def write_whole_direct(path: Path, ranges: Iterable[tuple[int, memoryview]], siz
     a new file `path` with direct I/O, consuming them one at a time. Returns (offset, length, CRC-32) of each range
     (computed from memory as it is written), or None — nothing consumed — where the filesystem does not support
     direct I/O. Ranges that do not tile the file raise ValueError (the caller checks its plan first)."""
-    fd = _open_direct(path, _bounce(chunk))
+    buf = _bounce(chunk)
+    fd = _open_direct(path, buf)
     if fd is None:
         return None
     try:
-        records = _stream(fd, ranges, _bounce(chunk))
-        if sum(length for _, length, _ in records) != size:
-            raise ValueError(f"{path}: the ranges end at {sum(n for _, n, _ in records)}, the file is {size} bytes")
+        records = _stream(fd, ranges, buf)
+        end = sum(length for _, length, _ in records)
+        if end != size:
+            raise ValueError(f"{path}: the ranges end at {end}, the file is {size} bytes")
         os.ftruncate(fd, size)
     finally:
         os.close(fd)

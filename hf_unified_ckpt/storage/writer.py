@@ -147,9 +147,8 @@ def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, to
     it on access) while the one before is written. Returns one record per range written. The caller fsyncs the
     file (`SharedFileWriter.write`)."""
     head = file.header_bytes
-    items = file.items_of(rank)
+    items = sorted(file.items_of(rank), key=lambda item: item.start)
     if direct_io and _writes_whole(file, rank, items):
-        items = sorted(items, key=lambda item: item.start)
         lazily = ((len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items)
         with _prefetching(itertools.chain([(0, memoryview(head))], lazily)) as ranges:
             written = write_whole_direct(path, ranges, file.size)
@@ -162,9 +161,9 @@ def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, to
 
 
 def _writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
-    """Whether `rank`'s items and the header tile `file` (from the plan; no tensor is touched)."""
+    """Whether `rank`'s items (in offset order) and the header tile `file` (from the plan; no tensor is touched)."""
     end = 0
-    for item in sorted(items, key=lambda item: item.start):
+    for item in items:
         if item.start != end:
             return False
         end = item.end
