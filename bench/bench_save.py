@@ -1,7 +1,7 @@
 """Save/resume benchmark: unified checkpoint vs the plain Trainer's native checkpoint (issue 15 items 3 and 5).
 
     python bench/bench_save.py [--engine zero2|zero3|fsdp2] [--dtype fp32|bf16] [--nproc 2] [--size 50m|103m|200m]
-                               [--reps 5] [--json] [--no-resume] [--out DIR]
+                               [--reps 5] [--json] [--no-resume] [--out DIR] [--config WORDS]
     python bench/bench_save.py --matrix [--reps 5] [--nproc 2] [--size 103m] [--json]
                                every row: ZeRO-2, ZeRO-3, FSDP2 x fp32, bf16, one launch each (+ its resume launch)
     python bench/bench_save.py --quant [--reps 5] [--dtype fp32|bf16]     O1/O2 save and load time vs O0
@@ -274,7 +274,8 @@ def native_resume(trainer, engine: str, folder: Path) -> None:
 ORDERS = (("ours", "native", "raw"), ("native", "raw", "ours"), ("raw", "ours", "native"))
 
 
-def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m", resume: bool = True) -> None:
+def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m", resume: bool = True,
+                ckpt_config: str = "") -> None:
     """Runs under torchrun: rotates ours / native / raw (`ORDERS`), after one untimed round of all three (the first
     large write of a process on this VM is 3-5x slower, whichever contender makes it: without the round, ours, first
     in the first repetition, paid it in every row; that round's folders are the ones kept for the resumes, so every
@@ -285,11 +286,12 @@ def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m
     from hf_unified_ckpt.storage.manifest import read_manifest
 
     world = int(os.environ["WORLD_SIZE"])
-    trainer = build_trainer(out / "train", dtype, world, engine, size=size)  # initialises the process group
+    trainer = build_trainer(out / "train", dtype, world, engine, ckpt_config, size=size)  # the process group too
     rank = dist.get_rank()
     model = trainer.model_wrapped
     results = {"ours": [], "native": [], "raw": [], "ours_rss": [], "native_rss": [], "ours_bytes": 0,
-               "native_bytes": 0, "largest_share": 0, "params": trainer._bench_params, "world": world}
+               "native_bytes": 0, "largest_share": 0, "params": trainer._bench_params, "world": world,
+               "config": ckpt_config}
 
     def save(kind: str, rep: int) -> Path:
         trainer.args.output_dir = str(out / f"{kind}-{rep}")
@@ -604,7 +606,8 @@ def report(out: Path, dtype: str, engine: str, size: str = "103m", prefix: str =
     checks["peak_rss"] = _check(ratio(f"{prefix}(d) peak extra RSS / rank share  (target <= {RSS_TARGET})",
                                       med["ours_rss"] / r["largest_share"]), "<=", RSS_TARGET)
     print(f"\n{ENGINE_NAMES[engine]}, {world} ranks on {cpu_cores()} CPU cores, {r['params'] / 1e6:.1f}M-parameter "
-          f"Llama (--size {size}), {dtype}, medians of {len(r['ours'])} alternating repetitions")
+          f"Llama (--size {size}), {dtype}, medians of {len(r['ours'])} alternating repetitions"
+          + (f"; ours with unified_checkpoint_config={r['config']!r}" if r.get("config") else ""))
     c = checks["save_time"]
     print(f"(a) save time       ours/native  = {c['value']:.2f}   ({med['ours']:.2f} s vs {native} "
           f"{med['native']:.2f} s, both to durable storage)   target <= {SAVE_TARGET[engine]}  {_mark(c)}")
@@ -628,7 +631,8 @@ def report(out: Path, dtype: str, engine: str, size: str = "103m", prefix: str =
               f"rank{'s' if rw > 1 else ''} ({r['resume_adapter']}), checksums included, vs native same-topology "
               f"{med['native_resume']:.2f} s)   target <= {RESUME_TARGET}  {_mark(c)}")
     print(f"raw figures: {json.dumps({k: [round(x, 3) for x in r[k]] for k in med})}")
-    return {"engine": engine, "dtype": dtype, "nproc": world, "resume_nproc": r.get("resume_world"),
+    return {"engine": engine, "dtype": dtype, "config": r.get("config", ""), "nproc": world,
+            "resume_nproc": r.get("resume_world"),
             "size": size, "params": r["params"], "reps": len(r["ours"]), "cpu_cores": cpu_cores(),
             "medians_s": {k: round(v, 4) for k, v in med.items() if not k.endswith("_rss")},
             "peak_extra_rss_bytes": {"ours": int(med["ours_rss"]), "native": int(med["native_rss"])},
@@ -664,7 +668,7 @@ def launch(args: argparse.Namespace, out: Path, worker: str, nproc: int, engine:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(__file__).resolve()), "--worker", worker, "--reps", str(args.reps), "--dtype", dtype,
            "--engine", engine, "--size", args.size, "--out", str(out), "--steps", str(args.steps),
-           "--save-every", str(args.save_every)] + (["--no-resume"] if args.no_resume else [])
+           "--save-every", str(args.save_every), "--config", args.config] + (["--no-resume"] if args.no_resume else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"benchmark {worker} launch ({engine}, {dtype}, {nproc} ranks) failed:\n{proc.stdout[-3000:]}\n"
@@ -703,6 +707,9 @@ def main() -> None:
                         help="print the summary as one JSON line, the last line of stdout (--matrix: a list)")
     parser.add_argument("--no-resume", action="store_true", help="save only: skip both resume measurements")
     parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
+    parser.add_argument("--config", default="", metavar="WORDS",
+                        help="save mode: unified_checkpoint_config of our save, e.g. residual_master_weight "
+                             "(the native save is the same whatever it says)")
     parser.add_argument("--worker", choices=["save", "resume", "async", "throughput", "quant", "ema"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--ema", action="store_true",
@@ -720,7 +727,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out or f"/tmp/hf_unified_ckpt_bench_{os.getpid()}")
     if args.worker == "save":
-        return save_worker(out, args.reps, args.dtype, args.engine, args.size, resume=not args.no_resume)
+        return save_worker(out, args.reps, args.dtype, args.engine, args.size, not args.no_resume, args.config)
     if args.worker == "resume":
         return resume_worker(out, args.reps, args.dtype, args.engine, args.size)
     if args.worker == "async":

@@ -251,28 +251,91 @@ class MomentCodec:
 
 
 # ---- fp32 master weights as a residual over their bf16 rounding ---------------------------------------------------
+#: The difference a tie rounded down to even leaves (`master_bits - bf16_bits << 16`): one more than int16 holds.
+TIE = 32768
+
+
+class _Residuals:
+    """Chunk by chunk (`CHUNK` values, in reused buffers), the int32 difference `d = master_bits - bf16_bits << 16`
+    of fp32 values over their round-to-nearest-even bf16 (as DeepSpeed rounds its bf16 weights). Every operation is
+    int32 (the two patterns share their sign, so the difference never overflows)."""
+
+    def __init__(self, n: int):
+        m = min(n, CHUNK)
+        self.rounded = torch.empty(m, dtype=torch.bfloat16)
+        self.high = torch.empty(m, dtype=torch.int32)
+        self.diff = torch.empty(m, dtype=torch.int32)
+        self.ties = torch.empty(m, dtype=torch.bool)
+
+    def chunk(self, part: torch.Tensor, lp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(d, tie mask) of fp32 `part` (views into the buffers, valid until the next call), or None when `lp` is
+        given and is not exactly `part`'s bf16 rounding."""
+        m = part.numel()
+        rounded, high, diff, ties = self.rounded[:m], self.high[:m], self.diff[:m], self.ties[:m]
+        rounded.copy_(part)
+        if lp is not None and not torch.equal(rounded.view(torch.int16), lp.view(torch.int16)):
+            return None
+        high.view(torch.float32).copy_(rounded)  # exact: bf16 -> fp32 only appends 16 zero bits
+        torch.sub(part.view(torch.int32), high, out=diff)
+        torch.eq(diff, TIE, out=ties)
+        return diff, ties
+
+
+def _fp32_flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).to(torch.float32).contiguous()
+
+
 def residual_of(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int16 residual, int64 flat indices of ties) of fp32 `master` over `master.to(bfloat16)` (round to nearest
-    even, as DeepSpeed rounds its bf16 weights). Raises if any element cannot be rebuilt exactly."""
-    flat = master.detach().reshape(-1).to(torch.float32)
-    bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    high = (flat.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF) << 16
-    diff = bits - high
-    ties = (diff == 32768).nonzero().reshape(-1)
-    diff[ties] = 0
-    if diff.numel() and (diff.min() < -32768 or diff.max() > 32767):
-        raise ValueError("a master weight is not within 16 bits of its bf16 rounding (a NaN payload?)")
-    return diff.to(torch.int16).reshape(master.shape), ties
+    even, as DeepSpeed rounds its bf16 weights). Raises if any element cannot be rebuilt exactly; each chunk is
+    rebuilt from what is stored and compared bit for bit."""
+    flat = _fp32_flat(master)
+    n = flat.numel()
+    residual, ties, work = torch.empty(n, dtype=torch.int16), [], _Residuals(n)
+    rebuilt = torch.empty(min(n, CHUNK), dtype=torch.int32)
+    for start in range(0, n, CHUNK):
+        part = flat[start:start + CHUNK]
+        diff, tie = work.chunk(part)
+        out, back = residual[start:start + part.numel()], rebuilt[:part.numel()]
+        tied = bool(tie.any())
+        if tied:
+            ties.append(tie.nonzero().reshape(-1) + start)
+            diff.masked_fill_(tie, 0)
+        out.copy_(diff)  # wraps where d does not fit int16: the comparison below then fails
+        torch.add(work.high[:part.numel()], out, out=back)
+        if tied:
+            back.add_(tie, alpha=TIE)
+        if not torch.equal(back, part.view(torch.int32)):
+            raise ValueError("a master weight is not within 16 bits of its bf16 rounding (a NaN payload?)")
+    ties = torch.cat(ties) if ties else torch.empty(0, dtype=torch.int64)
+    return residual.reshape(master.shape), ties
 
 
 def rebuild_master(bf16: torch.Tensor, residual: torch.Tensor, ties: torch.Tensor | None) -> torch.Tensor:
     """Inverse of `residual_of`, given the bf16 weights."""
-    high = (bf16.reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF) << 16
-    bits = high + residual.reshape(-1).to(torch.int64)
+    out = torch.empty(residual.numel(), dtype=torch.float32)
+    low, high = residual.reshape(-1), bf16.reshape(-1)
+    for start in range(0, out.numel(), CHUNK):
+        part = out[start:start + CHUNK]
+        part.copy_(high[start:start + CHUNK])
+        part.view(torch.int32).add_(low[start:start + CHUNK])
     if ties is not None and ties.numel():
-        bits[ties] += 32768
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
-    return bits.to(torch.int32).view(torch.float32).reshape(residual.shape)
+        out.view(torch.int32)[ties] += TIE
+    return out.reshape(residual.shape)
+
+
+def rounds_to(master: torch.Tensor, bf16: torch.Tensor) -> bool:
+    """Whether bf16 `bf16` is exactly the round-to-nearest-even of fp32 `master` (chunk by chunk)."""
+    flat, low = _fp32_flat(master), bf16.detach().reshape(-1)
+    if low.numel() != flat.numel():
+        return False
+    rounded = torch.empty(min(flat.numel(), CHUNK), dtype=torch.bfloat16)
+    for start in range(0, flat.numel(), CHUNK):
+        part = rounded[:min(CHUNK, flat.numel() - start)]
+        part.copy_(flat[start:start + CHUNK])
+        if not torch.equal(part.view(torch.int16), low[start:start + CHUNK].view(torch.int16)):
+            return False
+    return True
 
 
 def count_ties(hp: torch.Tensor, lp: torch.Tensor) -> int | None:
@@ -280,14 +343,20 @@ def count_ties(hp: torch.Tensor, lp: torch.Tensor) -> int | None:
     is not exactly the bf16 rounding of `hp` (the fp32 master), so the residual would not rebuild it."""
     if lp.dtype != torch.bfloat16:  # fp16 training: the residual rebuilds over bf16 weights only
         return None
-    hp = hp.detach().reshape(-1).to(torch.float32)
-    rounded = hp.to(torch.bfloat16)
-    if not torch.equal(rounded.view(torch.int16), lp.detach().reshape(-1).to(torch.bfloat16).view(torch.int16)):
+    flat, low = _fp32_flat(hp), lp.detach().reshape(-1)
+    if low.numel() != flat.numel():
         return None
-    try:
-        return int(residual_of(hp)[1].numel())
-    except ValueError:
-        return None
+    work, count = _Residuals(flat.numel()), 0
+    for start in range(0, flat.numel(), CHUNK):
+        found = work.chunk(flat[start:start + CHUNK], low[start:start + CHUNK])
+        if found is None:
+            return None
+        diff, tie = found
+        count += int(tie.sum())
+        lo, hi = torch.aminmax(diff.masked_fill_(tie, 0))
+        if lo < -TIE or hi >= TIE:
+            return None
+    return count
 
 
 class ResidualCodec:
@@ -316,10 +385,8 @@ class ResidualCodec:
         entry = self.tensors.get(name)
         if entry is None:
             return {name: tensor}
-        residual, ties = residual_of(tensor)
-        if ties.numel() != entry["ties"] or not torch.equal(
-                rebuild_master(tensor.to(torch.bfloat16), residual, ties).view(torch.int32),
-                tensor.reshape(residual.shape).to(torch.float32).view(torch.int32)):
+        residual, ties = residual_of(tensor)  # rebuilt and compared bit for bit, chunk by chunk
+        if ties.numel() != entry["ties"]:
             raise ValueError(f"master weight {name!r} changed between planning the save and writing it; its residual "
                              "would not rebuild it exactly, so it is not written.")
         return {name: residual, **({name + TIES: ties} if entry["ties"] else {})}
@@ -365,7 +432,7 @@ class ResidualCodec:
         if ties is not None:
             ties = ties[(ties >= lo) & (ties < hi)] - lo
         master = rebuild_master(bf16, residual, ties)
-        if not torch.equal(master.to(torch.bfloat16).view(torch.int16), bf16.reshape(master.shape).view(torch.int16)):
+        if not rounds_to(master, bf16):
             raise CorruptCheckpointError(f"the residual of master weight {name!r} does not belong to the model "
                                          "weights next to it (they are not its bf16 rounding).")
         return master

@@ -20,7 +20,7 @@ import torch
 from _runs import train
 from conftest import torchrun
 from hf_unified_ckpt.cli import _info, main as cli_main
-from hf_unified_ckpt.codecs import (CODE_BOOKS, MomentCodec, ResidualCodec, count_ties, dequantize, quantize,
+from hf_unified_ckpt.codecs import (CHUNK, CODE_BOOKS, MomentCodec, ResidualCodec, count_ties, dequantize, quantize,
                                     rebuild_master, residual_of)
 from hf_unified_ckpt.layout import detect_layout
 from hf_unified_ckpt.planning import TensorSpec
@@ -125,6 +125,7 @@ def test_the_residual_rebuilds_every_fp32_value_exactly():
     special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45,
                             1.00390625, 1.01171875, -1.00390625])  # ties rounded down (listed) and up
     x = torch.cat([x, special])
+    x[CHUNK - 1:CHUNK + 1] = 1.00390625  # ties on both sides of a chunk boundary (the codec works chunk by chunk)
     residual, ties = residual_of(x)
     assert residual.dtype == torch.int16 and ties.numel() > 0  # ties rounded down are the only exceptions
     rebuilt = rebuild_master(x.to(torch.bfloat16), residual, ties)
@@ -133,6 +134,12 @@ def test_the_residual_rebuilds_every_fp32_value_exactly():
     wrong = x.to(torch.bfloat16).clone()
     wrong[5] = wrong[5] * 2
     assert count_ties(x, wrong) is None  # weights that are not the master's rounding: no residual
+    assert {CHUNK - 1, CHUNK} <= set(ties.tolist())
+    payload = x.clone()
+    payload.view(torch.int32)[CHUNK + 5] = 0x7F812345  # a NaN whose payload its bf16 rounding does not keep
+    assert count_ties(payload, payload.to(torch.bfloat16)) is None  # stored as plain fp32 instead
+    with pytest.raises(ValueError, match="not within 16 bits"):
+        residual_of(payload)
 
 
 # ---- one process: files, info, verify, the lineage guard ----------------------------------------------------------
