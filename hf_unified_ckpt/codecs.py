@@ -359,16 +359,30 @@ def count_ties(hp: torch.Tensor, lp: torch.Tensor) -> int | None:
     return count
 
 
+def _check_ties(name: str, found: int, planned: int) -> None:
+    if found != planned:
+        raise ValueError(f"master weight {name!r} changed between planning the save and writing it ({found} ties, "
+                         f"{planned} planned); its residual would not rebuild it exactly, so it is not written.")
+
+
 class ResidualCodec:
     """Save and read side of `residual_master_weight` for the master-weights component. `census` maps each
-    master tensor that qualifies to its number of ties (collected before the save, from every rank's fragments);
-    others are stored as plain fp32. On read, `anchor` is the model-weights reader (its bf16 tensors)."""
+    master tensor that qualifies to its number of ties, and `by_rank` to the ties among each rank's elements
+    (collected before the save, from every rank's fragments); others are stored as plain fp32. On read, `anchor`
+    is the model-weights reader (its bf16 tensors).
+
+    The residual is elementwise, so it is `piecewise`: in a folder every rank sees, each rank encodes and writes its
+    own elements (`encode_piece`); the ties of a tensor are laid out rank after rank in element order, each rank's
+    at the offset the census gives it (`stored_pieces`), so the file is the one a whole-tensor encode writes."""
 
     name = "bf16_residual"
     version = 1
+    piecewise = True
 
-    def __init__(self, census: Mapping[str, int] | None = None, anchor=None):
+    def __init__(self, census: Mapping[str, int] | None = None, anchor=None,
+                 by_rank: Mapping[str, Mapping[int, int]] | None = None):
         self.census = dict(census or {})
+        self.by_rank = {name: dict(ranks) for name, ranks in (by_rank or {}).items()}
         self.anchor = anchor
         self.tensors: dict[str, dict] = {}
 
@@ -381,15 +395,40 @@ class ResidualCodec:
         out = [TensorSpec(spec.name, spec.shape, torch.int16)]
         return out + ([TensorSpec(spec.name + TIES, (ties,), torch.int64)] if ties else [])
 
+    def stored_pieces(self, name: str, pieces: tuple) -> dict[str, tuple] | None:
+        """The pieces of each stored tensor of logical `name`, held as `pieces` ((rank, first element, count), in
+        element order): the residual's are the same; the ties' follow the census of each rank's ties. None when the
+        census does not account for every tie (the tensor is then assembled and encoded whole)."""
+        entry = self.tensors.get(name)
+        if entry is None or not entry["ties"]:
+            return {name: pieces}
+        ties, offset = [], 0
+        for rank, _, count in pieces:
+            held = self.by_rank.get(name, {}).get(rank, 0) if count else 0
+            ties.append((rank, offset, held))
+            offset += held
+        return {name: pieces, name + TIES: tuple(ties)} if offset == entry["ties"] else None
+
     def encode(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         entry = self.tensors.get(name)
         if entry is None:
             return {name: tensor}
         residual, ties = residual_of(tensor)  # rebuilt and compared bit for bit, chunk by chunk
-        if ties.numel() != entry["ties"]:
-            raise ValueError(f"master weight {name!r} changed between planning the save and writing it; its residual "
-                             "would not rebuild it exactly, so it is not written.")
+        _check_ties(name, ties.numel(), entry["ties"])
         return {name: residual, **({name + TIES: ties} if entry["ties"] else {})}
+
+    def encode_piece(self, name: str, values: torch.Tensor, start: int, rank: int) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s stored pieces of `name` from its elements `values` (flat, from element `start`): its part
+        of the residual and its ties (as flat indices of the whole tensor)."""
+        entry = self.tensors.get(name)
+        if entry is None:
+            return {name: values}
+        residual, ties = residual_of(values)
+        if not entry["ties"]:
+            _check_ties(name, ties.numel(), 0)
+            return {name: residual}
+        _check_ties(name, ties.numel(), self.by_rank.get(name, {}).get(rank, 0))
+        return {name: residual, name + TIES: ties + start}
 
     def metadata(self) -> dict:
         return {"name": self.name, "version": self.version, "anchor": "model", "tensors": self.tensors}

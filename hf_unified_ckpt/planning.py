@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING, Protocol
 
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 MIN_PARALLEL_SHARD_BYTES = 64 * 2**20
 
 
+#: Who holds which contiguous part of a sharded tensor: ((rank, first element, element count), ...) in element
+#: order, tiling the flattened tensor exactly. A tensor with pieces is written in place by its holders.
+Pieces = tuple[tuple[int, int, int], ...]
+
+
 class Encoder(Protocol):
     """The save side of a codec (`codecs.py`): what a logical tensor is stored as, known before any data (so every
     rank plans the same files), and the stored tensors made of it when it is written."""
@@ -31,6 +36,25 @@ class Encoder(Protocol):
     def encode(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
     def metadata(self) -> dict: ...
+
+
+class PiecewiseEncoder(Encoder, Protocol):
+    """An encoder whose stored tensors can be written in place by the ranks holding the pieces of a logical tensor
+    (an elementwise code): `piecewise` is True. Its first stored tensor keeps the logical name."""
+
+    piecewise: bool
+
+    def stored_pieces(self, name: str, pieces: Pieces) -> dict[str, Pieces] | None:
+        """The pieces of each stored tensor of `name`, or None (the tensor is assembled and encoded whole)."""
+
+    def encode_piece(self, name: str, values: torch.Tensor, start: int, rank: int) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s pieces of the stored tensors of `name`, from its flat elements `values` starting at
+        element `start`."""
+
+
+def piecewise(codec: Encoder | None) -> bool:
+    """Whether the tensors `codec` stores can be written in place piece by piece (always, without a codec)."""
+    return codec is None or bool(getattr(codec, "piecewise", False))
 
 
 @dataclass(frozen=True)
@@ -174,11 +198,6 @@ class WriteItem:
     rank: int
 
 
-#: Who holds which contiguous part of a sharded tensor: ((rank, first element, element count), ...) in element
-#: order, tiling the flattened tensor exactly. A tensor with pieces is written in place by its holders.
-Pieces = tuple[tuple[int, int, int], ...]
-
-
 @dataclass(frozen=True)
 class FilePlan:
     """One file of the checkpoint, fixed before any byte is written: its component, its safetensors header
@@ -199,6 +218,18 @@ class FilePlan:
         if self.codec is None:
             return tensors
         return {n: t for name, tensor in tensors.items() for n, t in self.codec.encode(name, tensor).items()}
+
+    def pieces_held(self, rank: int) -> list[str]:
+        """The logical tensors of which `rank` writes a non-empty piece in place."""
+        return [n for n in self.tensor_names if any(r == rank and count for r, _, count in self.pieces.get(n, ()))]
+
+    def stored_pieces(self, fragments: Mapping, rank: int) -> dict[str, torch.Tensor]:
+        """What `rank` writes in place, by stored name, from its `fragments` (logical name -> `Fragment`) of
+        `pieces_held(rank)`: their values, encoded piece by piece by the codec, if any."""
+        if self.codec is None:
+            return {n: f.values for n, f in fragments.items()}
+        return {n: t for name, f in fragments.items()
+                for n, t in self.codec.encode_piece(name, f.values, f.start, rank).items()}
 
     @property
     def whole_names(self) -> tuple[str, ...]:
@@ -231,9 +262,10 @@ class FilePlan:
 
 def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> list[FilePlan]:
     """The files of a component plan with their headers and write items (stored tensors, after the codec). A
-    tensor in `pieces` (never one a codec stores) is written in place by its holders, each its own byte range;
-    every other tensor whole by its file's owner. Pure: every rank computes the same list."""
-    pieces = {} if plan.codec is not None else (pieces or {})
+    tensor in `pieces` is written in place by its holders, each its own byte range (through a `piecewise` codec:
+    each stored tensor's pieces); every other tensor whole by its file's owner. Pure: every rank computes the same
+    list."""
+    pieces = stored_pieces(plan, pieces or {})
     out = []
     for file, names in plan.files.items():
         specs = [s for n in names for s in plan.stored_specs(n)]
@@ -249,6 +281,17 @@ def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> 
                                 rank) for rank, first, count in pieces[s.name] if count]
         out.append(FilePlan(plan.component, file, tuple(names), owner, header, tuple(items), plan.codec, mine))
     return out
+
+
+def stored_pieces(plan: ComponentPlan, pieces: dict[str, Pieces]) -> dict[str, Pieces]:
+    """`pieces` of logical tensors as pieces of the stored tensors (the same without a codec; none through a codec
+    that is not piecewise)."""
+    if plan.codec is None:
+        return pieces
+    if not piecewise(plan.codec):
+        return {}
+    return {stored: p for name, held in pieces.items() if name in plan.specs
+            for stored, p in (plan.codec.stored_pieces(name, held) or {}).items()}
 
 
 def tiling(numel: int, held: list[tuple[int, int, int]]) -> Pieces | None:

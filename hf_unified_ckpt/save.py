@@ -36,7 +36,7 @@ from .components import MASTER, Component, Role, component
 from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
 from .options import UnifiedCheckpointOptions
-from .planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, plan_component, tiling
+from .planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
 from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
                              remove_writer_marks, sees_writer, staging_dir)
 from .storage.files import FileRecord, RangeRecord, combine_ranges, write_bytes
@@ -109,7 +109,7 @@ def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> 
     piece (`planning.tiling`); every component gets an entry, so a plan made for a shared folder is never empty.
     Collective (one all-gather of the pieces' bounds): all ranks must call it."""
     local = {name: {n: (f.start, f.values.numel()) for n, f in engine.fragments(name).items()}
-             for name, cplan in plans.items() if cplan.codec is None}
+             for name, cplan in plans.items() if piecewise(cplan.codec)}
     everyone = dist.all_gather_object(local)
     out: dict[str, dict[str, Pieces]] = {}
     for name, cplan in plans.items():
@@ -128,21 +128,23 @@ def encoder_for(c: Component, engine: EngineAdapter, options: UnifiedCheckpointO
     if c.role is Role.OPTIMIZER and options.quant_stage != "O0":
         return MomentCodec(options.quant_stage)
     if c.name == MASTER.name and options.residual_master_weight:
-        return ResidualCodec(residual_census(engine))
+        census, by_rank = residual_census(engine)
+        return ResidualCodec(census, by_rank=by_rank)
     return None
 
 
-def residual_census(engine: EngineAdapter) -> dict[str, int]:
+def residual_census(engine: EngineAdapter) -> tuple[dict[str, int], dict[str, dict[int, int]]]:
     """Master tensors whose every element the bf16 residual rebuilds exactly (the engine's bf16 weights are exactly
-    their rounding), with their number of ties, summed over the fragments of every rank; a tensor that fails on
-    any rank is left out (stored as plain fp32). Collective: all ranks must call it."""
+    their rounding), with their number of ties summed over the fragments of every rank, and each rank's ties; a
+    tensor that fails on any rank is left out (stored as plain fp32). Collective: all ranks must call it."""
     fragments = getattr(engine, "master_fragments", None)
     local = {name: count_ties(hp, lp) for name, hp, lp in (fragments() if fragments else [])}
-    census: dict[str, int | None] = {}
-    for share in dist.all_gather_object(local):
+    by_rank: dict[str, dict[int, int | None]] = {}
+    for rank, share in enumerate(dist.all_gather_object(local)):
         for name, ties in share.items():
-            census[name] = None if ties is None or census.get(name, 0) is None else census.get(name, 0) + ties
-    return {name: ties for name, ties in census.items() if ties is not None}
+            by_rank.setdefault(name, {})[rank] = ties
+    ok = {name: ranks for name, ranks in by_rank.items() if None not in ranks.values()}
+    return {name: sum(ranks.values()) for name, ranks in ok.items()}, ok
 
 
 def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter,

@@ -421,6 +421,8 @@ def run_spec(run: dict, world_size: int) -> dict:
                                tp=tp, **overrides)
         if run.get("expect_error"):
             return _refused(trainer, run.get("resume"), run["expect_error"])
+        if run.get("plant_ties"):  # before RecordAt: what is recorded (and saved) at that step holds the ties
+            PlantTies(trainer, run["plant_ties"])
         at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None
         every = RecordWeights(trainer) if run.get("record_weights") else None
         scaler = RecordLossScaler(trainer) if run.get("fp16") else None
@@ -497,6 +499,35 @@ class RecordLossScaler:
 
     def result(self) -> dict:
         return {"scaler_at": self.at, "scaler_at_start": self.start, "loss_scaler": self.state()}
+
+
+class PlantTies:
+    """DeepSpeed bf16: at the end of step `step`, makes every `every`-th fp32 master element whose bf16 weight has
+    an even last bit a tie that rounds down to that weight (`bf16_bits << 16 | 0x8000`), through DeepSpeed's own
+    `safe_set_full_fp32_param`: the bf16 weights stay their master's rounding, and the bf16 residual must list
+    these elements as ties (rounded down, they are one more than int16 holds). Natural ties are about one value in
+    130,000: the tests' small models have none. Collective (callbacks run on every rank)."""
+
+    def __init__(self, trainer, step: int, every: int = 37):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+        from transformers import TrainerCallback
+
+        def plant(p) -> None:
+            master = safe_get_full_fp32_param(p).detach().cpu().reshape(-1)
+            high = master.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+            chosen = torch.zeros_like(master, dtype=torch.bool)
+            chosen[::every] = (high[::every] & 1) == 0
+            bits = torch.where(chosen, (high << 16) | 0x8000, master.view(torch.int32))
+            safe_set_full_fp32_param(p, bits.view(torch.float32).view(p.ds_shape if hasattr(p, "ds_id") else p.shape))
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == step:
+                    for p in trainer.model_wrapped.module.parameters():
+                        if p.requires_grad:
+                            plant(p)
+
+        trainer.add_callback(_Callback())
 
 
 class RecordAt:

@@ -142,6 +142,76 @@ def test_the_residual_rebuilds_every_fp32_value_exactly():
         residual_of(payload)
 
 
+def _with_ties(x: torch.Tensor, every: int) -> torch.Tensor:
+    """`x` with every `every`-th element whose bf16 rounding has an even last bit made a tie rounded down to it."""
+    flat = x.reshape(-1)
+    high = flat.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[::every] = (high[::every] & 1) == 0
+    return torch.where(chosen, (high << 16) | 0x8000, flat.view(torch.int32)).view(torch.float32).reshape(x.shape)
+
+
+def test_ranks_encoding_their_pieces_of_the_residual_in_place_make_the_file_a_whole_encode_makes(tmp_path):
+    """Three ranks each encode and write their own uneven pieces of master weights (ties on every rank, a rank
+    holding none, a tensor that is not the bf16 rounding's master stored as plain fp32, one no rank holds in
+    pieces, written whole): each file is byte for byte the one encoding whole tensors on one writer makes, and the
+    reader rebuilds every master bit for bit. A rank whose ties differ from the census refuses to write."""
+    from hf_unified_ckpt.engines.base import Fragment
+    from hf_unified_ckpt.planning import file_plans, plan_component, tiling
+    from hf_unified_ckpt.storage.safetensors_io import ComponentReader
+    from hf_unified_ckpt.storage.writer import write_ranges
+
+    g = torch.Generator().manual_seed(3)
+    masters = {"a": _with_ties(torch.randn(37, 29, generator=g), 7), "b": _with_ties(torch.randn(50, generator=g), 3),
+               "c": _with_ties(torch.randn(13, 7, generator=g), 5), "plain": torch.randn(6, 4, generator=g)}
+    bf16 = {n: m.to(torch.bfloat16) for n, m in masters.items()}
+    bf16["plain"] = (masters["plain"] * 2).to(torch.bfloat16)  # not its master's rounding: no residual
+    bounds = {"a": [(1, 0, 400), (0, 400, 0), (2, 400, 673)], "b": [(2, 0, 21), (0, 21, 29)],
+              "plain": [(0, 0, 10), (1, 10, 14)]}
+    pieces = {n: tiling(masters[n].numel(), b) for n, b in bounds.items()}
+    by_rank = {n: {} for n in masters}
+    for n, held in pieces.items():
+        for rank, first, count in held:
+            part = masters[n].reshape(-1)[first:first + count]
+            by_rank[n][rank] = count_ties(part, bf16[n].reshape(-1)[first:first + count])
+    by_rank["c"] = {0: count_ties(masters["c"], bf16["c"])}
+    assert all(ties for n in ("a", "b") for rank, ties in by_rank[n].items() if rank != 0) and by_rank["plain"][0] is None
+    census = {n: sum(r.values()) for n, r in by_rank.items() if None not in r.values()}
+
+    def write(folder, codec, in_place):
+        folder.mkdir()
+        plan = plan_component("master_weights", [TensorSpec.of(n, t) for n, t in masters.items()], writers=3,
+                              max_shard_size=4000, codec=codec)
+        for file in file_plans(plan, pieces if in_place else None):
+            for rank in sorted(file.writers):
+                frags = {n: Fragment(masters[n].shape, first, masters[n].reshape(-1)[first:first + count])
+                         for n in file.pieces_held(rank) for r, first, count in file.pieces[n] if r == rank}
+                mine = file.stored_pieces(frags, rank)
+                if rank == file.header_rank:
+                    mine.update(file.stored_tensors({n: masters[n] for n in file.whole_names}))
+                write_ranges(folder / file.name, file, rank, mine)
+        return plan
+
+    plan = write(tmp_path / "in_place", ResidualCodec(census, by_rank=by_rank), True)
+    assert {n for f in file_plans(plan, pieces) for n in f.pieces} == {"a", "a:ties", "b", "b:ties", "plain"}
+    write(tmp_path / "whole", ResidualCodec(census), False)
+    for name in plan.files:
+        assert (tmp_path / "in_place" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    (tmp_path / "in_place" / "master_weights.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"codec": plan.codec.metadata()}, "weight_map": plan.weight_map}))
+    reader = ComponentReader(tmp_path / "in_place", "master_weights", anchor=_Stored(bf16))
+    for n, m in masters.items():
+        assert torch.equal(reader.get(n).view(torch.int32), m.view(torch.int32)), n
+    moved = ResidualCodec(census, by_rank={**by_rank, "a": {**by_rank["a"], 2: by_rank["a"][2] + 1,
+                                                              1: by_rank["a"][1] - 1}})
+    moved.stored_specs(TensorSpec.of("a", masters["a"]))
+    with pytest.raises(ValueError, match="changed between planning the save and writing it"):
+        moved.encode_piece("a", masters["a"].reshape(-1)[:400], 0, 1)
+    short = ResidualCodec(census, by_rank={**by_rank, "a": {1: by_rank["a"][1]}})
+    short.stored_specs(TensorSpec.of("a", masters["a"]))
+    assert short.stored_pieces("a", pieces["a"]) is None  # ties unaccounted for: assembled and encoded whole
+
+
 # ---- one process: files, info, verify, the lineage guard ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
@@ -221,9 +291,9 @@ def test_residual_master_weight_without_master_weights_says_so_once(tmp_path, ca
 SAVES = {  # name: (engine spec, precision, options)
     "z2-o1": ({"zero": 2}, {"bf16": True}, {"ckpt_quant_stage": "O1",
                                              "unified_checkpoint_config": "residual_master_weight"}),
-    "z2-res": ({"zero": 2}, {"bf16": True}, {"unified_checkpoint_config": "residual_master_weight"}),
+    "z2-res": ({"zero": 2, "plant_ties": 3}, {"bf16": True}, {"unified_checkpoint_config": "residual_master_weight"}),
     "z3-o2": ({"zero": 3}, {}, {"ckpt_quant_stage": "O2"}),
-    "z3-res": ({"zero": 3}, {"bf16": True}, {"ckpt_quant_stage": "O1",
+    "z3-res": ({"zero": 3, "plant_ties": 3}, {"bf16": True}, {"ckpt_quant_stage": "O1",
                                              "unified_checkpoint_config": "residual_master_weight"}),
     "fsdp2-o1": ({"fsdp": 2}, {}, {"ckpt_quant_stage": "O1"}),
     "ddp-o2": ({}, {}, {"ckpt_quant_stage": "O2"}),
@@ -284,6 +354,11 @@ def test_residual_master_weights_come_back_bit_exact_at_another_world_size(engin
     masters = {k: v for k, v in truth["optim"].items() if k.endswith("/master")}
     assert masters and all(torch.equal(after["optim"][k], v) for k, v in masters.items())
     assert all(torch.equal(after["state"][k], v) for k, v in truth["state"].items())
+    # the save planted ties (`PlantTies`): each rank wrote its own ties in place, at the offsets the census gave it
+    index = json.loads((tmp / saved / "checkpoint-3" / "master_weights.safetensors.index.json").read_text())
+    listed = {n: e["ties"] for n, e in index["metadata"]["codec"]["tensors"].items()}
+    planted = {k[:-len("/master")]: int(((v.view(torch.int32) & 0x1FFFF) == 0x8000).sum()) for k, v in masters.items()}
+    assert sum(listed.values()) > 100 and listed == {n: planted[n] for n in listed}
 
 
 @pytest.mark.dist

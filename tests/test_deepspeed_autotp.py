@@ -28,6 +28,8 @@ KINDS = {
     "atp": {"zero": 1, "autotp": 2, "model": "llama_tp"},
     "atp_tied": {"zero": 1, "autotp": 2, "model": "llama_tp_tied"},
     "atp_bf16": {"zero": 2, "autotp": 2, "model": "llama_tp", "overrides": {"bf16": True}},
+    "atp_bf16_res": {"zero": 2, "autotp": 2, "model": "llama_tp", "plant_ties": 6,  # the final save holds ties
+                     "overrides": {"bf16": True, "unified_checkpoint_config": "residual_master_weight"}},
     "atp4": {"zero": 2, "autotp": 2, "model": "llama_tp"},  # at 4 processes: TP=2 x data-parallel 2
     "z2": {"zero": 2, "model": "llama_tp"},
     "single": {"model": "llama_tp"},
@@ -52,10 +54,10 @@ def autotp_runs(tmp_path_factory):
     native_resumed = _spec(tmp, "atp", "native-resumed", resume=("native", 3))
     zero3 = {**_spec(tmp, "atp", "zero3-refused"), "zero": 3, "expect_error": "ZeRO stage 3"}
     loop = loop_spec(_spec(tmp, "atp", "atp-loop"), tmp / "atp-model")
-    torchrun(2, [_spec(tmp, "z2", "z2")] + [_spec(tmp, k, k) for k in ("atp", "atp_tied", "atp_bf16")]
+    torchrun(2, [_spec(tmp, "z2", "z2")] + [_spec(tmp, k, k) for k in ("atp", "atp_tied", "atp_bf16", "atp_bf16_res")]
              + hops[2] + [native, native_resumed, zero3, loop], tmp)
     torchrun(4, [_spec(tmp, "atp4", "atp4")] + hops[4], tmp)
-    tags = ["z2", "atp", "atp_tied", "atp_bf16", "atp4", "native", "native-resumed", "zero3-refused", "atp-loop"]
+    tags = ["z2", "atp", "atp_tied", "atp_bf16", "atp_bf16_res", "atp4", "native", "native-resumed", "zero3-refused", "atp-loop"]
     out = {tag: torch.load(tmp / f"{tag}.pt", weights_only=False) for tag in tags + [hop_tag(h) for h in HOPS
                                                                                     if h[2] > 1]}
     for spec, hop in zip(hops[1], [h for h in HOPS if h[2] == 1]):
@@ -87,10 +89,12 @@ def test_autotp_trains_like_one_process(autotp_runs):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", ["atp", "atp4", "atp_bf16"])
+@pytest.mark.parametrize("kind", ["atp", "atp4", "atp_bf16", "atp_bf16_res"])
 def test_autotp_checkpoint_is_unified_and_records_the_mesh(autotp_runs, kind):
     """Full tensors by name (row and column slices put together), fp32 master weights and optimizer moments equal
-    to DeepSpeed's own gathered state, and the mesh recorded."""
+    to DeepSpeed's own gathered state, and the mesh recorded. With `residual_master_weight` (and ties planted in
+    every tensor, `_runs.PlantTies`), the master weights are stored as the residual, each tie counted once although
+    TP ranks hold copies of the replicated parameters, and rebuild bit for bit."""
     from safetensors import safe_open
 
     from hf_unified_ckpt.storage.safetensors_io import ComponentReader
@@ -112,10 +116,15 @@ def test_autotp_checkpoint_is_unified_and_records_the_mesh(autotp_runs, kind):
         for name in names:
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(reader.get(f"{name}/{key}"), optim[f"{name}/{key}"]), (name, key)
-    if kind == "atp_bf16":
-        with ComponentReader(ckpt, "master_weights") as reader:
+    if kind.startswith("atp_bf16"):
+        with ComponentReader(ckpt, "model") as model, ComponentReader(ckpt, "master_weights", anchor=model) as reader:
             for name in names:
                 assert torch.equal(reader.get(name), optim[f"{name}/master"]), name
+            codec = reader.metadata.get("codec")
+    if kind == "atp_bf16_res":
+        ties = {n: e["ties"] for n, e in codec["tensors"].items()}
+        assert codec["name"] == "bf16_residual" and ties.keys() == set(state)
+        assert all(ties[n] for n in names if "norm" not in n)  # replicated, row- and column-split tensors
 
 
 @pytest.mark.dist

@@ -439,14 +439,15 @@ class DeepSpeedEngine:
 
     def master_fragments(self):
         """(name, this rank's fp32 master elements, the bf16 weight elements at the same flat positions) of every
-        trainable parameter that has a master copy and a fragment here (what `save.residual_census` checks). Local
-        reads only."""
+        trainable parameter that has a master copy and a fragment here (what `save.residual_census` checks), each
+        element once over all ranks (under AutoTP a replicated parameter's copies on TP ranks other than 0 are left
+        out, as `fragments` leaves them out). Local reads only."""
         if not self.has_master:
             return
         for name, frag in self._local_pieces().items():
             n = frag.values.numel()
-            if n:
-                p = self._by_name[self._weight_param.get(name, name)]
+            p = self._by_name[self._weight_param.get(name, name)]
+            if n and (self._tp_index == 0 or id(p) in self._split):
                 lp = p.ds_tensor.data.reshape(-1)[:n] if self.stage == 3 else p.data.reshape(-1)[frag.start:frag.start + n]
                 yield name, frag.values, lp
 

@@ -9,8 +9,9 @@ or in the background after a snapshot).
   shared files at their planned offsets. The header rank creates the file at its final size and writes the header;
   every writer opens it without truncating, `pwrite`s its items, and fsyncs it (in the background while it writes its
   next file; the save waits for every fsync before it reports its ranges). Sharded tensors (`FilePlan.pieces`)
-  never cross ranks; only what no rank holds whole in one piece (other layouts, codec-encoded tensors) is assembled
-  on the header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
+  never cross ranks (an elementwise codec, the bf16 residual, encodes each rank's piece where it lies); only what no
+  rank holds in one contiguous piece (other layouts, block-coded O1/O2 moments) is assembled on the header rank
+  first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
   range it wrote; rank 0 combines them into the file's record (`combine_ranges`), checking they tile the file.
 - `WholeFileWriter` (machine-local folders: a rank cannot write into another machine's file): each file is written
   whole by its one writer with safetensors' own `save_file` (`safetensors_io.write_shard`), after its tensors were
@@ -110,9 +111,9 @@ class SharedFileWriter:
         whole, pieces = {}, {}
         if self.rank == file.header_rank and file.whole_names:
             whole = file.stored_tensors(engine.tensors(file.component, file.whole_names))
-        mine = [n for n in file.pieces if any(r == self.rank and count for r, _, count in file.pieces[n])]
+        mine = file.pieces_held(self.rank)
         if mine:
-            pieces = {n: f.values for n, f in engine.fragments(file.component, mine).items()}
+            pieces = file.stored_pieces(engine.fragments(file.component, mine), self.rank)
         return collections.ChainMap(pieces, whole)
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
