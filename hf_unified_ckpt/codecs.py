@@ -285,17 +285,23 @@ def _fp32_flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def residual_of(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def residual_of(master: torch.Tensor, lp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int16 residual, int64 flat indices of ties) of fp32 `master` over `master.to(bfloat16)` (round to nearest
-    even, as DeepSpeed rounds its bf16 weights). Raises if any element cannot be rebuilt exactly; each chunk is
-    rebuilt from what is stored and compared bit for bit."""
+    even, as DeepSpeed rounds its bf16 weights). Raises ValueError if any element cannot be rebuilt exactly (each
+    chunk is rebuilt from what is stored and compared bit for bit), or if `lp` is given and is not exactly that
+    rounding (the model's weights the residual will be read against)."""
     flat = _fp32_flat(master)
-    n = flat.numel()
+    n, low = flat.numel(), None if lp is None else lp.detach().reshape(-1)
+    if low is not None and (low.dtype != torch.bfloat16 or low.numel() != n):
+        raise ValueError(f"the weights are {low.dtype} of {low.numel()} elements, not the bf16 rounding of {n}")
     residual, ties, work = torch.empty(n, dtype=torch.int16), [], _Residuals(n)
     rebuilt = torch.empty(min(n, CHUNK), dtype=torch.int32)
     for start in range(0, n, CHUNK):
         part = flat[start:start + CHUNK]
-        diff, tie = work.chunk(part)
+        found = work.chunk(part, None if low is None else low[start:start + CHUNK])
+        if found is None:
+            raise ValueError("the bf16 weights are not the rounding of their fp32 master weights")
+        diff, tie = found
         out, back = residual[start:start + part.numel()], rebuilt[:part.numel()]
         tied = bool(tie.any())
         if tied:
@@ -339,23 +345,26 @@ def rounds_to(master: torch.Tensor, bf16: torch.Tensor) -> bool:
 
 
 def count_ties(hp: torch.Tensor, lp: torch.Tensor) -> int | None:
-    """For a local fragment: the number of ties `residual_of` lists, or None when `lp` (the model's bf16 weights)
-    is not exactly the bf16 rounding of `hp` (the fp32 master), so the residual would not rebuild it."""
-    if lp.dtype != torch.bfloat16:  # fp16 training: the residual rebuilds over bf16 weights only
-        return None
+    """For a local fragment: the number of ties `residual_of` lists, or None when `lp` (the model's weights) is not
+    exactly the bf16 rounding of `hp` (the fp32 master: fp16 training, or weights changed apart from their master)
+    or rounds to NaN (whose payload the residual may not hold), so the tensor is stored as plain fp32. Cheaper than
+    encoding: a tie rounded down is a value whose low 17 bits are exactly 0x8000 (an even bf16 and half an ulp)."""
     flat, low = _fp32_flat(hp), lp.detach().reshape(-1)
-    if low.numel() != flat.numel():
+    if low.dtype != torch.bfloat16 or low.numel() != flat.numel():
         return None
     work, count = _Residuals(flat.numel()), 0
     for start in range(0, flat.numel(), CHUNK):
-        found = work.chunk(flat[start:start + CHUNK], low[start:start + CHUNK])
-        if found is None:
+        part = flat[start:start + CHUNK]
+        m = part.numel()
+        rounded, bits, ties = work.rounded[:m], work.diff[:m], work.ties[:m]
+        rounded.copy_(part)
+        if not torch.equal(rounded.view(torch.int16), low[start:start + CHUNK].view(torch.int16)):
             return None
-        diff, tie = found
-        count += int(tie.sum())
-        lo, hi = torch.aminmax(diff.masked_fill_(tie, 0))
-        if lo < -TIE or hi >= TIE:
+        magnitude = torch.bitwise_and(rounded.view(torch.int16), 0x7FFF, out=bits.view(torch.int16)[:m])
+        if int(magnitude.max()) > 0x7F80:  # a NaN (exponent all ones, mantissa not zero)
             return None
+        torch.bitwise_and(part.view(torch.int32), 0x1FFFF, out=bits)
+        count += int(torch.count_nonzero(torch.eq(bits, TIE, out=ties)))
     return count
 
 
