@@ -267,14 +267,11 @@ class _Residuals:
         self.diff = torch.empty(m, dtype=torch.int32)
         self.ties = torch.empty(m, dtype=torch.bool)
 
-    def chunk(self, part: torch.Tensor, lp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(d, tie mask) of fp32 `part` (views into the buffers, valid until the next call), or None when `lp` is
-        given and is not exactly `part`'s bf16 rounding."""
+    def chunk(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d, tie mask) of fp32 `part` (views into the buffers, valid until the next call)."""
         m = part.numel()
         rounded, high, diff, ties = self.rounded[:m], self.high[:m], self.diff[:m], self.ties[:m]
         rounded.copy_(part)
-        if lp is not None and not torch.equal(rounded.view(torch.int16), lp.view(torch.int16)):
-            return None
         high.view(torch.float32).copy_(rounded)  # exact: bf16 -> fp32 only appends 16 zero bits
         torch.sub(part.view(torch.int32), high, out=diff)
         torch.eq(diff, TIE, out=ties)
@@ -285,23 +282,17 @@ def _fp32_flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def residual_of(master: torch.Tensor, lp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def residual_of(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int16 residual, int64 flat indices of ties) of fp32 `master` over `master.to(bfloat16)` (round to nearest
-    even, as DeepSpeed rounds its bf16 weights). Raises ValueError if any element cannot be rebuilt exactly (each
-    chunk is rebuilt from what is stored and compared bit for bit), or if `lp` is given and is not exactly that
-    rounding (the model's weights the residual will be read against)."""
+    even, as DeepSpeed rounds its bf16 weights). Raises ValueError if any element cannot be rebuilt exactly: each
+    chunk is rebuilt from what is stored and compared bit for bit."""
     flat = _fp32_flat(master)
-    n, low = flat.numel(), None if lp is None else lp.detach().reshape(-1)
-    if low is not None and (low.dtype != torch.bfloat16 or low.numel() != n):
-        raise ValueError(f"the weights are {low.dtype} of {low.numel()} elements, not the bf16 rounding of {n}")
+    n = flat.numel()
     residual, ties, work = torch.empty(n, dtype=torch.int16), [], _Residuals(n)
     rebuilt = torch.empty(min(n, CHUNK), dtype=torch.int32)
     for start in range(0, n, CHUNK):
         part = flat[start:start + CHUNK]
-        found = work.chunk(part, None if low is None else low[start:start + CHUNK])
-        if found is None:
-            raise ValueError("the bf16 weights are not the rounding of their fp32 master weights")
-        diff, tie = found
+        diff, tie = work.chunk(part)
         out, back = residual[start:start + part.numel()], rebuilt[:part.numel()]
         tied = bool(tie.any())
         if tied:
