@@ -173,10 +173,17 @@ def unpack(packed: torch.Tensor, bits: int, n: int, start: int = 0, stop: int | 
 
 # ---- the optimizer-moment codec -----------------------------------------------------------------------------------
 class MomentCodec:
-    """Save and read side of O1/O2 for the optimizer component (see the module docstring)."""
+    """Save and read side of O1/O2 for the optimizer component (see the module docstring).
+
+    It is `piecewise`: in a folder every rank sees, each rank encodes and writes in place the blocks that start
+    among its elements (their codes and scales). A block straddling the end of its piece needs the first elements
+    of the next pieces: before the save, every rank shares the elements it holds ahead of its first block start
+    (`halo`: fewer than a block per tensor), and the block's owner completes its last block with them
+    (`receive_halos`, `encode_piece`). The file is the one a whole-tensor encode writes."""
 
     name = "blockwise_codebook"
     version = 1
+    piecewise = True
 
     def __init__(self, stage: str, block: int = BLOCK_SIZE, grids: Mapping[str, Grid] | None = None):
         if stage not in STAGE_BITS:
@@ -184,6 +191,58 @@ class MomentCodec:
         self.stage, self.bits, self.block = stage, STAGE_BITS[stage], block
         self.grids = dict(grids or {kind: CODE_BOOKS[(kind, self.bits)] for kind in ("signed", "sqrt")})
         self.tensors: dict[str, dict] = {}
+        self.halos: dict[str, dict[int, torch.Tensor]] = {}  # name -> {first element: the elements from there}
+
+    # in place: blocks by where they start
+    def _blocks(self, first: int, count: int) -> tuple[int, int]:
+        """The blocks `[k0, k1)` whose first element lies in `[first, first + count)`."""
+        return -(-first // self.block), -(-(first + count) // self.block)
+
+    def stored_pieces(self, name: str, pieces: tuple) -> dict[str, tuple]:
+        """The pieces of the codes and scales of `name`, held as `pieces` ((rank, first element, count), in element
+        order): each rank's are those of the blocks that start among its elements."""
+        entry = self.tensors.get(name)
+        if entry is None:
+            return {name: pieces}
+        n, codes, scales = _numel(entry["shape"]), [], []
+        for rank, first, count in pieces:
+            k0, k1 = self._blocks(first, count)
+            c0, c1 = k0 * self.block * self.bits // 8, -(-min(k1 * self.block, n) * self.bits // 8)
+            codes.append((rank, c0, max(c1 - c0, 0)))
+            scales.append((rank, k0, max(k1 - k0, 0)))
+        return {name: tuple(codes), name + SCALES: tuple(scales)}
+
+    def halo(self, name: str, first: int, values: torch.Tensor) -> torch.Tensor | None:
+        """What this rank shares of its piece of `name` (elements from `first`): those ahead of its first block
+        start, which the owner of the block they belong to needs (a copy; None when there are none)."""
+        if name not in self.tensors:
+            return None
+        ahead = min(values.numel(), self._blocks(first, 0)[0] * self.block - first)
+        return values[:ahead].detach().to(torch.float32).clone() if ahead > 0 else None
+
+    def receive_halos(self, halos: Mapping[str, Mapping[int, torch.Tensor]]) -> None:
+        """Every rank's `halo`s, by tensor and first element."""
+        self.halos = {name: dict(h) for name, h in halos.items()}
+
+    def encode_piece(self, name: str, values: torch.Tensor, start: int, rank: int) -> dict[str, torch.Tensor]:
+        """The codes and scales of the blocks that start among this rank's elements `values` (flat, from element
+        `start`), its last block completed from the halos of the pieces after it."""
+        entry = self.tensors.get(name)
+        if entry is None:
+            return {name: values}
+        k0, k1 = self._blocks(start, values.numel())
+        e0, e1 = k0 * self.block, min(k1 * self.block, _numel(entry["shape"]))
+        parts, end = [values[e0 - start:]], start + values.numel()
+        for first, head in sorted(self.halos.get(name, {}).items()):
+            if first == end and end < e1:
+                parts.append(head[:e1 - end])
+                end += parts[-1].numel()
+        if end < e1:
+            raise ValueError(f"{name}: rank {rank} lacks elements [{end}, {e1}) of its last block; the pieces changed "
+                             "after the save was planned.")
+        codes, scales = quantize(torch.cat(parts) if len(parts) > 1 else parts[0], self.grids[entry["kind"]],
+                                 entry["kind"], self.block)
+        return {name: codes, name + SCALES: scales}
 
     # save side
     def encodes(self, spec: TensorSpec) -> bool:

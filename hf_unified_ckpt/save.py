@@ -107,16 +107,25 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False)
 def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:
     """Per component, the tensors the ranks together hold exactly once in contiguous pieces, with every rank's
     piece (`planning.tiling`); every component gets an entry, so a plan made for a shared folder is never empty.
-    Collective (one all-gather of the pieces' bounds): all ranks must call it."""
-    local = {name: {n: (f.start, f.values.numel()) for n, f in engine.fragments(name).items()}
-             for name, cplan in plans.items() if piecewise(cplan.codec)}
+    A codec that encodes blocks across pieces receives every rank's `halo` (the few elements its neighbours
+    need). Collective (one all-gather of the pieces' bounds and halos): all ranks must call it."""
+    local = {}
+    for name, cplan in plans.items():
+        if piecewise(cplan.codec):
+            halo = getattr(cplan.codec, "halo", None)
+            local[name] = {n: (f.start, f.values.numel(), halo(n, f.start, f.values) if halo else None)
+                           for n, f in engine.fragments(name).items()}
     everyone = dist.all_gather_object(local)
     out: dict[str, dict[str, Pieces]] = {}
     for name, cplan in plans.items():
-        held = {}
+        held, halos = {}, {}
         for rank, share in enumerate(everyone):
-            for tensor, (start, count) in share.get(name, {}).items():
+            for tensor, (start, count, halo) in share.get(name, {}).items():
                 held.setdefault(tensor, []).append((rank, start, count))
+                if halo is not None:
+                    halos.setdefault(tensor, {})[start] = halo
+        if hasattr(cplan.codec, "receive_halos"):
+            cplan.codec.receive_halos(halos)
         out[name] = {t: p for t, bounds in held.items()
                      if (p := tiling(math.prod(cplan.specs[t].shape), bounds)) is not None}
     return out

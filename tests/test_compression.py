@@ -142,6 +142,61 @@ def test_the_residual_rebuilds_every_fp32_value_exactly():
         residual_of(payload)
 
 
+@pytest.mark.parametrize("stage", ["O1", "O2"])
+def test_ranks_encoding_their_blocks_of_moments_in_place_make_the_file_a_whole_encode_makes(tmp_path, stage):
+    """Three ranks each encode the O1/O2 blocks that start among their elements (uneven pieces cutting blocks, one
+    shorter than a block, one holding no block start, an odd element count for O2's two codes per byte, a tensor
+    no rank holds in pieces): with every rank's halo, each file is byte for byte the one encoding whole tensors on
+    one writer makes. Without a halo, the owner of a cut block refuses to write."""
+    from hf_unified_ckpt.engines.base import Fragment
+    from hf_unified_ckpt.planning import file_plans, plan_component, tiling
+    from hf_unified_ckpt.storage.writer import write_ranges
+
+    g = torch.Generator().manual_seed(4)
+    state = {"a/exp_avg": torch.randn(37, 29, generator=g), "a/exp_avg_sq": torch.rand(37, 29, generator=g),
+             "b/exp_avg": torch.randn(301, generator=g), "c/exp_avg": torch.randn(9, 7, generator=g),
+             "a/step": torch.tensor(3.0)}
+    bounds = {"a/exp_avg": [(1, 0, 300), (0, 300, 50), (2, 350, 723)],  # rank 0: 300..350, no block start
+              "a/exp_avg_sq": [(2, 0, 129), (0, 129, 944)], "b/exp_avg": [(0, 0, 200), (1, 200, 101)]}
+    pieces = {n: tiling(state[n].numel(), b) for n, b in bounds.items()}
+
+    def codec_with_halos(share: bool) -> MomentCodec:
+        codec = MomentCodec(stage)
+        for n, t in state.items():
+            codec.stored_specs(TensorSpec.of(n, t))
+        halos = {}
+        for n, held in pieces.items():
+            for _, first, count in held:
+                halo = codec.halo(n, first, state[n].reshape(-1)[first:first + count])
+                if halo is not None and share:
+                    halos.setdefault(n, {})[first] = halo
+        codec.receive_halos(halos)
+        return codec
+
+    def write(folder, codec, in_place):
+        folder.mkdir()
+        plan = plan_component("optimizer", [TensorSpec.of(n, t) for n, t in state.items()], writers=3,
+                              max_shard_size=6000, codec=codec)
+        for file in file_plans(plan, pieces if in_place else None):
+            for rank in sorted(file.writers):
+                frags = {n: Fragment(state[n].shape, first, state[n].reshape(-1)[first:first + count])
+                         for n in file.pieces_held(rank) for r, first, count in pieces[n] if r == rank}
+                mine = file.stored_pieces(frags, rank)
+                if rank == file.header_rank:
+                    mine.update(file.stored_tensors({n: state[n] for n in file.whole_names}))
+                write_ranges(folder / file.name, file, rank, mine)
+        return plan
+
+    plan = write(tmp_path / "in_place", codec_with_halos(True), True)
+    in_place = {n for f in file_plans(plan, pieces) for n in f.pieces}
+    assert in_place == {n + s for n in pieces for s in ("", ":scales")}
+    write(tmp_path / "whole", codec_with_halos(True), False)
+    for name in plan.files:
+        assert (tmp_path / "in_place" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    with pytest.raises(ValueError, match=r"rank \d lacks elements \[\d+, \d+\) of its last block"):
+        write(tmp_path / "no_halos", codec_with_halos(False), True)
+
+
 def _with_ties(x: torch.Tensor, every: int) -> torch.Tensor:
     """`x` with every `every`-th element whose bf16 rounding has an even last bit made a tie rounded down to it."""
     flat = x.reshape(-1)
@@ -185,7 +240,7 @@ def test_ranks_encoding_their_pieces_of_the_residual_in_place_make_the_file_a_wh
         for file in file_plans(plan, pieces if in_place else None):
             for rank in sorted(file.writers):
                 frags = {n: Fragment(masters[n].shape, first, masters[n].reshape(-1)[first:first + count])
-                         for n in file.pieces_held(rank) for r, first, count in file.pieces[n] if r == rank}
+                         for n in file.pieces_held(rank) for r, first, count in pieces[n] if r == rank}
                 mine = file.stored_pieces(frags, rank)
                 if rank == file.header_rank:
                     mine.update(file.stored_tensors({n: masters[n] for n in file.whole_names}))

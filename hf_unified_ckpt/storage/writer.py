@@ -9,9 +9,10 @@ or in the background after a snapshot).
   shared files at their planned offsets. The header rank creates the file at its final size and writes the header;
   every writer opens it without truncating, `pwrite`s its items, and fsyncs it (in the background while it writes its
   next file; the save waits for every fsync before it reports its ranges). Sharded tensors (`FilePlan.pieces`)
-  never cross ranks (an elementwise codec, the bf16 residual, encodes each rank's piece where it lies); only what no
-  rank holds in one contiguous piece (other layouts, block-coded O1/O2 moments) is assembled on the header rank
-  first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
+  never cross ranks (through a codec, each rank encodes its own piece where it lies: the bf16 residual element by
+  element, O1/O2 the blocks that start among its elements, completed by a few elements of the next piece shared
+  when the save is planned); only what no rank holds in one contiguous piece (other layouts) is assembled on the
+  header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
   range it wrote; rank 0 combines them into the file's record (`combine_ranges`), checking they tile the file.
 - `WholeFileWriter` (machine-local folders: a rank cannot write into another machine's file): each file is written
   whole by its one writer with safetensors' own `save_file` (`safetensors_io.write_shard`), after its tensors were
