@@ -480,8 +480,9 @@ def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5, si
 
 
 def quant_worker(out: Path, reps: int, dtype: str, size: str = "103m") -> None:
-    """Runs under torchrun (--nproc ranks, ZeRO-2): alternates unified saves at O0, O1 and O2, then times verify + load
-    of each at the same topology; the codec must not make saving slower than the bytes it saves."""
+    """Runs under torchrun (--nproc ranks, ZeRO-2): after one untimed round, rotates unified saves at O0, O1 and O2,
+    each followed by verify + load of it at the same topology; the codec must not make saving slower than the bytes
+    it saves."""
     import dataclasses
 
     import torch.distributed as dist
@@ -495,20 +496,26 @@ def quant_worker(out: Path, reps: int, dtype: str, size: str = "103m") -> None:
     model, rank = trainer.model_wrapped, dist.get_rank()
     base = trainer.args.unified_checkpoint_options
     stages = ("O0", "O1", "O2")
-    results = {f"save_{s}": [] for s in stages} | {f"load_{s}": [] for s in stages} | {"bytes": {}}
-    for rep in range(reps):
+    results = ({f"save_{s}": [] for s in stages} | {f"load_{s}": [] for s in stages}
+               | {f"rss_{s}": [] for s in stages} | {"bytes": {}})
+    for rep in range(-1, reps):  # rep -1: one untimed round (a process's first large write is slower here)
         for stage in stages[rep % 3:] + stages[:rep % 3]:  # rotate the order: no stage always goes first
             trainer.args._unified_checkpoint_options = dataclasses.replace(base, quant_stage=stage)
             trainer.args.output_dir = str(out / f"{stage}-{rep}")
             folder = out / f"{stage}-{rep}" / "checkpoint-1"
-            results[f"save_{stage}"].append(max_over_ranks(timed(lambda: trainer._save_checkpoint(model, None))[0]))
+            saved, extra = timed(lambda: trainer._save_checkpoint(model, None))
+            saved, extra = max_over_ranks(saved), max_over_ranks(extra)
             if rank == 0:
                 results["bytes"][stage] = folder_bytes(folder)
 
             def load():
                 manifest = verify_checkpoint(folder)
                 load_checkpoint(folder, DeepSpeedEngine(model, _master_policy(base)), manifest, base)
-            results[f"load_{stage}"].append(max_over_ranks(timed(load)[0]))
+            loaded = max_over_ranks(timed(load)[0])
+            if rep >= 0:
+                results[f"save_{stage}"].append(saved)
+                results[f"rss_{stage}"].append(extra)
+                results[f"load_{stage}"].append(loaded)
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(folder.parent)
@@ -533,8 +540,9 @@ def quant_report(out: Path, dtype: str, world: int = 2, size: str = "103m") -> N
               f"load time {stage}/O0 = {load:.2f} "
               f"({med[f'load_{stage}']:.2f} s vs {med['load_O0']:.2f} s);  "
               f"bytes {stage}/O0 = {size:.2f} "
-              f"({r['bytes'][stage] / 1e9:.2f} GB vs {r['bytes']['O0'] / 1e9:.2f} GB)")
-    print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in r.items() if k != 'bytes'})}")
+              f"({r['bytes'][stage] / 1e9:.2f} GB vs {r['bytes']['O0'] / 1e9:.2f} GB);  peak extra RSS of the save "
+              f"{med[f'rss_{stage}'] / 2**20:.0f} MiB (O0: {med['rss_O0'] / 2**20:.0f} MiB)")
+    print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in r.items() if k[:3] in ('sav', 'loa')})}")
 
 
 def _largest_share(manifest: dict, world: int) -> int:
