@@ -142,15 +142,35 @@ def test_the_residual_rebuilds_every_fp32_value_exactly():
         residual_of(payload)
 
 
+def _write_as_ranks(folder, component: str, tensors: dict, pieces: dict | None, codec, max_shard_size: int):
+    """Plan `tensors` (3 writers) through `codec` and write every file the way the ranks do: each rank its pieces
+    of `pieces` (logical name -> ((rank, first element, count), ...)) in place, encoded piece by piece, and the
+    header rank the rest whole (everything whole without `pieces`). Returns the component plan."""
+    from hf_unified_ckpt.engines.base import Fragment
+    from hf_unified_ckpt.planning import file_plans, plan_component
+    from hf_unified_ckpt.storage.writer import write_ranges
+
+    folder.mkdir()
+    plan = plan_component(component, [TensorSpec.of(n, t) for n, t in tensors.items()], writers=3,
+                          max_shard_size=max_shard_size, codec=codec)
+    for file in file_plans(plan, pieces):
+        for rank in sorted(file.writers):
+            frags = {n: Fragment(tensors[n].shape, first, tensors[n].reshape(-1)[first:first + count])
+                     for n in file.pieces_held(rank) for r, first, count in pieces[n] if r == rank}
+            mine = file.stored_pieces(frags, rank)
+            if rank == file.header_rank:
+                mine.update(file.stored_tensors({n: tensors[n] for n in file.whole_names}))
+            write_ranges(folder / file.name, file, rank, mine)
+    return plan
+
+
 @pytest.mark.parametrize("stage", ["O1", "O2"])
 def test_ranks_encoding_their_blocks_of_moments_in_place_make_the_file_a_whole_encode_makes(tmp_path, stage):
     """Three ranks each encode the O1/O2 blocks that start among their elements (uneven pieces cutting blocks, one
     shorter than a block, one holding no block start, an odd element count for O2's two codes per byte, a tensor
     no rank holds in pieces): with every rank's halo, each file is byte for byte the one encoding whole tensors on
     one writer makes. Without a halo, the owner of a cut block refuses to write."""
-    from hf_unified_ckpt.engines.base import Fragment
-    from hf_unified_ckpt.planning import file_plans, plan_component, tiling
-    from hf_unified_ckpt.storage.writer import write_ranges
+    from hf_unified_ckpt.planning import file_plans, tiling
 
     g = torch.Generator().manual_seed(4)
     state = {"a/exp_avg": torch.randn(37, 29, generator=g), "a/exp_avg_sq": torch.rand(37, 29, generator=g),
@@ -174,18 +194,7 @@ def test_ranks_encoding_their_blocks_of_moments_in_place_make_the_file_a_whole_e
         return codec
 
     def write(folder, codec, in_place):
-        folder.mkdir()
-        plan = plan_component("optimizer", [TensorSpec.of(n, t) for n, t in state.items()], writers=3,
-                              max_shard_size=6000, codec=codec)
-        for file in file_plans(plan, pieces if in_place else None):
-            for rank in sorted(file.writers):
-                frags = {n: Fragment(state[n].shape, first, state[n].reshape(-1)[first:first + count])
-                         for n in file.pieces_held(rank) for r, first, count in pieces[n] if r == rank}
-                mine = file.stored_pieces(frags, rank)
-                if rank == file.header_rank:
-                    mine.update(file.stored_tensors({n: state[n] for n in file.whole_names}))
-                write_ranges(folder / file.name, file, rank, mine)
-        return plan
+        return _write_as_ranks(folder, "optimizer", state, pieces if in_place else None, codec, 6000)
 
     plan = write(tmp_path / "in_place", codec_with_halos(True), True)
     in_place = {n for f in file_plans(plan, pieces) for n in f.pieces}
@@ -211,10 +220,8 @@ def test_ranks_encoding_their_pieces_of_the_residual_in_place_make_the_file_a_wh
     holding none, a tensor that is not the bf16 rounding's master stored as plain fp32, one no rank holds in
     pieces, written whole): each file is byte for byte the one encoding whole tensors on one writer makes, and the
     reader rebuilds every master bit for bit. A rank whose ties differ from the census refuses to write."""
-    from hf_unified_ckpt.engines.base import Fragment
-    from hf_unified_ckpt.planning import file_plans, plan_component, tiling
+    from hf_unified_ckpt.planning import file_plans, tiling
     from hf_unified_ckpt.storage.safetensors_io import ComponentReader
-    from hf_unified_ckpt.storage.writer import write_ranges
 
     g = torch.Generator().manual_seed(3)
     masters = {"a": _with_ties(torch.randn(37, 29, generator=g), 7), "b": _with_ties(torch.randn(50, generator=g), 3),
@@ -234,18 +241,7 @@ def test_ranks_encoding_their_pieces_of_the_residual_in_place_make_the_file_a_wh
     census = {n: sum(r.values()) for n, r in by_rank.items() if None not in r.values()}
 
     def write(folder, codec, in_place):
-        folder.mkdir()
-        plan = plan_component("master_weights", [TensorSpec.of(n, t) for n, t in masters.items()], writers=3,
-                              max_shard_size=4000, codec=codec)
-        for file in file_plans(plan, pieces if in_place else None):
-            for rank in sorted(file.writers):
-                frags = {n: Fragment(masters[n].shape, first, masters[n].reshape(-1)[first:first + count])
-                         for n in file.pieces_held(rank) for r, first, count in pieces[n] if r == rank}
-                mine = file.stored_pieces(frags, rank)
-                if rank == file.header_rank:
-                    mine.update(file.stored_tensors({n: masters[n] for n in file.whole_names}))
-                write_ranges(folder / file.name, file, rank, mine)
-        return plan
+        return _write_as_ranks(folder, "master_weights", masters, pieces if in_place else None, codec, 4000)
 
     plan = write(tmp_path / "in_place", ResidualCodec(census, by_rank=by_rank), True)
     assert {n for f in file_plans(plan, pieces) for n in f.pieces} == {"a", "a:ties", "b", "b:ties", "plain"}
