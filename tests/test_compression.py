@@ -343,6 +343,8 @@ SAVES = {  # name: (engine spec, precision, options)
     "z2-o1": ({"zero": 2}, {"bf16": True}, {"ckpt_quant_stage": "O1",
                                              "unified_checkpoint_config": "residual_master_weight"}),
     "z2-res": ({"zero": 2, "plant_ties": 3}, {"bf16": True}, {"unified_checkpoint_config": "residual_master_weight"}),
+    "z2-async": ({"zero": 2, "plant_ties": 3}, {"bf16": True}, {"ckpt_quant_stage": "O2", "unified_checkpoint_config":
+                                                                   "async_save residual_master_weight"}),
     "z3-o2": ({"zero": 3}, {}, {"ckpt_quant_stage": "O2"}),
     "z3-res": ({"zero": 3, "plant_ties": 3}, {"bf16": True}, {"ckpt_quant_stage": "O1",
                                              "unified_checkpoint_config": "residual_master_weight"}),
@@ -353,6 +355,7 @@ LOADS = {  # name: (saved by, engine spec at 3 ranks, precision); each records w
     "z2-o1>fsdp2": ("z2-o1", {"fsdp": 2}, {}),
     "z2-o1>z2": ("z2-o1", {"zero": 2}, {"bf16": True}),
     "z2-res>z2": ("z2-res", {"zero": 2}, {"bf16": True}),
+    "z2-async>z2": ("z2-async", {"zero": 2}, {"bf16": True}),
     "z3-o2>z2": ("z3-o2", {"zero": 2}, {}),
     "z3-res>z2": ("z3-res", {"zero": 2}, {"bf16": True}),
     "fsdp2-o1>z3": ("fsdp2-o1", {"zero": 3}, {}),
@@ -394,7 +397,8 @@ def test_a_compressed_checkpoint_loads_on_another_engine_and_world_size_exactly_
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("saved,loaded", [("z2-res", "z2-res>z2"), ("z3-res", "z3-res>z2")])
+@pytest.mark.parametrize("saved,loaded", [("z2-res", "z2-res>z2"), ("z3-res", "z3-res>z2"),
+                                          ("z2-async", "z2-async>z2")])
 def test_residual_master_weights_come_back_bit_exact_at_another_world_size(engines, saved, loaded):
     tmp, out = engines
     manifest = detect_layout(tmp / saved / "checkpoint-3").manifest
