@@ -211,7 +211,8 @@ class FilePlan:
     header: dict = field(repr=False)
     items: tuple[WriteItem, ...] = field(repr=False)
     codec: Encoder | None = field(repr=False, default=None)
-    pieces: dict[str, Pieces] = field(repr=False, default_factory=dict)  # tensors written in place, by holder
+    pieces: dict[str, Pieces] = field(repr=False, default_factory=dict)  # stored tensors written in place, by holder
+    held: dict[str, Pieces] = field(repr=False, default_factory=dict)  # their logical tensors: every rank's elements
 
     def stored_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors to write for the logical `tensors` (name -> tensor): encoded by the codec, if any."""
@@ -220,21 +221,27 @@ class FilePlan:
         return {n: t for name, tensor in tensors.items() for n, t in self.codec.encode(name, tensor).items()}
 
     def pieces_held(self, rank: int) -> list[str]:
-        """The logical tensors of which `rank` writes a non-empty piece in place."""
-        return [n for n in self.tensor_names if any(r == rank and count for r, _, count in self.pieces.get(n, ()))]
+        """The logical tensors of which `rank` holds a non-empty piece written in place."""
+        return [n for n in self.tensor_names if any(r == rank and count for r, _, count in self.held.get(n, ()))]
 
-    def stored_pieces(self, fragments: Mapping, rank: int) -> dict[str, torch.Tensor]:
-        """What `rank` writes in place, by stored name, from its `fragments` (logical name -> `Fragment`) of
-        `pieces_held(rank)`: their values, encoded piece by piece by the codec, if any."""
+    def encoded(self, tensors: Mapping[str, torch.Tensor], rank: int) -> Mapping[str, torch.Tensor]:
+        """What `rank` writes of this file, by stored name, from its logical `tensors` (its pieces of
+        `pieces_held(rank)`, flat, and on the header rank the `whole_names`): `tensors` itself without a codec (a
+        mapping that computes on access stays lazy), else encoded, its pieces piece by piece."""
         if self.codec is None:
-            return {n: f.values for n, f in fragments.items()}
-        return {n: t for name, f in fragments.items()
-                for n, t in self.codec.encode_piece(name, f.values, f.start, rank).items()}
+            return tensors
+        out = {}
+        for name in self.pieces_held(rank):
+            start = next(first for r, first, count in self.held[name] if r == rank and count)
+            out.update(self.codec.encode_piece(name, tensors[name], start, rank))
+        if rank == self.header_rank:
+            out.update(self.stored_tensors({n: tensors[n] for n in self.whole_names}))
+        return out
 
     @property
     def whole_names(self) -> tuple[str, ...]:
         """Logical tensors the header rank writes whole (assembled there first where they are sharded)."""
-        return tuple(n for n in self.tensor_names if n not in self.pieces)
+        return tuple(n for n in self.tensor_names if n not in self.held)
 
     def items_of(self, rank: int) -> list[WriteItem]:
         return [item for item in self.items if item.rank == rank]
@@ -265,7 +272,8 @@ def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> 
     tensor in `pieces` is written in place by its holders, each its own byte range (through a `piecewise` codec:
     each stored tensor's pieces); every other tensor whole by its file's owner. Pure: every rank computes the same
     list."""
-    pieces = stored_pieces(plan, pieces or {})
+    logical = pieces or {}
+    stored = stored_pieces(plan, logical)
     out = []
     for file, names in plan.files.items():
         specs = [s for n in names for s in plan.stored_specs(n)]
@@ -273,13 +281,14 @@ def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> 
         owner, items, mine = plan.owners[file], [], {}
         for s in specs:
             start, end = offsets[s.name]
-            if s.name not in pieces:
+            if s.name not in stored:
                 items.append(WriteItem(s.name, start, end, owner))
                 continue
-            mine[s.name] = pieces[s.name]
+            mine[s.name] = stored[s.name]
             items += [WriteItem(s.name, start + first * s.dtype.itemsize, start + (first + count) * s.dtype.itemsize,
-                                rank) for rank, first, count in pieces[s.name] if count]
-        out.append(FilePlan(plan.component, file, tuple(names), owner, header, tuple(items), plan.codec, mine))
+                                rank) for rank, first, count in stored[s.name] if count]
+        held = {n: logical[n] for n in names if n in stored}  # a stored tensor of each keeps its logical name
+        out.append(FilePlan(plan.component, file, tuple(names), owner, header, tuple(items), plan.codec, mine, held))
     return out
 
 

@@ -8,7 +8,7 @@ or in the background after a snapshot).
 - `SharedFileWriter` (every rank sees one folder): every rank writes the byte ranges it holds straight into the
   shared files at their planned offsets. The header rank creates the file at its final size and writes the header;
   every writer opens it without truncating, `pwrite`s its items, and fsyncs it (in the background while it writes its
-  next file; the save waits for every fsync before it reports its ranges). Sharded tensors (`FilePlan.pieces`)
+  next file; the save waits for every fsync before it reports its ranges). Sharded tensors (`FilePlan.held`)
   never cross ranks (through a codec, each rank encodes its own piece where it lies: the bf16 residual element by
   element, O1/O2 the blocks that start among its elements, completed by a few elements of the next piece shared
   when the save is planned); only what no rank holds in one contiguous piece (other layouts) is assembled on the
@@ -50,12 +50,13 @@ class StorageWriter(Protocol):
         """Whether `rank` writes (part of) `file`."""
 
     def local_tensors(self, engine, file: FilePlan) -> dict[str, torch.Tensor]:
-        """What this rank writes of `file` (after `assemble`), by stored name: whole tensors, or the 1-D piece this
-        rank holds of a tensor in `file.pieces`. Local reads only (may run in a writer thread)."""
+        """What this rank writes of `file` (after `assemble`), by logical name, before any codec: whole tensors, or
+        the 1-D piece this rank holds of a tensor in `file.held`. Local reads only (may run in a writer thread)."""
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
-        """Write this rank's part of `file` into `folder` from `local_tensors`' result; local I/O only. Durable on
-        return, or (inside `syncing`) by the end of the `syncing` block."""
+        """Write this rank's part of `file` into `folder` from `local_tensors`' result (or a copy of it), encoded
+        through the file's codec here; local I/O only. Durable on return, or (inside `syncing`) by the end of the
+        `syncing` block."""
 
     def syncing(self) -> contextlib.AbstractContextManager:
         """A block of `write`s whose fsyncs may run in the background, all done (their errors raised) when the
@@ -107,19 +108,20 @@ class SharedFileWriter:
         return rank in file.writers
 
     def local_tensors(self, engine, file: FilePlan) -> Mapping[str, torch.Tensor]:
-        """Whole tensors (on the header rank) and this rank's pieces; a mapping that may compute each whole tensor
-        when it is looked up (`engine.tensors` of the offline converter)."""
+        """Whole logical tensors (on the header rank) and this rank's pieces (flat), not yet encoded (`write`
+        encodes them: in the background under async save); a mapping that may compute each whole tensor when it is
+        looked up (`engine.tensors` of the offline converter)."""
         whole, pieces = {}, {}
         if self.rank == file.header_rank and file.whole_names:
-            whole = file.stored_tensors(engine.tensors(file.component, file.whole_names))
+            whole = engine.tensors(file.component, file.whole_names)
         mine = file.pieces_held(self.rank)
         if mine:
-            pieces = file.stored_pieces(engine.fragments(file.component, mine), self.rank)
+            pieces = {n: f.values for n, f in engine.fragments(file.component, mine).items()}
         return collections.ChainMap(pieces, whole)
 
     def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         path = Path(folder) / file.name
-        records = write_ranges(path, file, self.rank, tensors, direct_io=self.direct_io)
+        records = write_ranges(path, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
         if self._pool is None:
             fsync_file(path)
         else:  # the disk flushes this file while the next one is written; `syncing` waits for it
