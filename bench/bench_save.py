@@ -346,14 +346,14 @@ def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m
     dist.destroy_process_group()
 
 
-def async_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m") -> None:
+def async_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m", ckpt_config: str = "") -> None:
     """Runs under torchrun (--nproc ranks): training-blocked time of an async save (the `_save_checkpoint` call
     plus the wait for the snapshot before the next step) vs a synchronous save, alternating."""
     import torch.distributed as dist
 
     world = int(os.environ["WORLD_SIZE"])
-    sync = build_trainer(out / "sync", dtype, world, engine, size=size)
-    asyn = build_trainer(out / "async", dtype, world, engine, ckpt_config="async_save", size=size)
+    sync = build_trainer(out / "sync", dtype, world, engine, ckpt_config, size=size)
+    asyn = build_trainer(out / "async", dtype, world, engine, ckpt_config=f"async_save {ckpt_config}", size=size)
     saver = next(c for c in asyn.callback_handler.callbacks if hasattr(c, "saver")).saver
     results = {"sync": [], "async_call": [], "async_blocked": [], "async_total": []}
     for rep in range(reps):
@@ -384,7 +384,8 @@ def async_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103
         hidden = ratio("(a) blocked / sync save, copy hidden  (target <= 0.05)", med["async_call"] / med["sync"])
         waited = ratio("(a) blocked / sync save, next step waits", med["async_blocked"] / med["sync"])
         print(f"async_save, {engine} x {world} ranks ({cpu_cores()} CPU cores), {sync._bench_params / 1e6:.0f}M "
-              f"Llama, {dtype}, medians of {reps}:")
+              f"Llama, {dtype}, medians of {reps}" + (f", unified_checkpoint_config={ckpt_config!r}:" if ckpt_config
+                                                      else ":"))
         print(f"(a) training-blocked time / sync save time = {hidden:.3f} when the "
               f"snapshot copy hides behind the next forward/backward ({med['async_call'] * 1000:.0f} ms vs "
               f"{med['sync'] * 1000:.0f} ms), {waited:.3f} if the next step waits "
@@ -716,8 +717,8 @@ def main() -> None:
     parser.add_argument("--no-resume", action="store_true", help="save only: skip both resume measurements")
     parser.add_argument("--out", default=None, help="scratch folder (default: a new one under /tmp), removed after")
     parser.add_argument("--config", default="", metavar="WORDS",
-                        help="save mode: unified_checkpoint_config of our save, e.g. residual_master_weight "
-                             "(the native save is the same whatever it says)")
+                        help="save and --async-save modes: unified_checkpoint_config words of our saves, e.g. "
+                             "residual_master_weight (the native save is the same whatever it says)")
     parser.add_argument("--worker", choices=["save", "resume", "async", "throughput", "quant", "ema"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--ema", action="store_true",
@@ -739,7 +740,7 @@ def main() -> None:
     if args.worker == "resume":
         return resume_worker(out, args.reps, args.dtype, args.engine, args.size)
     if args.worker == "async":
-        return async_worker(out, args.reps, args.dtype, args.engine, args.size)
+        return async_worker(out, args.reps, args.dtype, args.engine, args.size, args.config)
     if args.worker == "throughput":
         return throughput_worker(out, args.reps, args.dtype, args.engine, args.steps, args.save_every, args.size)
     if args.worker == "quant":
