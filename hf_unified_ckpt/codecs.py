@@ -483,11 +483,8 @@ class ResidualCodec:
         if entry is None:
             return {name: values}
         residual, ties = residual_of(values)
-        if not entry["ties"]:
-            _check_ties(name, ties.numel(), 0)
-            return {name: residual}
-        _check_ties(name, ties.numel(), self.by_rank.get(name, {}).get(rank, 0))
-        return {name: residual, name + TIES: ties + start}
+        _check_ties(name, ties.numel(), self.by_rank.get(name, {}).get(rank, 0) if entry["ties"] else 0)
+        return {name: residual, **({name + TIES: ties + start} if entry["ties"] else {})}
 
     def metadata(self) -> dict:
         return {"name": self.name, "version": self.version, "anchor": "model", "tensors": self.tensors}
