@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -29,6 +27,7 @@ from . import dist
 from .components import EMA, Component
 from .engines.base import Fragment, LoadSources
 from .errors import UnsupportedCheckpointError, count_and_first
+from .persist import Background, HostBuffers
 from .planning import TensorSpec
 from .storage.reader import read_flat_range
 
@@ -70,62 +69,35 @@ class ExponentialAverage:
 
 class BackgroundUpdates:
     """Runs the updates of an `ExponentialAverage` off the training thread, the way an async save takes its
-    snapshot: `submit` starts a thread that copies the fragments into reused host buffers, signals the copy done,
-    then folds the copy into the average at low CPU priority. The next optimizer step waits only for the copy
-    (`wait_for_copy`); a save waits for the whole update (`wait`), which also raises an update's error."""
+    snapshot (`persist.Background` over `persist.HostBuffers`): `submit` starts a thread that copies the fragments
+    into reused host buffers, signals the copy done, then folds the copy into the average at low CPU priority. The
+    next optimizer step waits only for the copy (`wait_for_copy`); a save waits for the whole update (`wait`),
+    which also raises an update's error."""
 
     def __init__(self, average: ExponentialAverage):
         self.average = average
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._copied = threading.Event()
-        self._copied.set()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._buffers = HostBuffers()
+        self._background = Background("ema")
 
     def submit(self, fragments: Mapping[str, Fragment]) -> None:
         """Start one update from `fragments` (live views), after the previous one finished."""
         self.wait()
-        self._copied.clear()
-        self._thread = threading.Thread(target=self._run, args=(fragments,), name="hf_unified_ckpt-ema", daemon=True)
-        self._thread.start()
+        self._background.start(lambda: self._copy(fragments), self.average.update)
 
-    def _run(self, fragments: Mapping[str, Fragment]) -> None:
-        try:
-            try:
-                copy = {name: replace(frag, values=self._copy(name, frag.values)) for name, frag in fragments.items()}
-            finally:
-                self._copied.set()
-            _lower_priority()
-            self.average.update(copy)
-        except BaseException as e:  # surfaced by wait() on the training thread
-            self._error = e
-
-    def _copy(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() != values.numel():
-            buffer = self._buffers[name] = torch.empty(values.numel(), dtype=torch.float32)
-        return buffer.copy_(values.detach().reshape(-1))
+    def _copy(self, fragments: Mapping[str, Fragment]) -> dict[str, Fragment]:
+        return {name: replace(frag, values=self._buffers.copy(name, frag.values, torch.float32, flat=True))
+                for name, frag in fragments.items()}
 
     def wait_for_copy(self) -> None:
         """Block until the update in flight has copied the weights (call before the optimizer changes them)."""
-        self._copied.wait()
+        self._background.wait_for_stage()
 
     def wait(self) -> None:
         """Block until the update in flight is folded in; raise its error, if any."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        try:
+            self._background.wait()
+        except BaseException as error:
             raise RuntimeError(f"updating the EMA of the weights failed: {error}") from error
-
-
-def _lower_priority() -> None:
-    """Once the copy is taken, nothing waits for this thread: take idle cycles, not training's (Linux)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 class WithEma:

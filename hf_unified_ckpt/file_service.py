@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
-from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-from safetensors import safe_open
 
 from . import dist
 from .errors import CorruptCheckpointError
 from .placement import Placement
 from .storage.headers import read_safetensors_header
 from .storage.reader import FileHandle, FileOpener, TensorSlice
+from .store import as_ref, join, store_for
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,10 @@ _TAG = 71
 class FileService(FileOpener):
     """This rank's server for its folder, and its client (a `FileOpener`) for files other ranks hold."""
 
-    def __init__(self, folder: str | Path, placement: Placement):
+    def __init__(self, folder: str | os.PathLike, placement: Placement):
         """Start the server thread. Collective (the two groups are created on first use): all ranks must call
         it."""
-        self.folder = Path(folder)
+        self.folder = as_ref(folder)
         self.placement = placement
         self._requests = dist.gloo_group("file-service-requests")
         self._replies = dist.gloo_group("file-service-replies")
@@ -115,15 +115,15 @@ class FileService(FileOpener):
         self._open.clear()
 
 
-def answer(folder: Path, handles: dict, request: dict) -> tuple[dict, torch.Tensor | None]:
-    """The server's reply to one request on the files of `folder` (`handles`: its open `safe_open` handles)."""
-    path = folder / request["file"]
+def answer(folder: str | os.PathLike, handles: dict, request: dict) -> tuple[dict, torch.Tensor | None]:
+    """The server's reply to one request on the files of `folder` (`handles`: its open file handles)."""
+    path = join(folder, request["file"])
     if request["op"] == "header":
         return {"ok": True}, _bytes_tensor(json.dumps(read_safetensors_header(path)).encode())
     if request["op"] == "file":
-        return {"ok": True}, _bytes_tensor(path.read_bytes())
+        return {"ok": True}, _bytes_tensor(store_for(path).read(path))
     if request["file"] not in handles:
-        handles[request["file"]] = safe_open(str(path), framework="pt")
+        handles[request["file"]] = store_for(path).open_tensors(path)
     handle, index = handles[request["file"]], request["index"]
     tensor = handle.get_tensor(request["name"]) if index is None else \
         handle.get_slice(request["name"])[tuple(slice(a, b) for a, b in index)]

@@ -4,9 +4,7 @@ dedup, config files. Works for transformers models, PEFT models and plain `nn.Mo
 from __future__ import annotations
 
 import copy
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -89,19 +87,25 @@ def parameter_names(module: nn.Module, naming: NamingPolicy) -> dict[int, str]:
     return {id(param): naming.stored_key(name) for name, param in module.named_parameters()}
 
 
-def write_model_configs(module: nn.Module, folder: str | os.PathLike) -> None:
-    """Write config.json / generation_config.json (or adapter_config.json) as `save_pretrained` would."""
-    folder = Path(folder)
+def model_config_files(module: nn.Module) -> dict[str, bytes]:
+    """config.json / generation_config.json (or adapter_config.json), as `save_pretrained` would write them: name ->
+    bytes."""
+    from .store.capture import files_written_by
+
+    return files_written_by(lambda folder: _save_configs(module, folder))
+
+
+def _save_configs(module: nn.Module, folder: str) -> None:
     if is_peft_model(module):
         config = copy.deepcopy(module.peft_config[module.active_adapter])
         config.inference_mode = True
-        config.save_pretrained(str(folder))
+        config.save_pretrained(folder)
     elif hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
         config = copy.deepcopy(module.config)
         if hasattr(module, "dtype"):
             config.dtype = str(module.dtype).split(".")[1]
         config.architectures = [type(module).__name__.removeprefix("FSDP")]
-        config.save_pretrained(str(folder))
+        config.save_pretrained(folder)
         generation = getattr(module, "generation_config", None)
         if generation is not None and getattr(module, "can_generate", lambda: False)():
-            generation.save_pretrained(str(folder))
+            generation.save_pretrained(folder)

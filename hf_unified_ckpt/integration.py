@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
+import dataclasses
 import inspect
+import io
+import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import transformers
@@ -51,7 +51,8 @@ from .placement import Placement, judge_path, newest_across_machines, placement_
 from .retention import rotate_checkpoints
 from .rng import capture_rng_state, restore_rng_state, rng_file_name
 from .save import SaveRequest, save_checkpoint, save_model_weights
-from .storage.files import FileRecord, record_file
+from .store import as_ref, canonical, is_file, is_folder, join, parent_of, read_bytes
+from .store.capture import files_written_by, torch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -123,17 +124,17 @@ class UnifiedCheckpointMixin:
             return None
         if value is True:
             step, verdict, skipped = newest_across_machines(self.args.output_dir)
-            run_dir = Path(self.args.output_dir)
+            run_dir = as_ref(self.args.output_dir)
             for newer, why in skipped:
                 if dist.rank() == 0:
-                    logger.warning("Skipping %s when resuming: %s", run_dir / f"{PREFIX_CHECKPOINT_DIR}-{newer}",
+                    logger.warning("Skipping %s when resuming: %s", join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{newer}"),
                                    why.reason)
             if verdict is None:
                 raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
                                  "checkpoint-N folder (unified or legacy). Start without resuming, or pass a path.")
-            path = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+            path = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         else:
-            path = Path(value)
+            path = as_ref(value)
             verdict = judge_path(path)
         if verdict.kind == UNIFIED:
             _refuse_without_trainer_state(path, verdict)
@@ -157,7 +158,7 @@ class UnifiedCheckpointMixin:
                                 "resharded (the next save is unified).", layout.path, legacy.topology())
         return str(layout.path)
 
-    def _uc_check_unified(self, path: Path, verdict) -> _Resume:
+    def _uc_check_unified(self, path: str, verdict) -> _Resume:
         """A unified checkpoint, perhaps spread over machine-local folders: refuse it if the union is
         incomplete, copy the small files into every folder, verify every file on a rank that sees it.
         Collective: all ranks call it."""
@@ -175,7 +176,7 @@ class UnifiedCheckpointMixin:
         if layout.kind == UNIFIED:  # committed: damage is reported file by file by verify_checkpoint
             return
         if layout.kind == UNIFIED_INCOMPLETE:
-            newest = newest_complete(layout.path.parent)
+            newest = newest_complete(parent_of(layout.path))
             raise IncompleteCheckpointError(
                 f"{layout.path} is not a complete unified checkpoint: {layout.reason}. "
                 + (f"The newest complete checkpoint next to it is {newest.path}." if newest else
@@ -210,7 +211,7 @@ class UnifiedCheckpointMixin:
 
     def _uc_resuming(self, checkpoint) -> _Resume | None:
         resume = getattr(self, "_uc_resume", None)
-        if resume is not None and checkpoint is not None and Path(checkpoint) == resume.layout.path:
+        if resume is not None and checkpoint is not None and same_ref(checkpoint, resume.layout.path):
             return resume
         return None
 
@@ -245,12 +246,12 @@ class UnifiedCheckpointMixin:
         logger.info("Resumed from %s checkpoint %s", resume.layout.kind, folder)
         return model, train_dataloader
 
-    def _uc_load_scheduler(self, folder: Path, saved_groups: list[list[str]] | None, engine) -> None:
+    def _uc_load_scheduler(self, folder: str, saved_groups: list[list[str]] | None, engine) -> None:
         """Load the scheduler the checkpoint holds, its per-group values fitted to this optimizer's param groups
         (DeepSpeed drops the empty groups that DDP and FSDP keep). Collective under FSDP: all ranks call it."""
-        if self.lr_scheduler is None or not (folder / SCHEDULER_FILE).is_file():
+        if self.lr_scheduler is None or not is_file(join(folder, SCHEDULER_FILE)):
             return
-        saved = torch.load(folder / SCHEDULER_FILE, weights_only=True)
+        saved = torch.load(io.BytesIO(read_bytes(join(folder, SCHEDULER_FILE))), weights_only=True)
         if saved_groups is not None:
             matched = match_groups(saved_groups, engine.param_group_names())
             saved = fit_scheduler_state(saved, self.lr_scheduler.state_dict(), matched)
@@ -274,7 +275,7 @@ class UnifiedCheckpointMixin:
     def _load_best_model(self):
         """`load_best_model_at_end`: a unified best checkpoint is loaded into whatever the engine is (weights, and
         fp32 master weights where the engine keeps them; not the optimizer), verified first. Collective."""
-        path = Path(self.state.best_model_checkpoint)
+        path = as_ref(self.state.best_model_checkpoint)
         verdict = judge_path(path)
         if verdict.kind != UNIFIED:
             return super()._load_best_model()
@@ -292,23 +293,19 @@ class UnifiedCheckpointMixin:
         and FSDP: all ranks call it, as the Trainer requires there."""
         if not self.args.unified_checkpoint_options.enabled or _engine_of(self).name == "replicated":
             return super().save_model(output_dir, _internal_call)
-        folder = Path(output_dir if output_dir is not None else self.args.output_dir)
+        folder = as_ref(output_dir if output_dir is not None else self.args.output_dir)
         engine = self._uc_engine()
-
-        def write_extras(staging: Path) -> list:
-            engine.write_configs(staging)
-            self._uc_write_processing_class(staging)
-            torch.save(self.args, staging / ARGS_FILE)
-            return []
-
-        save_model_weights(engine, folder, self.args.unified_checkpoint_options.max_shard_size, write_extras,
+        small = {**engine.config_files(), **self._uc_processing_class_files(), ARGS_FILE: torch_bytes(self.args)}
+        save_model_weights(engine, folder, self.args.unified_checkpoint_options.max_shard_size, small,
                            show_progress=not self.args.disable_tqdm)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def _uc_write_processing_class(self, folder: Path) -> None:
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(str(folder))
+    def _uc_processing_class_files(self) -> dict[str, bytes]:
+        """The tokenizer's (or processor's) files, as its `save_pretrained` writes them: name -> bytes."""
+        if self.processing_class is None or not hasattr(self.processing_class, "save_pretrained"):
+            return {}
+        return files_written_by(self.processing_class.save_pretrained)
 
     def _load_rng_state(self, checkpoint):
         resume = self._uc_resuming(checkpoint)
@@ -327,8 +324,8 @@ class UnifiedCheckpointMixin:
         options = self._uc_save_options(options)
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        run_dir = Path(self._get_output_dir(trial=trial))
-        output_dir = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        run_dir = as_ref(self._get_output_dir(trial=trial))
+        output_dir = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         saver = _saver(self)
         saver.wait()  # one save in flight: the previous one commits (or raises) before this one starts
         self._uc_ema_ready()
@@ -343,12 +340,12 @@ class UnifiedCheckpointMixin:
         def rotate():  # run by the rank that committed each folder (one per machine-local folder)
             rotate_checkpoints(run_dir, self.args.save_total_limit, protect=[best, output_dir])
 
-        extras = self._uc_extras(engine)
+        small = self._uc_small_files(engine)
         if options.async_save:
             _engine_of(self).step_barrier(self, self._uc_wait_for_copies)
-            saver.start(engine, request, extras, after_commit=rotate)
+            saver.start(engine, request, small, after_commit=rotate)
             return
-        save_checkpoint(engine, request, extras, after_commit=rotate)
+        save_checkpoint(engine, request, small, after_commit=rotate)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
 
@@ -397,44 +394,32 @@ class UnifiedCheckpointMixin:
         if getattr(self, "_uc_updates", None) is not None:
             self._uc_updates.wait_for_copy()
 
-    def _uc_extras(self, engine):
-        """Capture now what this rank's non-tensor files hold (its RNG state; on the saving rank also the
-        trainer state, scheduler and scaler) and return the writer of those files plus configs, tokenizer and
-        training args. The writer may run later, in the background: it writes into a private subfolder, then
-        moves the files in."""
+    def _uc_small_files(self, engine) -> dict[str, bytes]:
+        """This rank's non-tensor files, captured now as bytes (an async save writes them later, in the
+        background): its RNG state; on rank 0 also the trainer state, scheduler and scaler, configs, tokenizer and
+        training args."""
         full = not self.args.save_only_model
-        rng = capture_rng_state() if full else None
-        rank0 = dist.rank() == 0
-        state = copy.deepcopy(self.state) if rank0 else None
-        scheduler = copy.deepcopy(self.lr_scheduler.state_dict()) if rank0 and full and self.lr_scheduler else None
+        out = {rng_file_name(dist.rank()): torch_bytes(capture_rng_state())} if full else {}
+        if dist.rank() != 0:
+            return out
+        out.update(engine.config_files())
+        out.update(self._uc_processing_class_files())
+        out[ARGS_FILE] = torch_bytes(self.args)
         scaler = getattr(self.accelerator, "scaler", None)
-        scaler = copy.deepcopy(scaler.state_dict()) if rank0 and full and scaler is not None else None
+        if full and self.lr_scheduler is not None:
+            out[SCHEDULER_FILE] = torch_bytes(self.lr_scheduler.state_dict())
+        if full and scaler is not None:
+            out[SCALER_FILE] = torch_bytes(scaler.state_dict())
+        out[TRAINER_STATE_FILE] = trainer_state_bytes(self.state)
+        return out
 
-        def write(folder: Path) -> list[FileRecord]:
-            private = folder / f".extras-rank{dist.rank()}"
-            private.mkdir()
-            if rng is not None:
-                torch.save(rng, private / rng_file_name(dist.rank()))
-            if rank0:
-                engine.write_configs(private)
-                self._uc_write_processing_class(private)
-                torch.save(self.args, private / ARGS_FILE)
-                for obj, name in ((scheduler, SCHEDULER_FILE), (scaler, SCALER_FILE)):
-                    if obj is not None:
-                        torch.save(obj, private / name)
-                state.save_to_json(str(private / TRAINER_STATE_FILE))
-            return _move_in(private, folder)
-
-        return write
-
-
-    def _uc_track_best(self, run_dir: Path) -> None:
+    def _uc_track_best(self, run_dir: str) -> None:
         """Same bookkeeping as the native `_save_checkpoint` for `best_model_checkpoint`."""
         if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:
             dist.barrier()
-            best = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
-            if best.exists():
-                self.state.best_model_checkpoint = str(best)
+            best = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if is_folder(best):
+                self.state.best_model_checkpoint = best
 
     def _uc_export_callback_states(self) -> None:
         """Same as the native `_save_checkpoint`: store `ExportableState` callbacks in the trainer state."""
@@ -454,7 +439,7 @@ def _master_policy(options) -> str:
     return "as_model" if options.skip_save_model_weight else "save"
 
 
-def _refuse_without_trainer_state(path: Path, verdict) -> None:
+def _refuse_without_trainer_state(path: str, verdict) -> None:
     """A complete unified folder converted from a model folder (`Trainer.save_model`) has weights and optimizer
     state but no trainer state: training cannot resume from it. The same on every rank (same manifest)."""
     if verdict.complete and TRAINER_STATE_FILE not in verdict.manifest["files"]:
@@ -687,11 +672,11 @@ def _check_transformers(trainer) -> None:
             + (f", Trainer lacks {missing}" if missing else "") + ").")
 
 
-def _move_in(private: Path, folder: Path) -> list[FileRecord]:
-    """Move the files of a private subfolder into `folder` and return their records."""
-    records = []
-    for name in sorted(os.listdir(private)):
-        os.replace(private / name, folder / name)
-        records.append(record_file(folder / name))
-    shutil.rmtree(private)
-    return records
+def trainer_state_bytes(state) -> bytes:
+    """`TrainerState.save_to_json`'s bytes."""
+    return (json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def same_ref(a, b) -> bool:
+    """Whether two references name the same checkpoint (local paths compared normalised)."""
+    return canonical(a) == canonical(b)

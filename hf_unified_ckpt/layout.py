@@ -17,9 +17,9 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .errors import CorruptCheckpointError, UnifiedCheckpointError
+from .store import as_ref, is_folder, join, listing, name_of, read_bytes, store_for
 from .storage.commit import CHECKPOINT_RE, STAGING_SUFFIX, list_checkpoints
 from .storage.manifest import MANIFEST_NAME, read_manifest
 from .storage.headers import read_safetensors_header
@@ -43,7 +43,7 @@ class Layout:
     checked by `verify`."""
 
     kind: str
-    path: Path
+    path: str  # a store reference
     complete: bool
     global_step: int | None = None
     reason: str = ""
@@ -60,88 +60,87 @@ class Layout:
 
 
 def detect_layout(path: str | os.PathLike) -> Layout:
-    path = Path(path)
-    if not path.is_dir():
+    path = as_ref(path)
+    entries = store_for(path).list(path)
+    if not entries and not is_folder(path):
         return Layout(UNKNOWN, path, False, reason=f"{path} is not a directory")
-    names = set(os.listdir(path))
+    names = set(entries)
     if MANIFEST_NAME in names:
-        return _unified(path)
-    if path.name.endswith(STAGING_SUFFIX) or any(n.startswith(_UNIFIED_ONLY) and n.endswith((".safetensors", ".json"))
-                                                 for n in names):
+        return _unified(path, entries)
+    if name_of(path).endswith(STAGING_SUFFIX) or any(n.startswith(_UNIFIED_ONLY) and n.endswith((".safetensors", ".json"))
+                                                     for n in names):
         return Layout(UNIFIED_INCOMPLETE, path, False, _step(path),
                       f"{MANIFEST_NAME} is missing: the save was interrupted before it was committed")
-    if any(n.startswith("global_step") and (path / n).is_dir() for n in names):
-        return _legacy(path, DEEPSPEED, _deepspeed_problem(path, names))
+    if any(n.startswith("global_step") and entries[n] is None for n in names):
+        return _legacy(path, DEEPSPEED, _deepspeed_problem(path, names), entries)
     if any(n.startswith(("pytorch_model_fsdp", "optimizer_0")) or n == "optimizer.bin" for n in names):
-        return _legacy(path, FSDP, None)
+        return _legacy(path, FSDP, None, entries)
     if TRAINER_STATE in names or names & set(_HF_WEIGHTS):
-        return _legacy(path, HF_TRAINER, _hf_problem(path, names))
+        return _legacy(path, HF_TRAINER, _hf_problem(path, names), entries)
     return Layout(UNKNOWN, path, False, _step(path),
                   f"no checkpoint files found (expected {MANIFEST_NAME}, {TRAINER_STATE}, model weights, "
                   f"global_step*/ or pytorch_model_fsdp*); found: {sorted(names)[:10]}")
 
 
-def _unified(path: Path) -> Layout:
+def _unified(path: str, entries: dict[str, int | None]) -> Layout:
     try:
         manifest = read_manifest(path)
     except (UnifiedCheckpointError, OSError) as e:
         return Layout(UNIFIED_INCOMPLETE, path, False, _step(path), f"manifest unusable: {e}")
-    missing = [n for n, rec in manifest["files"].items()
-               if not (path / n).is_file() or (path / n).stat().st_size != rec["size"]]
+    missing = [n for n, rec in manifest["files"].items() if entries.get(n) != rec["size"]]
     reason = (f"files missing or of the wrong size: {missing[:10]}{'...' if len(missing) > 10 else ''} (if it was "
               "saved by a job whose machines each had a local folder, the other machines hold them)") if missing else ""
     return Layout(UNIFIED, path, not missing, manifest.get("global_step"), reason, manifest,
                   trainer_state=TRAINER_STATE in manifest["files"])
 
 
-def _legacy(path: Path, kind: str, problem: str | None) -> Layout:
-    trainer_state = (path / TRAINER_STATE).is_file()
+def _legacy(path: str, kind: str, problem: str | None, entries: dict[str, int | None]) -> Layout:
+    trainer_state = entries.get(TRAINER_STATE) is not None
     if problem is None and not trainer_state:
-        if kind == DEEPSPEED and not path.name.startswith(CHECKPOINT_PREFIX):
-            return Layout(kind, path, True, _deepspeed_step(path), SAVE_MODEL_NOTE, trainer_state=False)
+        if kind == DEEPSPEED and not name_of(path).startswith(CHECKPOINT_PREFIX):
+            return Layout(kind, path, True, _deepspeed_step(path, entries), SAVE_MODEL_NOTE, trainer_state=False)
         problem = f"{TRAINER_STATE} is missing (the Trainer writes it last; the save did not finish)"
     return Layout(kind, path, problem is None, _step(path), problem or "", trainer_state=trainer_state)
 
 
-def _deepspeed_problem(path: Path, names: set[str]) -> str | None:
+def _deepspeed_problem(path: str, names: set[str]) -> str | None:
     for d in sorted(n for n in names if n.startswith("global_step")):
-        files = os.listdir(path / d)
+        files = listing(join(path, d))
         if any(f.endswith("optim_states.pt") for f in files) and any(f.endswith("model_states.pt") for f in files):
             return None
     return "no global_step*/ folder holds both *model_states.pt and *optim_states.pt"
 
 
-def _hf_problem(path: Path, names: set[str]) -> str | None:
+def _hf_problem(path: str, names: set[str]) -> str | None:
     weights = names & set(_HF_WEIGHTS)
     if not weights:
         return f"no model weights ({', '.join(_HF_WEIGHTS)})"
     for name in weights:
         if name.endswith(".safetensors"):
             try:
-                read_safetensors_header(path / name)
+                read_safetensors_header(join(path, name))
             except CorruptCheckpointError as e:
                 return str(e)
     return None
 
 
-def _deepspeed_step(path: Path) -> int | None:
+def _deepspeed_step(path: str, entries: dict[str, int | None]) -> int | None:
     """The N of the DeepSpeed tag `global_stepN` that the `latest` file names (else of the only `global_step*`
     folder); None for another tag."""
     try:
-        tag = (path / "latest").read_text().strip()
+        tag = read_bytes(join(path, "latest")).decode().strip()
     except (OSError, UnicodeDecodeError):
-        tags = [n for n in os.listdir(path) if _DEEPSPEED_TAG_RE.match(n) and (path / n).is_dir()]
+        tags = [n for n, size in entries.items() if _DEEPSPEED_TAG_RE.match(n) and size is None]
         tag = tags[0] if len(tags) == 1 else ""
     match = _DEEPSPEED_TAG_RE.match(tag)
     return int(match.group(1)) if match else None
 
 
-def _step(path: Path) -> int | None:
+def _step(path: str) -> int | None:
     try:
-        with open(path / TRAINER_STATE, encoding="utf-8") as f:
-            return int(json.load(f)["global_step"])
+        return int(json.loads(read_bytes(join(path, TRAINER_STATE)))["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        match = CHECKPOINT_RE.match(path.name.removeprefix(".").removesuffix(STAGING_SUFFIX))
+        match = CHECKPOINT_RE.match(name_of(path).removeprefix(".").removesuffix(STAGING_SUFFIX))
         return int(match.group(1)) if match else None
 
 

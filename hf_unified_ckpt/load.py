@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import ExitStack
-from pathlib import Path
 
 from . import dist
 from .components import MASTER, MODEL, OPTIMIZER, Role
@@ -18,13 +18,14 @@ from .storage.files import write_bytes
 from .storage.manifest import (MANIFEST_NAME, check_share, checksum_problems, chunks_of, describe_problems,
                                read_manifest)
 from .storage.safetensors_io import ComponentReader
+from .store import as_ref, join, store_for
 
 logger = logging.getLogger(__name__)
 
 _LOW_PRECISION = {"F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
-def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress: bool = False,
+def verify_checkpoint(folder: str | os.PathLike, checksums: bool = True, show_progress: bool = False,
                       placement: Placement | None = None) -> dict:
     """Check every file of the checkpoint (presence, size, checksum, headers, index names) before any tensor is
     read; each rank checks a share of the files and checksums a share of their byte ranges (`chunks_of`; with
@@ -33,7 +34,7 @@ def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress:
 
     Collective: all ranks must call it. Raises `CorruptCheckpointError` on every rank if any file is bad.
     """
-    folder = Path(folder)
+    folder = as_ref(folder)
     try:
         manifest, error = read_manifest(folder), None
     except Exception as e:  # the same on every rank (same files), but keep the collective below aligned
@@ -56,13 +57,13 @@ def verify_checkpoint(folder: str | Path, checksums: bool = True, show_progress:
     return manifest
 
 
-def fetch_small_files(folder: str | Path, manifest: dict, placement: Placement) -> Placement:
+def fetch_small_files(folder: str | os.PathLike, manifest: dict, placement: Placement) -> Placement:
     """Copy into this rank's folder (created if missing) every file of the checkpoint but the tensor files that it
     does not see (trainer state, scheduler, RNG states, configs, indexes; the manifest last), read from ranks that
     see them, so the Trainer's own resume code finds them. Returns the placement after the copy.
 
     Collective: all ranks must call it (the placement is the same on every rank)."""
-    folder = Path(folder)
+    folder = as_ref(folder)
     shards = {f for entry in manifest.get("components", {}).values() for f in entry["files"]}
     small = sorted((n for n in placement.holders if n not in shards), key=lambda n: (n == MANIFEST_NAME, n))
     if placement.held_by_all(small):
@@ -73,7 +74,7 @@ def fetch_small_files(folder: str | Path, manifest: dict, placement: Placement) 
         if wanted:
             _clear_unverified(folder, shards, manifest_here=placement.is_local(MANIFEST_NAME))
         for name in wanted:
-            write_bytes(folder / name, service.read_file(name))
+            write_bytes(join(folder, name), service.read_file(name))
     finally:
         service.close()
     if wanted and dist.local_rank() == 0:
@@ -81,16 +82,17 @@ def fetch_small_files(folder: str | Path, manifest: dict, placement: Placement) 
     return placement.with_everywhere(small)
 
 
-def _clear_unverified(folder: Path, shards: set[str], manifest_here: bool) -> None:
+def _clear_unverified(folder: str, shards: set[str], manifest_here: bool) -> None:
     """Make `folder` ready to receive the small files. Without a manifest, tensor files already there belong to
     no committed save (an interrupted one): remove them, so the folder never pairs them with this manifest."""
-    folder.mkdir(parents=True, exist_ok=True)
+    store = store_for(folder)
+    store.make_folder(folder)
     if not manifest_here:
         for name in shards:
-            (folder / name).unlink(missing_ok=True)
+            store.remove(join(folder, name))
 
 
-def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
+def load_checkpoint(folder: str | os.PathLike, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
                     load_optimizer: bool = True, placement: Placement | None = None) -> list[list[str]] | None:
     """Load model weights, master weights and (optionally) optimizer state from a verified unified checkpoint.
     Returns the parameter names of the saved optimizer's param groups (None without the optimizer), which the
@@ -101,11 +103,11 @@ def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, o
     on one rank is raised on every rank.
     """
     if placement is None or placement.everywhere:
-        return _load(Path(folder), engine, manifest, options, load_optimizer, None)
+        return _load(as_ref(folder), engine, manifest, options, load_optimizer, None)
     error, groups = None, None
     service = FileService(folder, placement)
     try:
-        groups = _load(Path(folder), engine, manifest, options, load_optimizer, service)
+        groups = _load(as_ref(folder), engine, manifest, options, load_optimizer, service)
     except Exception as e:  # shared below, so that no rank trains on after another failed
         error = e
     finally:
@@ -118,7 +120,7 @@ def load_checkpoint(folder: str | Path, engine: EngineAdapter, manifest: dict, o
     return groups
 
 
-def _load(folder: Path, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
+def _load(folder: str, engine: EngineAdapter, manifest: dict, options: UnifiedCheckpointOptions,
           load_optimizer: bool, remote: FileService | None) -> list[list[str]] | None:
     components = manifest.get("components", {})
     model_entry = components.get(MODEL.name)
@@ -148,7 +150,7 @@ def _load(folder: Path, engine: EngineAdapter, manifest: dict, options: UnifiedC
         return group_param_names(readers[OPTIMIZER.name].metadata) if OPTIMIZER.name in readers else None
 
 
-def _check_master_rebuild(folder: Path, manifest: dict, model: ComponentReader, engine, options) -> None:
+def _check_master_rebuild(folder: str, manifest: dict, model: ComponentReader, engine, options) -> None:
     """The folder has no master weights. Fine if its model weights are fp32; otherwise fp32 values are rebuilt
     from low precision: allowed by `master_weight_compatible` or a `remove_master_weight` save, said once."""
     if not getattr(engine, "needs_fp32_master", lambda: False)():

@@ -13,9 +13,9 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from . import dist
+from .store import as_ref, is_folder, listing
 from .layout import UNIFIED, UNKNOWN, Layout, detect_layout
 from .storage.commit import list_checkpoints
 from .storage.manifest import MANIFEST_NAME, describe_problems, size_problem
@@ -80,17 +80,16 @@ class Sighting:
     wrong_sizes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def of(cls, path: Path) -> tuple["Sighting", dict | None]:
+    def of(cls, path: str) -> tuple["Sighting", dict | None]:
         """The sighting and, for a unified folder, its manifest (which stays on this rank)."""
         layout = detect_layout(path)
         if layout.kind != UNIFIED:
             return cls(_portable(layout)), None
-        files = layout.manifest["files"]
+        files, sizes = layout.manifest["files"], listing(path)
         bits, wrong = bytearray((len(files) + 7) // 8), []
         for i, name in enumerate(sorted(files)):
-            try:
-                size = os.stat(path / name).st_size
-            except OSError:
+            size = sizes.get(name)
+            if size is None:
                 continue
             if size == files[name]["size"]:
                 bits[i // 8] |= 1 << (i % 8)
@@ -180,8 +179,8 @@ def _shown(items, sep: str) -> str:
 
 def judge_path(path: str | os.PathLike) -> Verdict:
     """Judge one path, each rank looking at its own copy of it. Collective: all ranks must call it."""
-    path = Path(path)
-    mine, manifest = Sighting.of(path) if path.is_dir() else (None, None)
+    path = as_ref(path)
+    mine, manifest = Sighting.of(path) if is_folder(path) else (None, None)
     everyone = dist.all_gather_object(mine)
     return judge(everyone, _reference_manifest(everyone, manifest))
 

@@ -260,9 +260,7 @@ class FilePlan:
     def header_bytes(self) -> bytes:
         """The file's first bytes: the header's length (8 bytes, little-endian) and the JSON header, padded with
         spaces to a multiple of 8 as safetensors pads it (so tensor data stays aligned)."""
-        raw = json.dumps(self.header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        return struct.pack("<Q", len(raw)) + raw
+        return header_bytes(self.header)
 
     @property
     def size(self) -> int:
@@ -315,6 +313,14 @@ def tiling(numel: int, held: list[tuple[int, int, int]]) -> Pieces | None:
             return None
         end += count
     return tuple((rank, first, count) for first, rank, count in parts) if numel and end == numel else None
+
+
+def header_bytes(header: dict) -> bytes:
+    """A safetensors file's first bytes for `header`: its length (8 bytes, little-endian) and the JSON, padded with
+    spaces to a multiple of 8 as safetensors pads it."""
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def safetensors_header(specs: list[TensorSpec]) -> tuple[dict, dict[str, tuple[int, int]]]:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Iterable
-from pathlib import Path
 
 from .layout import detect_layout
-from .storage.commit import DELETING_SUFFIX, list_checkpoints
+from .storage.commit import COMMIT_FILE, list_checkpoints
+from .store import canonical, store_for
 
 logger = logging.getLogger(__name__)
 
 
-def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, protect: Iterable[str | os.PathLike] = ()) -> list[Path]:
+def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, protect: Iterable[str | os.PathLike] = ()) -> list[str]:
     """Delete the oldest complete `checkpoint-N` folders beyond `limit`; return what was deleted.
 
     Only committed checkpoints count and only they are deleted: folders still being written are hidden staging
@@ -28,18 +27,17 @@ def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, protect: I
     complete = [path for _, path in list_checkpoints(run_dir) if detect_layout(path).committed]
     if not complete:
         return []
-    keep = {Path(p).resolve() for p in protect if p} | {complete[-1].resolve()}
+    keep = {canonical(p) for p in protect if p} | {canonical(complete[-1])}
     excess = len(complete) - limit
     deleted = []
     for path in complete:
         if excess <= 0:
             break
-        if path.resolve() in keep:
+        if canonical(path) in keep:
             continue
         logger.info("Deleting older checkpoint %s due to save_total_limit=%d", path, limit)
-        doomed = path.with_name(f".{path.name}{DELETING_SUFFIX}")  # hidden first: a kill mid-delete leaves no
-        os.rename(path, doomed)                                    # half-deleted checkpoint-N behind
-        shutil.rmtree(doomed, ignore_errors=True)
+        store_for(path).retire(path, COMMIT_FILE)  # a kill mid-delete leaves no half-deleted checkpoint-N behind
         deleted.append(path)
         excess -= 1
     return deleted
+

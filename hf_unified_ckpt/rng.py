@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from .store import as_ref, is_file, join, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -30,23 +33,24 @@ def _numpy_safe_globals():
         [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))])
 
 
-def restore_rng_state(folder: str | Path, rank: int, saved_world_size: int, world_size: int) -> str | None:
+def restore_rng_state(folder: str | os.PathLike, rank: int, saved_world_size: int, world_size: int) -> str | None:
     """Restore this rank's generators from the folder. Returns a description of what could not be restored
     exactly (when the world size changed or the rank's file is absent), for the caller to warn about once."""
-    folder = Path(folder)
-    own = folder / rng_file_name(rank)
-    if saved_world_size == 1 and not own.is_file() and (folder / "rng_state.pth").is_file():
-        own = folder / "rng_state.pth"  # the plain Trainer's name on one process
-    path = own if own.is_file() else folder / rng_file_name(0)
+    folder = as_ref(folder)
+    own = join(folder, rng_file_name(rank))
+    if saved_world_size == 1 and not is_file(own) and is_file(join(folder, "rng_state.pth")):
+        own = join(folder, "rng_state.pth")  # the plain Trainer's name on one process
+    own_found = is_file(own)
+    path = own if own_found else join(folder, rng_file_name(0))
     lost = None
-    if saved_world_size != world_size or not own.is_file():
+    if saved_world_size != world_size or not own_found:
         lost = (f"the checkpoint was saved by {saved_world_size} rank(s) and is resumed on {world_size}: per-rank "
                 f"random streams (dropout, sampling inside the model) cannot continue exactly; ranks without their "
                 f"own {rng_file_name(0).replace('0', '<rank>')} continue from rank 0's stream.")
-    if not path.is_file():
-        return f"{path.name} is missing: random generators were not restored."
+    if not is_file(path):
+        return f"{rng_file_name(0)} is missing: random generators were not restored."
     with _numpy_safe_globals():
-        state = torch.load(path, weights_only=True)
+        state = torch.load(io.BytesIO(read_bytes(path)), weights_only=True)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.random.set_rng_state(state["cpu"])

@@ -20,13 +20,11 @@ import dataclasses
 import logging
 import math
 import os
-import shutil
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -36,25 +34,27 @@ from .components import MASTER, Component, Role, component
 from .engines.base import EngineAdapter
 from .errors import UnifiedCheckpointError
 from .options import UnifiedCheckpointOptions
+from .persist import write_small_files
 from .planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
 from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
                              remove_writer_marks, sees_writer, staging_dir)
 from .storage.files import FileRecord, RangeRecord, combine_ranges, write_bytes
+from .store import as_ref, join, name_of, parent_of, store_for
 from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .storage.safetensors_io import index_name, write_index
 from .storage.writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
 logger = logging.getLogger(__name__)
 
-#: Writes this rank's non-tensor files (RNG, and on rank 0 trainer state, scheduler, tokenizer...) into a folder.
-ExtrasWriter = Callable[[Path], list[FileRecord]]
+#: This rank's non-tensor files (RNG, and on rank 0 trainer state, scheduler, configs, tokenizer...): name -> bytes.
+SmallFiles = Mapping[str, bytes]
 
 
 @dataclass(frozen=True)
 class SaveRequest:
     """Where and what to save."""
 
-    final_dir: Path
+    final_dir: str | os.PathLike  # a store reference (`store.base`): a local path or a URL
     global_step: int
     options: UnifiedCheckpointOptions
     include_optimizer: bool = True
@@ -156,20 +156,20 @@ def residual_census(engine: EngineAdapter) -> tuple[dict[str, int], dict[str, di
     return {name: sum(ranks.values()) for name, ranks in ok.items()}, ok
 
 
-def save_checkpoint(engine: EngineAdapter, request: SaveRequest, write_extras: ExtrasWriter,
-                    after_commit: Callable[[], None] | None = None) -> Path:
+def save_checkpoint(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles,
+                    after_commit: Callable[[], None] | None = None) -> str:
     """Write and commit one unified checkpoint at `request.final_dir`; then each folder's leader runs
     `after_commit` (rotation).
 
     Collective: all ranks must call it. Returns the committed folder; raises `UnifiedCheckpointError` on every
     rank if any rank failed, leaving no `checkpoint-N` behind (an existing complete one stays untouched).
     """
-    staging = open_staging(Path(request.final_dir))
-    plan = plan_save(engine, request, shared=staging.shared)
+    staging = open_staging(as_ref(request.final_dir))
+    plan = plan_save(engine, request, shared=staging.in_place)
     show = request.show_progress and dist.rank() == 0
     outcome = guarded(lambda: _write_share(engine, plan.writer, plan.files, staging.path,
-                                           f"Saving {request.final_dir.name}", show,
-                                           meanwhile=lambda: write_extras(staging.path)))
+                                           f"Saving {name_of(staging.final)}", show,
+                                           meanwhile=lambda: write_small_files(staging.path, small_files)))
     raise_if_failed(conclude(plan, staging, request, outcome, after_commit=after_commit), staging)
     return staging.final
 
@@ -179,8 +179,8 @@ class Staging:
     """This rank's staging folder, and who commits it. With one folder every rank sees (`shared`), rank 0
     commits it; with folders local to each machine, the lowest rank that sees a folder is its `leader`."""
 
-    path: Path
-    final: Path
+    path: str
+    final: str
     leader: int
     shared: bool
 
@@ -188,8 +188,14 @@ class Staging:
     def is_leader(self) -> bool:
         return self.leader == dist.rank()
 
+    @property
+    def in_place(self) -> bool:
+        """Whether ranks write their pieces of shared files in place: every rank sees the folder and its store
+        writes at offsets (else each file is written whole, in order, by one rank)."""
+        return self.shared and store_for(self.path).capabilities.positional_writes
 
-def open_staging(final: Path) -> Staging:
+
+def open_staging(final: str) -> Staging:
     """Create the staging folder of `final`: rank 0 creates it (and removes what interrupted saves left); every
     rank that does not see it (its machine has a local folder) creates and joins its own. A failure (read-only or
     full disk) is raised on every rank before anything is written. Collective: all ranks must call it."""
@@ -197,13 +203,13 @@ def open_staging(final: Path) -> Staging:
     attempt = status = None
     if dist.rank() == 0:
         attempt = uuid.uuid4().hex
-        status = guarded(lambda: (remove_stale(final.parent, keep=path), prepare_staging(path),
+        status = guarded(lambda: (remove_stale(parent_of(final), keep=path), prepare_staging(path),
                                   mark_writer(path, 0, attempt)))
     status, attempt = dist.broadcast_object((status, attempt))
     creator = Staging(path, final, 0, True)
     raise_if_failed([status], creator)
     sees_rank0 = sees_writer(path, 0, attempt)
-    joined = (True, None) if sees_rank0 else guarded(lambda: (remove_stale(final.parent, keep=path),
+    joined = (True, None) if sees_rank0 else guarded(lambda: (remove_stale(parent_of(final), keep=path),
                                                               join_staging(path, attempt),
                                                               mark_writer(path, dist.rank(), attempt)))
     reports = dist.all_gather_object((joined, sees_rank0))
@@ -251,8 +257,8 @@ def raise_if_failed(reports, staging: Staging) -> None:
     failures = [payload for ok, payload in reports if not ok]
     if not failures:
         return
-    if staging.is_leader and staging.path.exists():
-        shutil.rmtree(staging.path, ignore_errors=True)
+    if staging.is_leader:
+        discard(staging.path)
     raise UnifiedCheckpointError(
         f"saving {staging.final} failed; nothing was committed (where machines have their own folders, one that did "
         "commit holds part of a checkpoint, which resuming skips) and earlier checkpoints are untouched.\n"
@@ -272,7 +278,7 @@ def assembled_files(engine: EngineAdapter, writer: StorageWriter, files: list[Fi
             yield file
 
 
-def _write_share(engine: EngineAdapter, writer: StorageWriter, files: list[FilePlan], staging: Path, desc: str,
+def _write_share(engine: EngineAdapter, writer: StorageWriter, files: list[FilePlan], staging: str, desc: str,
                  show: bool, meanwhile: Callable[[], list[FileRecord]] | None = None) -> list[FileRecord | RangeRecord]:
     """Write this rank's files (or parts of files) as the save loop yields them, in a writer thread, so writing
     one file overlaps assembling the next; once the loop is done, run `meanwhile` (the small files: their fsyncs
@@ -312,8 +318,9 @@ def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest,
     write_manifest(staging.path, manifest)
     if staging.shared:
         return {}
-    small = [n for n in os.listdir(staging.path) if n not in shards and not n.startswith(WRITER_MARK)]
-    return {n: (staging.path / n).read_bytes() for n in small}
+    store = store_for(staging.path)
+    small = [n for n in store.list(staging.path) if n not in shards and not n.startswith(WRITER_MARK)]
+    return {n: store.read(join(staging.path, n)) for n in small}
 
 
 def _commit_folder(staging: Staging, small_files: dict[str, bytes]) -> None:
@@ -321,23 +328,32 @@ def _commit_folder(staging: Staging, small_files: dict[str, bytes]) -> None:
     commit it."""
     if staging.leader != 0:
         for name in sorted(small_files, key=lambda n: n == MANIFEST_NAME):
-            write_bytes(staging.path / name, small_files[name])
+            write_bytes(join(staging.path, name), small_files[name])
     remove_writer_marks(staging.path)
     commit(staging.path, staging.final)
     logger.info("Saved unified checkpoint %s", staging.final)
 
 
-def save_model_weights(engine: EngineAdapter, folder: Path, max_shard_size: int, write_extras: ExtrasWriter,
+def discard(staging: str) -> None:
+    """Remove what a failed save wrote (where the manifest is the commit, the staging folder is the checkpoint's
+    own: its manifest, if any, goes first)."""
+    store = store_for(staging)
+    if store.is_folder(staging):
+        store.retire(staging, MANIFEST_NAME)
+
+
+def save_model_weights(engine: EngineAdapter, folder: str | os.PathLike, max_shard_size: int, small_files: SmallFiles,
                        show_progress: bool = True) -> None:
     """Write what `from_pretrained(folder)` loads — the model weights (sharded above `max_shard_size`, with their
-    index) and, through `write_extras` on rank 0, configs and tokenizer — into `folder`, which may already hold
-    other files (a run's output_dir): each tensor is assembled on rank 0 and written into a staging subfolder,
-    then the files are moved in, replacing the model files of an earlier save. Nothing else is touched.
+    index) and, on rank 0, `small_files` (configs, tokenizer, training args) — into `folder`, which may already
+    hold other files (a run's output_dir): each tensor is assembled on rank 0 and written into a staging
+    subfolder, then the files are moved in, replacing the model files of an earlier save. Nothing else is touched.
 
     Collective: all ranks must call it; a failure on any rank is raised on every rank."""
+    folder = as_ref(folder)
     weights = next(c for c in engine.components() if c.role is Role.WEIGHTS)
     plan = plan_component(weights.name, engine.specs(weights.name), 1, max_shard_size, file_stem=weights.file_stem)
-    staging = Staging(folder / f".{plan.file_stem}.incomplete", folder, 0, shared=True)
+    staging = Staging(join(folder, f".{plan.file_stem}.incomplete"), folder, 0, shared=True)
     status = guarded(lambda: prepare_staging(staging.path)) if dist.rank() == 0 else (True, None)
     raise_if_failed([dist.broadcast_object(status)], staging)
 
@@ -347,19 +363,20 @@ def save_model_weights(engine: EngineAdapter, folder: Path, max_shard_size: int,
         if dist.rank() == 0:
             if plan.is_sharded:
                 write_index(staging.path, plan.file_stem, plan.weight_map, plan.total_size)
-            write_extras(staging.path)
+            write_small_files(staging.path, small_files)
             _move_model_files_in(staging.path, folder, plan.file_stem)
 
     raise_if_failed(dist.all_gather_object(guarded(write)), staging)
     logger.info("Saved the model weights to %s", folder)
 
 
-def _move_model_files_in(staging: Path, folder: Path, stem: str) -> None:
+def _move_model_files_in(staging: str, folder: str, stem: str) -> None:
     """Replace `folder`'s `<stem>*.safetensors` files and index by the ones in `staging`, then add the rest."""
-    new = set(os.listdir(staging))
-    for old in folder.glob(f"{stem}*.safetensors*"):
-        if old.name not in new and old.is_file():
-            old.unlink()
+    store = store_for(folder)
+    new = set(store.list(staging))
+    for old, size in store.list(folder).items():
+        if old.startswith(stem) and ".safetensors" in old[len(stem):] and old not in new and size is not None:
+            store.remove(join(folder, old))
     for name in sorted(new):
-        os.replace(staging / name, folder / name)
-    staging.rmdir()
+        store.move(join(staging, name), join(folder, name))
+    store.remove(staging)

@@ -567,17 +567,17 @@ def slow_snapshot(seconds: float):
     change the weights or optimizer state first, and the resume from that checkpoint would not be exact."""
     from hf_unified_ckpt.async_save import AsyncSaver
 
-    original = AsyncSaver._snapshot
+    original = AsyncSaver.stage
 
     def late(self, *args):
         time.sleep(seconds)
         return original(self, *args)
 
-    AsyncSaver._snapshot = late
+    AsyncSaver.stage = late
     try:
         yield
     finally:
-        AsyncSaver._snapshot = original
+        AsyncSaver.stage = original
 
 
 @contextlib.contextmanager

@@ -9,8 +9,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_unified_ckpt.async_save as async_save  # noqa: E402
 import hf_unified_ckpt.integration as integration  # noqa: E402
-import hf_unified_ckpt.retention as retention  # noqa: E402
 import hf_unified_ckpt.save as save  # noqa: E402
+import hf_unified_ckpt.store.local as local_store  # noqa: E402
 import hf_unified_ckpt.storage.writer as writer  # noqa: E402
 from _runs import train  # noqa: E402
 
@@ -77,12 +77,12 @@ POINTS = {
     "between-shards": lambda: setattr(writer, "write_ranges", during_second_save(writer.write_ranges, 3)),
     "mid-file": lambda: setattr(writer, "write_ranges", during_second_save(writer.write_ranges, 2,
                                                                             before=half_file_then_die)),
-    "before-extras": lambda: setattr(integration, "_move_in", during_second_save(integration._move_in)),
+    "before-extras": lambda: setattr(save, "write_small_files", during_second_save(save.write_small_files)),
     "before-index": lambda: setattr(save, "write_index", during_second_save(save.write_index, 1)),
     "between-indexes": lambda: setattr(save, "write_index", during_second_save(save.write_index, 2)),
     "before-manifest": lambda: setattr(save, "write_manifest", during_second_save(save.write_manifest)),
     "before-rename": lambda: setattr(save, "commit", during_second_save(save.commit)),
-    "during-rotation": lambda: setattr(retention.shutil, "rmtree", rotation_killer(retention.shutil.rmtree)),
+    "during-rotation": lambda: setattr(local_store.shutil, "rmtree", rotation_killer(local_store.shutil.rmtree)),
 }
 
 

@@ -33,7 +33,7 @@ def golden_checkpoint(tmp_path):
     model, opt = _fixed_model_and_optimizer()
     final = tmp_path / "checkpoint-7"
     options = UnifiedCheckpointOptions(enabled=True, max_shard_size=200)
-    save_checkpoint(ReplicatedEngine(model, opt), SaveRequest(final, 7, options, show_progress=False), lambda f: [])
+    save_checkpoint(ReplicatedEngine(model, opt), SaveRequest(final, 7, options, show_progress=False), {})
     return final
 
 
@@ -99,7 +99,7 @@ def test_saving_twice_gives_identical_bytes(tmp_path, golden_checkpoint):
     again = tmp_path / "again" / "checkpoint-7"
     save_checkpoint(ReplicatedEngine(model, opt),
                     SaveRequest(again, 7, UnifiedCheckpointOptions(enabled=True, max_shard_size=200), show_progress=False),
-                    lambda f: [])
+                    {})
     assert (again / "unified_checkpoint.json").read_bytes() == (golden_checkpoint / "unified_checkpoint.json").read_bytes()
 
 
@@ -249,7 +249,7 @@ def test_direct_io_streams_the_same_bytes_through_a_reused_bounce_buffer(tmp_pat
     import os
     import zlib
 
-    from hf_unified_ckpt.storage import direct
+    from hf_unified_ckpt.store import direct
 
     data = os.urandom(3 * 8192 + 77)
     bounds = ((0, 13), (13, 9000), (9000, 9001), (9001, len(data)))

@@ -1,5 +1,6 @@
 """Layout detection from file names, JSON and safetensors headers alone; lazy slice reads."""
 
+import os
 import json
 
 import pytest
@@ -70,7 +71,7 @@ def test_newest_complete_skips_incomplete_and_hidden(tmp_path):
     _touch(tmp_path / "checkpoint-10", "model.safetensors", state_step=10)
     _touch(tmp_path / "checkpoint-12", "model.safetensors")  # no trainer_state.json
     _touch(tmp_path / ".checkpoint-14.incomplete", "model.safetensors", state_step=14)
-    assert newest_complete(tmp_path).path.name == "checkpoint-10"  # numeric, not lexical, order
+    assert os.path.basename(newest_complete(tmp_path).path) == "checkpoint-10"  # numeric, not lexical, order
 
 
 def test_component_reader_reads_slices_lazily(tmp_path):

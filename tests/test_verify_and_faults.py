@@ -155,7 +155,7 @@ def _saved_layers(tmp_path, layers: int, width: int = 2):
 
     model = nn.Sequential(*(nn.Linear(2, width) for _ in range(layers)))
     request = SaveRequest(tmp_path / "checkpoint-1", 1, UnifiedCheckpointOptions(enabled=True), show_progress=False)
-    save_checkpoint(ReplicatedEngine(model, torch.optim.SGD(model.parameters(), lr=0.1)), request, lambda f: [])
+    save_checkpoint(ReplicatedEngine(model, torch.optim.SGD(model.parameters(), lr=0.1)), request, {})
     return sio.ComponentReader(tmp_path / "checkpoint-1", "model")
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from .. import dist
 from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
-from ..hf_model import naming_policy, write_model_configs
+from ..hf_model import naming_policy, model_config_files
 from ..names import optimizer_key, split_optimizer_key
 from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_scalar
 from ..planning import TensorSpec
@@ -421,8 +421,8 @@ class DeepSpeedEngine:
             return Fragment(tuple(p.shape), 0, torch.empty(0, dtype=torch.float32))
         return Fragment(tuple(p.shape), mapping.lp_fragment_address.start, mapping.get_hp_fragment(key).reshape(-1))
 
-    def write_configs(self, folder) -> None:
-        write_model_configs(self.module, folder)
+    def config_files(self) -> dict[str, bytes]:
+        return model_config_files(self.module)
 
     def parameter_fragments(self) -> dict:
         """This rank's fp32 fragment (ZeRO-1/2) or partition (ZeRO-3) of every trainable parameter, as

@@ -21,7 +21,7 @@ from torch import nn
 from .. import dist
 from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
-from ..hf_model import naming_policy, write_model_configs
+from ..hf_model import naming_policy, model_config_files
 from ..names import optimizer_key, split_optimizer_key
 from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder
 from ..planning import TensorSpec
@@ -267,8 +267,8 @@ class FSDPEngine:
                 out[self.naming.weight_key(name) or self.naming.stored_key(name)] = row_fragment(p)
         return out
 
-    def write_configs(self, folder) -> None:
-        write_model_configs(_unwrap(self.model), folder)
+    def config_files(self) -> dict[str, bytes]:
+        return model_config_files(_unwrap(self.model))
 
     # ---- load: each rank reads the slices its shards cover ------------------------------------------------
     def load(self, sources) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from .. import dist
 from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first, missing_and_unexpected
-from ..hf_model import is_peft_model, model_state_for_save, naming_policy, parameter_names, write_model_configs
+from ..hf_model import is_peft_model, model_state_for_save, naming_policy, parameter_names, model_config_files
 from ..optim_state import flatten_optimizer_state, unflatten_optimizer_state
 from ..planning import TensorSpec
 from ..storage.safetensors_io import ComponentReader
@@ -90,8 +90,8 @@ class ReplicatedEngine:
                                                                           replicated=True)
                 for n, p in self.module.named_parameters() if p.requires_grad}
 
-    def write_configs(self, folder) -> None:
-        write_model_configs(self.module, folder)
+    def config_files(self) -> dict[str, bytes]:
+        return model_config_files(self.module)
 
     # ---- load -------------------------------------------------------------------------------------------
     def load(self, sources) -> None:

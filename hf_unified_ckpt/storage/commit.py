@@ -1,8 +1,9 @@
-"""Atomic commit and checkpoint-folder bookkeeping: staging, rename, newest complete, rotation.
+"""Atomic commit and checkpoint-folder bookkeeping: staging, publishing, listing, stale folders, through the store.
 
-A checkpoint is written into a hidden staging folder `.checkpoint-N.incomplete` next to its final place; its
-manifest is written last inside it, then the folder is renamed to `checkpoint-N`. A job killed at any instant
-leaves either no `checkpoint-N` or a complete one. When machines have their own local folders, each machine
+Where the store renames atomically (`LocalStore`), a checkpoint is written into a hidden staging folder
+`.checkpoint-N.incomplete` next to its final place; its manifest is written last inside it, then the folder is
+renamed to `checkpoint-N`. Elsewhere it is written in place and its manifest, written last, commits it. Either
+way a job killed at any instant leaves no `checkpoint-N` that a reader takes for complete. When machines have their own local folders, each machine
 has its own staging folder; `.writer-<rank>` marks tell which ranks share one.
 """
 
@@ -11,108 +12,97 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
-from pathlib import Path
 
-from .files import fsync_dir
+from ..store import as_ref, join, name_of, store_for
+from ..store.local import DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-STAGING_SUFFIX = ".incomplete"
-SUPERSEDED_SUFFIX = ".superseded"
-DELETING_SUFFIX = ".deleting"
 WRITER_MARK = ".writer-"
+#: The file whose presence commits a checkpoint (`storage.manifest.MANIFEST_NAME`; named here, which imports less).
+COMMIT_FILE = "unified_checkpoint.json"
 
 
-def staging_dir(final: str | os.PathLike) -> Path:
-    final = Path(final)
-    return final.with_name(f".{final.name}{STAGING_SUFFIX}")
+def staging_dir(final: str | os.PathLike) -> str:
+    """Where a save of `final` is written: a hidden sibling renamed into place where the store renames atomically,
+    else `final` itself (its manifest, written last, commits it)."""
+    return store_for(final).stage(as_ref(final))
 
 
-def prepare_staging(staging: Path) -> None:
-    """Create an empty staging folder, removing what an interrupted earlier attempt left there."""
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+def prepare_staging(staging: str | os.PathLike) -> None:
+    """Create an empty staging folder, removing what an interrupted earlier attempt left there (an earlier
+    checkpoint written in place: its manifest first)."""
+    staging = as_ref(staging)
+    store = store_for(staging)
+    if store.is_folder(staging):
+        store.retire(staging, COMMIT_FILE)
+    store.make_folder(staging)
 
 
-def join_staging(staging: Path, attempt: str) -> None:
+def join_staging(staging: str | os.PathLike, attempt: str) -> None:
     """Create `staging` if it is missing and empty it of what an interrupted earlier attempt left, keeping the
     writer marks of save `attempt`. Safe when several processes run it at once on the same folder (the ranks of
     one machine, or machines sharing a folder that rank 0 does not see)."""
-    staging.mkdir(parents=True, exist_ok=True)
-    for entry in os.listdir(staging):
-        path = staging / entry
-        if _mark_attempt(path) == attempt:
-            continue
-        try:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        except FileNotFoundError:  # another process removed it first
-            pass
+    staging = as_ref(staging)
+    store = store_for(staging)
+    store.make_folder(staging)
+    entries = store.list(staging)
+    for entry in sorted(entries, key=lambda n: n != COMMIT_FILE):  # an earlier commit file first
+        if _mark_attempt(join(staging, entry)) != attempt:
+            store.remove(join(staging, entry))
 
 
-def mark_writer(staging: Path, rank: int, attempt: str) -> None:
+def mark_writer(staging: str | os.PathLike, rank: int, attempt: str) -> None:
     """Leave the mark that `rank` writes into this folder for save `attempt`."""
-    (staging / f"{WRITER_MARK}{rank}").write_text(attempt)
+    store_for(staging).put(join(staging, f"{WRITER_MARK}{rank}"), attempt.encode())
 
 
-def sees_writer(staging: Path, rank: int, attempt: str) -> bool:
+def sees_writer(staging: str | os.PathLike, rank: int, attempt: str) -> bool:
     """Whether this process sees `rank`'s mark for save `attempt` in `staging` (opened directly, not listed: a
     network filesystem may list a directory from a stale cache)."""
-    return _mark_attempt(staging / f"{WRITER_MARK}{rank}") == attempt
+    return _mark_attempt(join(staging, f"{WRITER_MARK}{rank}")) == attempt
 
 
-def remove_writer_marks(staging: Path) -> None:
-    for entry in os.listdir(staging):
+def remove_writer_marks(staging: str | os.PathLike) -> None:
+    store = store_for(staging)
+    for entry in store.list(as_ref(staging)):
         if entry.startswith(WRITER_MARK):
-            (staging / entry).unlink(missing_ok=True)
+            store.remove(join(staging, entry))
 
 
-def _mark_attempt(path: Path) -> str | None:
-    if not path.name.startswith(WRITER_MARK):
+def _mark_attempt(ref: str) -> str | None:
+    if not name_of(ref).startswith(WRITER_MARK):
         return None
     try:
-        return path.read_text()
-    except OSError:
+        return store_for(ref).read(ref).decode()
+    except (OSError, UnicodeDecodeError):
         return None
 
 
-def commit(staging: Path, final: Path) -> None:
-    """Move a fully written staging folder (manifest included) into place as `final`, durably."""
-    aside = final.with_name(f".{final.name}{SUPERSEDED_SUFFIX}")
-    if aside.exists():
-        shutil.rmtree(aside)
-    if final.exists():
-        logger.warning("Replacing the existing %s with the checkpoint just written for the same step.", final)
-        os.rename(final, aside)
-    os.rename(staging, final)
-    fsync_dir(final.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
+def commit(staging: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Make a fully written staging folder (manifest included) the checkpoint `final`, durably."""
+    store_for(final).publish(as_ref(staging), as_ref(final))
 
 
-def remove_stale(run_dir: str | os.PathLike, keep: Path | None = None) -> list[Path]:
+def remove_stale(run_dir: str | os.PathLike, keep: str | os.PathLike | None = None) -> list[str]:
     """Remove staging/superseded/deleting folders that interrupted saves or rotations left behind (no save in
     flight), except `keep`."""
-    removed = []
-    for path in Path(run_dir).glob(".checkpoint-*"):
-        if path == keep:
-            continue
-        if path.is_dir() and path.name.endswith((STAGING_SUFFIX, SUPERSEDED_SUFFIX, DELETING_SUFFIX)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+    store, removed = store_for(run_dir), []
+    keep = name_of(keep) if keep is not None else None
+    for name, size in store.list(as_ref(run_dir)).items():
+        if (name.startswith(".checkpoint-") and name != keep and size is None
+                and name.endswith((STAGING_SUFFIX, SUPERSEDED_SUFFIX, DELETING_SUFFIX))):
+            store.remove(join(run_dir, name))
+            removed.append(join(run_dir, name))
     return removed
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, str]]:
     """`checkpoint-N` folders of `run_dir`, oldest step first."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
     found = []
-    for path in run_dir.iterdir():
-        match = CHECKPOINT_RE.match(path.name)
-        if match and path.is_dir():
-            found.append((int(match.group(1)), path))
+    for name, size in store_for(run_dir).list(as_ref(run_dir)).items():
+        match = CHECKPOINT_RE.match(name)
+        if match and size is None:
+            found.append((int(match.group(1)), join(run_dir, name)))
     return sorted(found)

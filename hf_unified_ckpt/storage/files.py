@@ -1,20 +1,18 @@
-"""Durable file primitives: fsync, checksums, atomic JSON, and the plain-file-name rule."""
+"""File records and checksums of a checkpoint (CRC-32 combination of ranges), small files and JSON written and read
+through the store (`..store`), and the plain-file-name rule."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-
 from ..errors import CorruptCheckpointError
+from ..store import as_ref, name_of, store_for
 from .checksum import crc32
 
 CHECKSUM_ALGORITHM = "crc32"
-_CHUNK = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -70,15 +68,6 @@ def check_plain_name(name: str, where: str) -> str:
     return name
 
 
-def file_crc32(path: str | os.PathLike) -> str:
-    """CRC-32 of a file's bytes, as 8 lowercase hex digits."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            crc = crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks): crc(A)
     shifted over len(B) zero bytes, XOR crc(B). The shift is a product of GF(2) 32x32 matrices, one per set bit of
@@ -114,62 +103,58 @@ def _zeros_operator(k: int) -> tuple[int, ...]:
     return tuple(_gf2_times(half, half[n]) for n in range(32))
 
 
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """`os.pwrite` until every byte of `data` is written at `offset` (a write may be short)."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
+def record_of(ref: str | os.PathLike) -> FileRecord:
+    """Make a written file durable and return its manifest record (size and CRC-32 read back through its store)."""
+    ref = as_ref(ref)
+    store = store_for(ref)
+    store.sync(ref)
+    size = store.size(ref)
+    if size is None:
+        raise FileNotFoundError(f"{ref} was not written")
+    return FileRecord(name_of(ref), size, f"{store.crc32(ref, 0, size):08x}")
 
 
-def fsync_file(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
+record_file = record_of
+
+
+def put_file(ref: str | os.PathLike, data: bytes) -> FileRecord:
+    """Write small file `ref` durably and atomically through its store; return its record (from `data`)."""
+    store_for(ref).put(as_ref(ref), data)
+    return FileRecord(name_of(ref), len(data), f"{crc32(data):08x}")
+
+
+def write_bytes(ref: str | os.PathLike, data: bytes) -> None:
+    """Write small file `ref` durably and atomically (several processes may write the same file at once: the last
+    write wins)."""
+    put_file(ref, data)
+
+
+def json_bytes(obj) -> bytes:
+    """The bytes every JSON file of a checkpoint is written as (indented, keys sorted, newline-terminated)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def write_json(ref: str | os.PathLike, obj) -> FileRecord:
+    """Write JSON durably and atomically; return its record."""
+    return put_file(ref, json_bytes(obj))
+
+
+def read_json(ref: str | os.PathLike, what: str):
+    """Read a JSON file, turning any failure into a `CorruptCheckpointError` that names the file
+    (FileNotFoundError when it is missing)."""
+    ref = as_ref(ref)
+    data = store_for(ref).read(ref)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{what} {ref!r} is not valid JSON ({e}); the file is corrupt.") from e
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Persist a directory's entries (a rename or a new file in it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def record_file(path: str | os.PathLike) -> FileRecord:
-    """fsync a written file and return its manifest record."""
-    path = Path(path)
-    fsync_file(path)
-    return FileRecord(path.name, path.stat().st_size, file_crc32(path))
-
-
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` durably through a temporary file and an atomic rename (several processes may write the same
-    file at once: each uses its own temporary name, and the last rename wins)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json(path: str | os.PathLike, obj) -> FileRecord:
-    """Write JSON durably through a temporary file and an atomic rename; return its record."""
-    path = Path(path)
-    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-    return FileRecord(path.name, path.stat().st_size, file_crc32(path))
-
-
-def read_json(path: str | os.PathLike, what: str):
-    """Read a JSON file, turning any failure into a `CorruptCheckpointError` that names the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{what} {str(path)!r} is not valid JSON ({e}); the file is corrupt.") from e
+def file_crc32(ref: str | os.PathLike) -> str:
+    """CRC-32 of a file's bytes, as 8 lowercase hex digits (read through its store)."""
+    ref = as_ref(ref)
+    store = store_for(ref)
+    size = store.size(ref)
+    if size is None:
+        raise FileNotFoundError(f"no such file: {ref}")
+    return f"{store.crc32(ref, 0, size):08x}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from pathlib import Path
 
 from ..errors import CorruptCheckpointError
 
@@ -26,24 +25,30 @@ def safetensors_dtype(dtype) -> str:
     return _SAFETENSORS_NAMES[str(dtype).removeprefix("torch.")]
 
 
-def read_safetensors_header(path: str | os.PathLike) -> dict:
-    """Read a safetensors file's JSON header without touching tensor data; raise if it is malformed."""
-    path = Path(path)
+def read_safetensors_header(ref: str | os.PathLike) -> dict:
+    """Read a safetensors file's JSON header (two ranged reads through its store, no tensor data); raise if it is
+    malformed, or if the file is shorter than its header says."""
+    from ..store import as_ref, store_for  # here: the store package reads headers with this module's names
+
+    ref = as_ref(ref)
+    store = store_for(ref)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError("file shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER:
-                raise ValueError(f"header length {n} is implausible")
-            header = json.loads(f.read(n))
+        size = store.size(ref)
+        if size is None:
+            raise FileNotFoundError(f"no such file: {ref}")
+        raw = store.read(ref, 0, 8)
+        if len(raw) != 8:
+            raise ValueError("file shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER:
+            raise ValueError(f"header length {n} is implausible")
+        header = json.loads(store.read(ref, 8, n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end > path.stat().st_size:
-            raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {path.stat().st_size}")
+        if 8 + n + end > size:
+            raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {size}")
         return header
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise CorruptCheckpointError(f"safetensors file {str(path)!r} is truncated or malformed: {e}.") from e
+        raise CorruptCheckpointError(f"safetensors file {ref!r} is truncated or malformed: {e}.") from e
 
 
 def tensor_specs(header: dict) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -6,21 +6,20 @@ every file it lists is present with the recorded size (and checksum, when checke
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .checksum import crc32
+from .commit import COMMIT_FILE
+from ..store import as_ref, join, name_of, store_for
 from .files import (CHECKSUM_ALGORITHM, FileRecord, RangeRecord, check_plain_name, combine_ranges, read_json,
                     write_json)
 from .headers import read_safetensors_header
 
-MANIFEST_NAME = "unified_checkpoint.json"
+MANIFEST_NAME = COMMIT_FILE
 FORMAT_NAME = "hf-unified-checkpoint"
 FORMAT_VERSION = 1
 #: Version 2 = version 1 + codecs: written only when a component is stored through a codec (O1/O2 optimizer
@@ -77,12 +76,12 @@ def build_manifest(global_step: int, saved_by: Mapping, options: Mapping,
 
 def write_manifest(folder: str | os.PathLike, manifest: Mapping) -> FileRecord:
     """Write the manifest (durably, atomically). Call it last: its presence commits the folder."""
-    return write_json(Path(folder) / MANIFEST_NAME, manifest)
+    return write_json(join(folder, MANIFEST_NAME), manifest)
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:
     """Read and validate the manifest's structure; raise a named error for an unknown version or bad names."""
-    path = Path(folder) / MANIFEST_NAME
+    path = join(folder, MANIFEST_NAME)
     manifest = read_json(path, "manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(
@@ -144,15 +143,16 @@ def check_share(folder: str | os.PathLike, table: Mapping, names: Iterable[str],
     """One process's share of a verification: the size, header and index checks of `names`, and the CRC-32 of
     each range in `chunks` (of files whose size is the recorded one), on a pool of threads (CRC-32 and reads
     release the GIL). Returns the problems and the range records (`checksum_problems` combines everyone's)."""
-    folder = Path(folder)
+    folder = as_ref(folder)
+    store = store_for(folder)
     tasks = [("file", n) for n in names] + [("chunk", c) for c in chunks]
     with ThreadPoolExecutor(max_workers=_verify_threads()) as pool:
-        results = pool.map(lambda t: _check_file(folder, t[1], table) if t[0] == "file" else
-                           _checksum(folder, t[1], table[t[1].name]["size"]), tasks)
+        results = pool.map(lambda t: _check_file(store, folder, t[1], table) if t[0] == "file" else
+                           _checksum(store, folder, t[1], table[t[1].name]["size"]), tasks)
         if show_progress:
             from tqdm.auto import tqdm  # here: tqdm.auto takes a tenth of the command line's start-up
 
-            results = tqdm(results, total=len(tasks), desc=f"Verifying {folder.name}", unit="part")
+            results = tqdm(results, total=len(tasks), desc=f"Verifying {name_of(folder)}", unit="part")
         done = list(results)
     problems = [p for (kind, _), found in zip(tasks, done) if kind == "file" for p in found]
     records = [r for (kind, _), r in zip(tasks, done) if kind == "chunk" and r is not None]
@@ -182,34 +182,19 @@ def _verify_threads() -> int:
     return max(1, min(8, per_process))
 
 
-def _check_file(folder: Path, name: str, table: Mapping) -> list[str]:
-    path = folder / name
-    problem = size_problem(name, path.stat().st_size if path.is_file() else None, table[name]["size"])
-    return [problem] if problem else _check_content(path, table)
+def _check_file(store, folder: str, name: str, table: Mapping) -> list[str]:
+    ref = join(folder, name)
+    problem = size_problem(name, store.size(ref), table[name]["size"])
+    return [problem] if problem else _check_content(ref, table)
 
 
-def _checksum(folder: Path, chunk: Chunk, size: int) -> RangeRecord | None:
-    """The CRC-32 of one range, None when the file is missing or not of its recorded `size`. The range is mapped,
-    not read: CRC-32 runs on the page cache's bytes without a copy (a third faster than `pread` here)."""
-    try:
-        f = open(folder / chunk.name, "rb", buffering=0)
-    except OSError:
+def _checksum(store, folder: str, chunk: Chunk, size: int) -> RangeRecord | None:
+    """The CRC-32 of one range, None when the file is missing or not of its recorded `size`."""
+    ref = join(folder, chunk.name)
+    if store.size(ref) != size:
         return None
-    with f:
-        if os.fstat(f.fileno()).st_size != size:
-            return None
-        if not chunk.length:
-            return RangeRecord(chunk.name, chunk.offset, 0, 0)
-        first = chunk.offset - chunk.offset % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(f.fileno(), chunk.offset + chunk.length - first, access=mmap.ACCESS_READ,
-                       offset=first) as mapped, memoryview(mapped) as view:
-            crc, skip = 0, chunk.offset - first
-            for at in range(skip, skip + chunk.length, _READ_BYTES):
-                crc = crc32(view[at:min(at + _READ_BYTES, skip + chunk.length)], crc)
-        return RangeRecord(chunk.name, chunk.offset, chunk.length, crc)
-
-
-_READ_BYTES = 16 * 2**20
+    crc = store.crc32(ref, chunk.offset, chunk.length)
+    return None if crc is None else RangeRecord(chunk.name, chunk.offset, chunk.length, crc)
 
 
 def size_problem(name: str, size: int | None, expected: int) -> str:
@@ -221,18 +206,19 @@ def size_problem(name: str, size: int | None, expected: int) -> str:
     return ""
 
 
-def _check_content(path: Path, table: Mapping) -> list[str]:
+def _check_content(ref: str, table: Mapping) -> list[str]:
+    name = name_of(ref)
     try:
-        if path.name.endswith(".safetensors"):
-            read_safetensors_header(path)
-        elif path.name.endswith(".safetensors.index.json"):
-            index = read_json(path, "index file")
+        if name.endswith(".safetensors"):
+            read_safetensors_header(ref)
+        elif name.endswith(".safetensors.index.json"):
+            index = read_json(ref, "index file")
             for file in set((index.get("weight_map") or {}).values()):
-                check_plain_name(file, f"index {path.name}")
+                check_plain_name(file, f"index {name}")
                 if file not in table:
-                    return [f"{path.name}: names {file!r}, which the manifest does not list"]
+                    return [f"{name}: names {file!r}, which the manifest does not list"]
     except CorruptCheckpointError as e:
-        return [f"{path.name}: {e}"]
+        return [f"{name}: {e}"]
     return []
 
 

@@ -4,21 +4,15 @@
 
 from __future__ import annotations
 
-import json
+import itertools
 import os
-import struct
-import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import CorruptCheckpointError
-from .checksum import crc32
-from .files import FileRecord, check_plain_name, crc32_combine, file_crc32, fsync_file, read_json, write_json
+from ..store import as_ref, join, name_of, store_for
+from .files import FileRecord, check_plain_name, crc32_combine, read_json, write_json
 from .headers import read_safetensors_header, tensor_specs
 from .reader import FileHandle, FileOpener, LogicalReader, Specs, TensorReader, TensorSlice
 
@@ -36,15 +30,16 @@ def _writable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def write_shard(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
-    """Write one safetensors file with `{"format": "pt"}` metadata, fsync it and return its record.
+def write_shard(ref: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
+    """Write one safetensors file with `{"format": "pt"}` metadata, durably, through its store; return its record.
 
-    `save_file` then `fsync` run in a helper thread (both release the GIL). Once the bytes are in the page cache,
-    this thread computes the CRC-32 of the tensor bytes from memory, in the order safetensors lays them out,
-    while the helper waits for the disk; the header's CRC is combined after. If the layout is not the predicted
-    one, the file is read back instead. Tensors sharing storage (one per-group scalar under several names) are
+    The bytes are those `safetensors.torch.save_file` writes (`planning.safetensors_header`: wider dtypes first,
+    then by name), streamed tensor by tensor (`Store.write_whole`); the CRC-32 of each range is computed from
+    memory as it is written and combined. Tensors sharing storage (one per-group scalar under several names) are
     written as copies."""
-    path = Path(path)
+    from ..planning import TensorSpec, header_bytes, safetensors_header
+
+    ref = as_ref(ref)
     out, seen = {}, set()
     for name, tensor in tensors.items():
         tensor = _writable(tensor)
@@ -52,44 +47,21 @@ def write_shard(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) ->
             tensor = tensor.clone()
         seen.add((tensor.data_ptr(), tensor.nbytes))
         out[name] = tensor
-    order = sorted(out, key=lambda n: (-out[n].element_size(), n))  # safetensors' layout: wide dtypes first
-    in_page_cache = threading.Event()
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        durable = pool.submit(_save_and_fsync, out, path, in_page_cache)
-        while not in_page_cache.wait(0.05):
-            if durable.done():  # save_file failed: surface its error
-                durable.result()
-        data_crc = 0
-        for name in order:
-            data_crc = crc32(_bytes_of(out[name]), data_crc)
-        durable.result()
-    return FileRecord(path.name, path.stat().st_size, _file_crc(path, out, order, data_crc))
+    header, offsets = safetensors_header([TensorSpec.of(n, t) for n, t in out.items()])
+    head = header_bytes(header)
+    size = len(head) + sum(t.nbytes for t in out.values())
+    ranges = itertools.chain([(0, memoryview(head))],
+                             ((len(head) + offsets[n][0], _bytes_of(out[n])) for n in sorted(out, key=offsets.get)))
+    store = store_for(ref)
+    crc = 0
+    for _, length, range_crc in store.write_whole(ref, ranges, size):
+        crc = crc32_combine(crc, range_crc, length)
+    store.sync(ref)
+    return FileRecord(name_of(ref), size, f"{crc:08x}")
 
 
-def _save_and_fsync(tensors: dict[str, torch.Tensor], path: Path, in_page_cache: threading.Event) -> None:
-    save_file(tensors, str(path), metadata=dict(SAFETENSORS_METADATA))
-    in_page_cache.set()
-    fsync_file(path)
-
-
-def _bytes_of(tensor: torch.Tensor):
-    return tensor.reshape(-1).view(torch.uint8).numpy() if tensor.nbytes else b""
-
-
-def _file_crc(path: Path, tensors: dict[str, torch.Tensor], order: list[str], data_crc: int) -> str:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header_bytes = f.read(n)
-    header = json.loads(header_bytes)
-    offsets = [tuple(header[name]["data_offsets"]) for name in order]
-    expected, start = [], 0
-    for name in order:
-        expected.append((start, start + tensors[name].nbytes))
-        start += tensors[name].nbytes
-    if offsets != expected or path.stat().st_size != 8 + n + start:
-        return file_crc32(path)
-    head_crc = crc32(header_bytes, crc32(struct.pack("<Q", n)))
-    return f"{crc32_combine(head_crc, data_crc, start):08x}"
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.nbytes else memoryview(b"")
 
 
 def index_name(file_stem: str) -> str:
@@ -101,23 +73,25 @@ def write_index(folder: str | os.PathLike, file_stem: str, weight_map: Mapping[s
     """Write `<stem>.safetensors.index.json` in the HF layout, with optional extra metadata keys."""
     metadata = {"total_size": int(total_size), **(extra_metadata or {})}
     index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
-    return write_json(Path(folder) / index_name(file_stem), index)
+    return write_json(join(folder, index_name(file_stem)), index)
 
 
 class LocalFiles(FileOpener):
-    """The files of a local checkpoint folder: headers read from disk, handles from `safe_open`."""
+    """The files of one checkpoint folder as its store holds them (the name is historical: any store): headers
+    read by ranged reads, handles from `Store.open_tensors` (`safe_open` for local files)."""
 
     def __init__(self, folder: str | os.PathLike):
-        self.folder = Path(folder)
+        self.folder = as_ref(folder)
+        self.store = store_for(self.folder)
 
     def exists(self, file: str) -> bool:
-        return (self.folder / file).is_file()
+        return self.store.size(join(self.folder, file)) is not None
 
     def header(self, file: str) -> dict:
-        return read_safetensors_header(self.folder / file)
+        return read_safetensors_header(join(self.folder, file))
 
     def open(self, file: str) -> FileHandle:
-        return safe_open(str(self.folder / file), framework="pt")
+        return self.store.open_tensors(join(self.folder, file))
 
 
 class StoredFiles(TensorReader):
@@ -129,10 +103,10 @@ class StoredFiles(TensorReader):
     """
 
     def __init__(self, folder: str | os.PathLike, file_stem: str, remote=None):
-        self.folder, self.file_stem = Path(folder), file_stem
+        self.folder, self.file_stem = as_ref(folder), file_stem
         self._local, self._remote = LocalFiles(self.folder), remote
-        index_path = self.folder / index_name(file_stem)
-        if index_path.is_file():
+        index_path = join(self.folder, index_name(file_stem))
+        if self._local.exists(index_name(file_stem)):
             self.metadata, self.weight_map = _read_index(index_path)
             self.files = sorted(set(self.weight_map.values()))
             self._openers = {file: self._opener(file) for file in self.files}
@@ -140,7 +114,7 @@ class StoredFiles(TensorReader):
             single = f"{file_stem}.safetensors"
             self.metadata, self.files, self._openers = {}, [single], {single: self._opener(single)}
             if not self._openers[single].exists(single):
-                raise FileNotFoundError(f"{self.folder} has neither {index_path.name} nor {single}.")
+                raise FileNotFoundError(f"{self.folder} has neither {index_name(file_stem)} nor {single}.")
             self.weight_map = {k: single for k in sorted(tensor_specs(self._header(single)))}
         self._handles: dict[str, FileHandle] = {}
 
@@ -186,12 +160,12 @@ class StoredFiles(TensorReader):
         self._handles.clear()
 
 
-def _read_index(index_path: Path) -> tuple[dict, dict[str, str]]:
+def _read_index(index_path: str) -> tuple[dict, dict[str, str]]:
     """The metadata and weight map of an index file, its file names checked to be plain names."""
     index = read_json(index_path, "index file")
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise CorruptCheckpointError(f"index {str(index_path)!r} has no 'weight_map' object.")
-    weight_map = {k: check_plain_name(v, f"index {index_path.name}") for k, v in index["weight_map"].items()}
+    weight_map = {k: check_plain_name(v, f"index {name_of(index_path)}") for k, v in index["weight_map"].items()}
     return index.get("metadata") or {}, weight_map
 
 

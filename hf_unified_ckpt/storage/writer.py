@@ -14,9 +14,12 @@ or in the background after a snapshot).
   when the save is planned); only what no rank holds in one contiguous piece (other layouts) is assembled on the
   header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
   range it wrote; rank 0 combines them into the file's record (`combine_ranges`), checking they tile the file.
-- `WholeFileWriter` (machine-local folders: a rank cannot write into another machine's file): each file is written
-  whole by its one writer with safetensors' own `save_file` (`safetensors_io.write_shard`), after its tensors were
-  assembled there.
+- `WholeFileWriter` (machine-local folders: a rank cannot write into another machine's file; or a store without
+  positional writes): each file is written whole by its one writer, streamed in offset order
+  (`safetensors_io.write_shard`: the bytes of safetensors' `save_file`), after its tensors were assembled there.
+
+Which one a save uses follows the store's capabilities (`save.Staging.in_place`). All bytes go through the store
+(`..store`): this module opens no file itself.
 """
 
 from __future__ import annotations
@@ -28,15 +31,14 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from ..planning import FilePlan, WriteItem
+from ..store import as_ref, join, store_for
 from .checksum import crc32
-from .direct import write_whole_direct
-from .files import FileRecord, RangeRecord, fsync_file, pwrite_all
+from .files import FileRecord, RangeRecord
 from .safetensors_io import write_shard
 
 
@@ -53,7 +55,7 @@ class StorageWriter(Protocol):
         """What this rank writes of `file` (after `assemble`), by logical name, before any codec: whole tensors, or
         the 1-D piece this rank holds of a tensor in `file.held`. Local reads only (may run in a writer thread)."""
 
-    def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
+    def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         """Write this rank's part of `file` into `folder` from `local_tensors`' result (or a copy of it), encoded
         through the file's codec here; local I/O only. Durable on return, or (inside `syncing`) by the end of the
         `syncing` block."""
@@ -76,8 +78,8 @@ class WholeFileWriter:
     def local_tensors(self, engine, file: FilePlan) -> dict[str, torch.Tensor]:
         return engine.tensors(file.component, file.tensor_names)
 
-    def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
-        return [write_shard(Path(folder) / file.name, file.stored_tensors(dict(tensors)))]
+    def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
+        return [write_shard(join(folder, file.name), file.stored_tensors(dict(tensors)))]
 
     def syncing(self) -> contextlib.AbstractContextManager:
         """`write_shard` fsyncs each file itself (its CRC pass overlaps the wait)."""
@@ -119,13 +121,14 @@ class SharedFileWriter:
             pieces = {n: f.values for n, f in engine.fragments(file.component, mine).items()}
         return collections.ChainMap(pieces, whole)
 
-    def write(self, folder: Path, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
-        path = Path(folder) / file.name
-        records = write_ranges(path, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
+    def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
+        ref = join(folder, file.name)
+        records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
+        store = store_for(ref)
         if self._pool is None:
-            fsync_file(path)
+            store.sync(ref)
         else:  # the disk flushes this file while the next one is written; `syncing` waits for it
-            self._fsyncs.append(self._pool.submit(fsync_file, path))
+            self._fsyncs.append(self._pool.submit(store.sync, ref))
         return records
 
     @contextlib.contextmanager
@@ -142,25 +145,25 @@ class SharedFileWriter:
             done.result()
 
 
-def write_ranges(path: Path, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],
+def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],
                  direct_io: bool = False) -> list[RangeRecord]:
-    """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in `path`, created
-    if missing and never truncated, and compute each range's CRC-32 from memory once the bytes are in the page
-    cache. With `direct_io`, a file this rank writes whole is streamed to disk by `direct.write_whole_direct`
-    (bypassing the page cache) where the filesystem allows it, each tensor taken from `tensors` (which may compute
-    it on access) while the one before is written. Returns one record per range written. The caller fsyncs the
-    file (`SharedFileWriter.write`)."""
-    head = file.header_bytes
+    """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in file `ref`
+    (`Store.write_at`: created if missing, never truncated), and compute each range's CRC-32 from memory once the
+    bytes are in the page cache. With `direct_io`, a file this rank writes whole is streamed by `Store.write_whole`
+    with direct I/O (bypassing the page cache) where the store allows it, each tensor taken from `tensors` (which
+    may compute it on access) while the one before is written. Returns one record per range written. The caller
+    makes the file durable (`SharedFileWriter.write`)."""
+    ref, head = as_ref(ref), file.header_bytes
+    store = store_for(ref)
     items = sorted(file.items_of(rank), key=lambda item: item.start)
     if direct_io and _writes_whole(file, rank, items):
         lazily = ((len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items)
         with _prefetching(itertools.chain([(0, memoryview(head))], lazily)) as ranges:
-            written = write_whole_direct(path, ranges, file.size)
-        if written is not None:
-            return [RangeRecord(file.name, offset, length, crc) for offset, length, crc in written]
+            written = store.write_whole(ref, ranges, file.size, direct_io=True)
+        return [RangeRecord(file.name, offset, length, crc) for offset, length, crc in written]
     ranges = [(0, memoryview(head))] if rank == file.header_rank else []
     ranges += [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items]
-    _write_buffered(path, file, rank, ranges)
+    store.write_at(ref, ranges, file.size if rank == file.header_rank else None)
     return [RangeRecord(file.name, offset, len(data), crc32(data)) for offset, data in ranges]
 
 
@@ -242,17 +245,6 @@ class _Ahead:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join()
-
-
-def _write_buffered(path: Path, file: FilePlan, rank: int, ranges: list[tuple[int, memoryview]]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        if rank == file.header_rank:
-            os.ftruncate(fd, file.size)
-        for offset, data in ranges:
-            pwrite_all(fd, data, offset)
-    finally:
-        os.close(fd)
 
 
 def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from .checksum import crc32
-from .files import pwrite_all
+from ..storage.checksum import crc32
+from .local_io import pwrite_all
 
 #: Bounce buffer size (a multiple of every logical block size in use: 512 B and 4 KiB).
 CHUNK = 8 * 2**20

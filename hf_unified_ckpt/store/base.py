@@ -1,0 +1,231 @@
+"""The storage seam: `Store`, the only code that touches checkpoint bytes at rest, and the string references that
+name checkpoints above it.
+
+A checkpoint, a run folder or a file is named by a *reference*: a local path (`/runs/a/checkpoint-8`) or a URL
+(`memory://runs/a/checkpoint-8`). References are plain strings joined with `/` (`join`); never `pathlib.Path`,
+which turns `s3://b/x` into `s3:/b/x`. `store_for(ref)` finds the store of a reference by its URL scheme (a small
+registry: `register_store`); a reference without a scheme is a local path.
+
+What a store can do is declared in `Capabilities`, and the algorithms above choose from it (never from the
+scheme): where positional writes exist and every rank sees the files, ranks write their pieces of a shared file in
+place; elsewhere each file is streamed whole, in offset order, by one writer. Where rename is atomic a save is
+written into a hidden staging folder and renamed into place; elsewhere it is written in place and the manifest,
+written last, is the commit (`publish` does nothing), and `remove` deletes the manifest first, so a half-removed
+checkpoint is never picked. Modelled on torch DCP's `FileSystemBase` / `StorageWriter` / `StorageReader`,
+torchtitan's checkpoint storage and orbax's atomicity options.
+
+Which ranks call what: every method is local to the calling process (no collective). The save algorithm
+(`save.py`) decides who calls what, in order: rank 0 stages; every writer writes its files or pieces and
+`sync`s them; rank 0 `put`s the indexes and the manifest last; each folder's leader `publish`es.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+#: One byte range to write: (offset in the file, its bytes).
+Range = tuple[int, memoryview]
+#: What a write reports per range: (offset, length, CRC-32 of its bytes).
+Written = tuple[int, int, int]
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store can do; the save and remove algorithms choose their strategy from it."""
+
+    #: Several processes may write byte ranges of one file at offsets (`write_at`): shared files written in place.
+    positional_writes: bool
+    #: Renaming a folder is atomic (a save is staged aside and renamed into place); else the manifest is the commit.
+    atomic_rename: bool
+    #: References are local paths that other libraries can open (`local_path` returns one).
+    local_paths: bool
+    #: Every process of a job on any machine sees the same bytes (a local folder may be one machine's only: the
+    #: save then finds out with writer marks).
+    seen_by_all_ranks: bool
+    #: Several ranks may upload numbered parts of one file (`write_part`), each part at least `min_part_size` bytes
+    #: but the last.
+    multipart: bool = False
+    min_part_size: int = 0
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Bytes at rest under string references (see the module docstring). Every method acts on this process's view
+    of the store; none is a collective."""
+
+    capabilities: Capabilities
+
+    def list(self, ref: str) -> dict[str, int | None]:
+        """The entries directly inside folder `ref`, name -> size in bytes (None for a sub-folder), in one call;
+        {} when `ref` is not a folder."""
+
+    def size(self, ref: str) -> int | None:
+        """The size of file `ref`; None when there is no such file."""
+
+    def is_folder(self, ref: str) -> bool:
+        """Whether `ref` is a folder (holds entries, or was made with `make_folder`)."""
+
+    def read(self, ref: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes `[offset, offset + length)` of file `ref` (to its end when `length` is None). FileNotFoundError
+        when it is missing."""
+
+    def open_tensors(self, ref: str):
+        """A lazy handle on safetensors file `ref` (`storage.reader.FileHandle`): tensors or slices of them read
+        when asked for, only the bytes asked for where the store reads ranges."""
+
+    def crc32(self, ref: str, offset: int, length: int) -> int | None:
+        """The CRC-32 of bytes `[offset, offset + length)` of file `ref`; None when the file is missing."""
+
+    def put(self, ref: str, data: bytes) -> None:
+        """Write small file `ref` whole, durably and atomically (a reader sees the old bytes or the new, and a
+        crash leaves no partial file under `ref`); several processes may put the same file, the last one wins."""
+
+    def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
+        """Create file `ref` from `ranges` (offset order, tiling [0, size)), consumed one at a time so that the
+        caller may produce the next while this one is written. Durable only after `sync`. `direct_io`: bypass the
+        page cache where the store has one and allows it."""
+
+    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
+        """Write `ranges` at their offsets into file `ref`, created if missing and never truncated, sized to
+        `size` first when it is given (the rank that writes the header). Only where
+        `capabilities.positional_writes`; durable only after `sync`."""
+
+    def write_part(self, ref: str, upload: str, number: int, data: memoryview) -> None:
+        """Upload part `number` of file `ref` in multipart upload `upload`. Only where `capabilities.multipart`."""
+
+    def sync(self, ref: str) -> None:
+        """Make the bytes written to file `ref` durable."""
+
+    def move(self, src: str, dst: str) -> None:
+        """Rename file `src` to `dst`, replacing it (atomically where `capabilities.atomic_rename`)."""
+
+    def make_folder(self, ref: str) -> None:
+        """Create folder `ref` (and its parents) if it is missing."""
+
+    def remove(self, ref: str) -> None:
+        """Remove file or folder `ref` (everything under it); nothing when it is missing."""
+
+    def stage(self, final: str) -> str:
+        """The reference a save of checkpoint `final` writes into: a hidden sibling folder renamed into place by
+        `publish` where rename is atomic, else `final` itself (the manifest, written last, commits it)."""
+
+    def publish(self, staging: str, final: str) -> None:
+        """Make the save written into `staging` the checkpoint `final`, durably, replacing an earlier one of the
+        same name. Nothing to do where the manifest is the commit."""
+
+    def retire(self, ref: str, commit_file: str) -> None:
+        """Remove checkpoint `ref` so that no reader ever takes a half-removed one for complete: hide it by a
+        rename first where rename is atomic, else delete its `commit_file` (the manifest) first."""
+
+    def local_path(self, ref: str) -> str | None:
+        """`ref` as a path other libraries can open (`capabilities.local_paths`), else None."""
+
+
+# ---- references -------------------------------------------------------------------------------------------------
+
+def as_ref(ref: str | os.PathLike) -> str:
+    """A reference from a string or a path object (a path's `/` separators kept)."""
+    return os.fspath(ref) if isinstance(ref, os.PathLike) else str(ref)
+
+
+def scheme_of(ref: str) -> str:
+    """The URL scheme of `ref` ("" for a local path)."""
+    match = _SCHEME.match(ref)
+    return match.group(1).lower() if match else ""
+
+
+def join(ref: str | os.PathLike, *names: str) -> str:
+    """`ref`/`names...` (plain names, or relative parts with `/`)."""
+    ref = as_ref(ref)
+    if scheme_of(ref):
+        return "/".join([ref.rstrip("/"), *names])
+    return os.path.join(ref, *names)
+
+
+def name_of(ref: str | os.PathLike) -> str:
+    """The last part of `ref` (a file or folder name)."""
+    ref = as_ref(ref)
+    return posixpath.basename(ref.rstrip("/")) if scheme_of(ref) else os.path.basename(os.path.normpath(ref))
+
+
+def parent_of(ref: str | os.PathLike) -> str:
+    """The folder holding `ref`."""
+    ref = as_ref(ref)
+    if scheme_of(ref):
+        head, _, _ = ref.rstrip("/").rpartition("/")
+        return head if not head.endswith(":/") else head + "/"
+    return os.path.dirname(os.path.normpath(ref))
+
+
+def sibling(ref: str | os.PathLike, name: str) -> str:
+    """The reference named `name` beside `ref`."""
+    return join(parent_of(ref), name)
+
+
+def canonical(ref: str | os.PathLike) -> str:
+    """`ref` in the form two references to the same checkpoint share: a local path resolved (symbolic links,
+    `..`), a URL without a trailing `/`."""
+    ref = as_ref(ref)
+    return ref.rstrip("/") if scheme_of(ref) else os.path.realpath(ref)
+
+
+# ---- registry ---------------------------------------------------------------------------------------------------
+
+_FACTORIES: dict[str, Callable[[str], Store]] = {}
+_STORES: dict[str, Store] = {}
+
+
+def register_store(scheme: str, factory: Callable[[str], Store]) -> None:
+    """Make `store_for` answer references of URL `scheme` ("" for local paths) with `factory(scheme)`."""
+    _FACTORIES[scheme.lower()] = factory
+    _STORES.pop(scheme.lower(), None)
+
+
+def store_for(ref: str | os.PathLike) -> Store:
+    """The store that holds `ref`, by its URL scheme (one instance per scheme and process)."""
+    scheme = scheme_of(as_ref(ref))
+    if scheme not in _STORES:
+        if scheme not in _FACTORIES:
+            known = ", ".join(f"{s}://" for s in sorted(_FACTORIES) if s) or "none"
+            raise ValueError(f"no checkpoint store handles {as_ref(ref)!r} (scheme {scheme!r}); known URL schemes: "
+                             f"{known}, and local paths. Use a local path, or register a store for {scheme}://.")
+        _STORES[scheme] = _FACTORIES[scheme](scheme)
+    return _STORES[scheme]
+
+
+def is_file(ref: str | os.PathLike) -> bool:
+    """Whether file `ref` exists in its store."""
+    ref = as_ref(ref)
+    return store_for(ref).size(ref) is not None
+
+
+def is_folder(ref: str | os.PathLike) -> bool:
+    ref = as_ref(ref)
+    return store_for(ref).is_folder(ref)
+
+
+def read_bytes(ref: str | os.PathLike) -> bytes:
+    ref = as_ref(ref)
+    return store_for(ref).read(ref)
+
+
+def put_bytes(ref: str | os.PathLike, data: bytes) -> None:
+    ref = as_ref(ref)
+    store_for(ref).put(ref, data)
+
+
+def listing(ref: str | os.PathLike) -> dict[str, int | None]:
+    ref = as_ref(ref)
+    return store_for(ref).list(ref)
+
+
+def remove(ref: str | os.PathLike) -> None:
+    ref = as_ref(ref)
+    store_for(ref).remove(ref)

@@ -1,0 +1,122 @@
+"""`FsspecStore`: a store over an fsspec file system without positional writes or atomic rename: each file is
+streamed whole by one writer, a save is written in place and committed by its manifest written last, and a
+checkpoint is removed manifest first. Registered for `memory://` (fsspec's in-process file system: one process's
+memory, not seen by other ranks), which proves the seam: the same save, verify, load and rotation code runs on it
+as on `LocalStore`."""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable
+
+from ..storage.checksum import crc32
+from .base import Capabilities, Range, Written, as_ref
+
+
+class FsspecStore:
+    """References are URLs of one fsspec protocol (see the module docstring)."""
+
+    capabilities = Capabilities(positional_writes=False, atomic_rename=False, local_paths=False,
+                                seen_by_all_ranks=False)
+
+    def __init__(self, scheme: str, **storage_options):
+        import fsspec
+
+        self.scheme = scheme
+        self.fs = fsspec.filesystem(scheme, **storage_options)
+
+    def _key(self, ref) -> str:
+        return self.fs._strip_protocol(as_ref(ref))
+
+    # ---- reading ------------------------------------------------------------------------------------------------
+    def list(self, ref: str) -> dict[str, int | None]:
+        key = self._key(ref)
+        if not self.fs.isdir(key):
+            return {}
+        out = {}
+        for entry in self.fs.ls(key, detail=True):
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            out[name] = None if entry["type"] == "directory" else int(entry["size"])
+        return out
+
+    def size(self, ref: str) -> int | None:
+        key = self._key(ref)
+        try:
+            info = self.fs.info(key)
+        except FileNotFoundError:
+            return None
+        return None if info["type"] == "directory" else int(info["size"])
+
+    def is_folder(self, ref: str) -> bool:
+        return self.fs.isdir(self._key(ref))
+
+    def read(self, ref: str, offset: int = 0, length: int | None = None) -> bytes:
+        key = self._key(ref)
+        if self.size(ref) is None:
+            raise FileNotFoundError(f"no such file: {as_ref(ref)}")
+        return self.fs.cat_file(key, start=offset or None, end=None if length is None else offset + length)
+
+    def open_tensors(self, ref: str):
+        from .ranged import RangedFile  # here: torch is imported only where tensors are read
+
+        return RangedFile(self, as_ref(ref))
+
+    def crc32(self, ref: str, offset: int, length: int) -> int | None:
+        size = self.size(ref)
+        if size is None or size < offset + length:
+            return None
+        return crc32(self.read(ref, offset, length)) if length else 0
+
+    # ---- writing ------------------------------------------------------------------------------------------------
+    def put(self, ref: str, data: bytes) -> None:
+        self.fs.pipe_file(self._key(ref), bytes(data))
+
+    def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
+        """Streamed into one file object, committed whole when it is closed (a failed write leaves nothing)."""
+        written, end = [], 0
+        with self.fs.open(self._key(ref), "wb") as f:
+            for offset, data in ranges:
+                if offset != end:
+                    raise ValueError(f"{ref}: a range starts at byte {offset}, expected {end} (gap or overlap)")
+                f.write(data)
+                written.append((offset, len(data), crc32(data)))
+                end += len(data)
+            if end != size:
+                raise ValueError(f"{ref}: the ranges end at {end}, the file is {size} bytes")
+        return written
+
+    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
+        raise NotImplementedError(f"{self.scheme}:// has no positional writes (capabilities.positional_writes is "
+                                  "False): write whole files")
+
+    def write_part(self, ref: str, upload: str, number: int, data: memoryview) -> None:
+        raise NotImplementedError(f"{self.scheme}:// has no multipart uploads here (capabilities.multipart is False)")
+
+    def sync(self, ref: str) -> None:
+        """A closed file is committed: nothing more to do."""
+
+    def move(self, src: str, dst: str) -> None:
+        self.fs.mv(self._key(src), self._key(dst))
+
+    def make_folder(self, ref: str) -> None:
+        self.fs.makedirs(self._key(ref), exist_ok=True)
+
+    def remove(self, ref: str) -> None:
+        key = self._key(ref)
+        if self.fs.exists(key):
+            self.fs.rm(key, recursive=True)
+
+    # ---- commit -------------------------------------------------------------------------------------------------
+    def stage(self, final: str) -> str:
+        return as_ref(final)
+
+    def publish(self, staging: str, final: str) -> None:
+        """The manifest, written last into `final`, committed it."""
+
+    def retire(self, ref: str, commit_file: str) -> None:
+        """The manifest first: a removal cut short leaves files no reader takes for a checkpoint."""
+        self.remove(posixpath.join(as_ref(ref).rstrip("/"), commit_file))
+        self.remove(ref)
+
+    def local_path(self, ref: str) -> str | None:
+        return None

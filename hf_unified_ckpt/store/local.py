@@ -1,0 +1,146 @@
+"""`LocalStore`: checkpoints in a local (or network-mounted POSIX) folder, as they have always been written.
+
+Shared files are written in place (`pwrite` at planned offsets, several processes into one file), whole files may
+bypass the page cache (`direct.write_whole_direct`, where the filesystem allows it), and a save is staged in a
+hidden sibling folder that one `rename` publishes. Whether every rank sees the folder is found out per save
+(machine-local disks), so `seen_by_all_ranks` is not promised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+
+from . import local_io
+from .base import Capabilities, Range, Written, as_ref
+from .direct import write_whole_direct
+
+logger = logging.getLogger(__name__)
+
+STAGING_SUFFIX = ".incomplete"
+SUPERSEDED_SUFFIX = ".superseded"
+DELETING_SUFFIX = ".deleting"
+
+
+class LocalStore:
+    """References are local paths (see the module docstring)."""
+
+    capabilities = Capabilities(positional_writes=True, atomic_rename=True, local_paths=True,
+                                seen_by_all_ranks=False)
+
+    def __init__(self, scheme: str = ""):
+        self.scheme = scheme
+
+    def _path(self, ref) -> str:
+        ref = as_ref(ref)
+        return ref[len("file://"):] if ref.startswith("file://") else ref
+
+    # ---- reading ------------------------------------------------------------------------------------------------
+    def list(self, ref: str) -> dict[str, int | None]:
+        try:
+            with os.scandir(self._path(ref)) as entries:
+                return {e.name: (None if e.is_dir() else _size(e)) for e in entries}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
+    def size(self, ref: str) -> int | None:
+        try:
+            st = os.stat(self._path(ref))
+        except OSError:
+            return None
+        return st.st_size if not os.path.isdir(self._path(ref)) else None
+
+    def is_folder(self, ref: str) -> bool:
+        return os.path.isdir(self._path(ref))
+
+    def read(self, ref: str, offset: int = 0, length: int | None = None) -> bytes:
+        with open(self._path(ref), "rb") as f:
+            if offset:
+                f.seek(offset)
+            return f.read() if length is None else f.read(length)
+
+    def open_tensors(self, ref: str):
+        from safetensors import safe_open
+
+        return safe_open(self._path(ref), framework="pt")
+
+    def crc32(self, ref: str, offset: int, length: int) -> int | None:
+        return local_io.range_crc32(self._path(ref), offset, length)
+
+    # ---- writing ------------------------------------------------------------------------------------------------
+    def put(self, ref: str, data: bytes) -> None:
+        local_io.write_atomic(self._path(ref), data)
+
+    def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
+        path = self._path(ref)
+        if direct_io:
+            ranges = iter(ranges)
+            written = write_whole_direct(path, ranges, size)
+            if written is not None:
+                return written
+        return local_io.write_whole(path, ranges, size)
+
+    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
+        local_io.write_at(self._path(ref), ranges, size)
+
+    def write_part(self, ref: str, upload: str, number: int, data: memoryview) -> None:
+        raise NotImplementedError("a local folder has no multipart uploads (capabilities.multipart is False)")
+
+    def sync(self, ref: str) -> None:
+        local_io.fsync_file(self._path(ref))
+
+    def move(self, src: str, dst: str) -> None:
+        os.replace(self._path(src), self._path(dst))
+
+    def make_folder(self, ref: str) -> None:
+        os.makedirs(self._path(ref), exist_ok=True)
+
+    def remove(self, ref: str) -> None:
+        path = self._path(ref)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    # ---- commit -------------------------------------------------------------------------------------------------
+    def stage(self, final: str) -> str:
+        head, name = os.path.split(os.path.normpath(self._path(final)))
+        return os.path.join(head, f".{name}{STAGING_SUFFIX}")
+
+    def publish(self, staging: str, final: str) -> None:
+        """Rename the staging folder into place (an existing `final` set aside first, removed after), durably."""
+        staging, final = self._path(staging), os.path.normpath(self._path(final))
+        head, name = os.path.split(final)
+        aside = os.path.join(head, f".{name}{SUPERSEDED_SUFFIX}")
+        if os.path.exists(aside):
+            shutil.rmtree(aside)
+        if os.path.exists(final):
+            logger.warning("Replacing the existing %s with the checkpoint just written for the same step.", final)
+            os.rename(final, aside)
+        os.rename(staging, final)
+        local_io.fsync_dir(head or ".")
+        if os.path.exists(aside):
+            shutil.rmtree(aside)
+
+    def retire(self, ref: str, commit_file: str) -> None:
+        """Hidden first (`.checkpoint-N.deleting`): a kill mid-delete leaves no half-deleted checkpoint-N."""
+        path = os.path.normpath(self._path(ref))
+        head, name = os.path.split(path)
+        doomed = os.path.join(head, f".{name}{DELETING_SUFFIX}")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def local_path(self, ref: str) -> str | None:
+        return self._path(ref)
+
+
+def _size(entry: os.DirEntry) -> int | None:
+    try:
+        return entry.stat().st_size
+    except FileNotFoundError:  # removed while listed
+        return None
