@@ -1,5 +1,6 @@
 """`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`, `convert LEGACY_DIR OUT_DIR [--ckpt-quant-stage]`,
-`export CHECKPOINT OUT_DIR [--weights model|master|ema] [--dtype] [--merge-lora [--base-model]]`."""
+`export CHECKPOINT OUT_DIR [--weights model|master|ema] [--dtype] [--merge-lora [--base-model]]`. A checkpoint PATH
+or OUT_DIR is a local path or a URL of a registered store (memory://...); LEGACY_DIR is a local folder."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 # `info` and `verify` read file names, JSON and safetensors headers only: keep these imports free of torch,
 # transformers and accelerate (tests/test_imports.py), so the command answers at once. `convert` imports its own.
@@ -15,6 +15,7 @@ from .errors import UnifiedCheckpointError
 from .layout import UNIFIED, detect_layout
 from .storage.headers import read_safetensors_header, tensor_specs
 from .storage.manifest import spread_hint, verify_folder
+from .store import join
 
 
 def _info(path: str) -> dict:
@@ -45,7 +46,7 @@ def _per_parameter(folder, manifest: dict) -> dict:
         return {}
     parameters = 0
     for file in model["files"]:
-        for shape, _ in tensor_specs(read_safetensors_header(Path(folder) / file)).values():
+        for shape, _ in tensor_specs(read_safetensors_header(join(folder, file))).values():
             parameters += math.prod(shape)
     if not parameters:
         return {}

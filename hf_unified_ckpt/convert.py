@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .components import OPTIMIZER, Component, component
 from .errors import UnsupportedCheckpointError
+from .export import require_new_folder
 from .layout import DEEPSPEED, FSDP, detect_layout
 from .legacy import legacy_components, open_legacy
 from .legacy.sources import TensorSource
 from .options import parse_options
 from .planning import TensorSpec
 from .save import SaveRequest, save_checkpoint
-from .storage.files import FileRecord, record_file
+from .store import as_ref, is_file, is_folder, join, listing, read_bytes, remove
 
 if TYPE_CHECKING:
     import torch
@@ -69,8 +68,9 @@ class OfflineEngine:
     def optimizer_metadata(self) -> dict:
         return self.sources[OPTIMIZER.name].metadata
 
-    def write_configs(self, folder) -> None:
-        """Configs are copied with the other non-tensor files."""
+    def config_files(self) -> dict[str, bytes]:
+        """Nothing: the configs come with the legacy folder's other small files (`_extra_files`)."""
+        return {}
 
 
 class _OnLookup(Mapping):
@@ -92,12 +92,12 @@ class _OnLookup(Mapping):
 
 
 def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "100MB",
-            show_progress: bool = True, ckpt_quant_stage: str = "O0") -> Path:
+            show_progress: bool = True, ckpt_quant_stage: str = "O0") -> str:
     """Convert `legacy_dir` (a DeepSpeed `checkpoint-N` or save_model folder, or an FSDP `checkpoint-N` folder)
-    into a complete unified folder `out_dir`, its optimizer moments compressed at `ckpt_quant_stage` (O0/O1/O2)."""
-    legacy_dir, out_dir = Path(legacy_dir), Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new folder (nothing was written).")
+    into a complete unified folder `out_dir` (a store reference: a local path or a URL), its optimizer moments
+    compressed at `ckpt_quant_stage` (O0/O1/O2). Returns `out_dir`."""
+    legacy_dir, out_dir = as_ref(legacy_dir), as_ref(out_dir)
+    require_new_folder(out_dir)
     layout = detect_layout(legacy_dir)
     if layout.kind not in (DEEPSPEED, FSDP) or not layout.complete:
         raise UnsupportedCheckpointError(
@@ -111,23 +111,22 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
     options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size)
     step = layout.global_step if layout.global_step is not None else legacy.global_step
     request = SaveRequest(out_dir, step, options, show_progress=show_progress, direct_io=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    if out_dir.exists():
-        out_dir.rmdir()  # empty: the commit renames the staging folder into place
-    out = save_checkpoint(engine, request, lambda folder: _copy_extras(legacy_dir, folder))
-    if not (out / "config.json").is_file():
+    if is_folder(out_dir):
+        remove(out_dir)  # empty (checked above): the commit renames the staging folder into place
+    out = save_checkpoint(engine, request, _extra_files(legacy_dir))
+    if not is_file(join(out, "config.json")):
         logger.warning("%s has no config.json (the Trainer's sharded FSDP save does not write one): the converted "
                        "folder resumes training, but from_pretrained needs a config.json copied next to it.",
                        legacy_dir)
     return out
 
 
-def _copy_extras(legacy_dir: Path, folder: Path) -> list[FileRecord]:
-    records = []
-    for path in sorted(legacy_dir.iterdir()):
-        if not path.is_file() or path.name in _NOT_COPIED:
+def _extra_files(legacy_dir: str) -> dict[str, bytes]:
+    """The legacy folder's small files that the unified folder keeps (configs, tokenizer, trainer state, RNG
+    state, scheduler), name in the unified folder -> bytes."""
+    files = {}
+    for name, size in sorted(listing(legacy_dir).items()):
+        if size is None or name in _NOT_COPIED:
             continue
-        name = "rng_state_0.pth" if path.name == "rng_state.pth" else path.name
-        shutil.copyfile(path, folder / name)
-        records.append(record_file(folder / name))
-    return records
+        files["rng_state_0.pth" if name == "rng_state.pth" else name] = read_bytes(join(legacy_dir, name))
+    return files

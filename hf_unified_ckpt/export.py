@@ -6,15 +6,15 @@ files. `--weights ema` or `master` takes each tensor from that component where i
 parameters) and from the model weights otherwise (buffers, frozen parameters); decoded through the codecs like any
 read. Memory is bounded by one shard; nothing is written over an existing folder. `--merge-lora` merges a LoRA
 adapter (those weights) into its base model instead (`merge_lora.py`; memory: the base model).
+
+The checkpoint and the new folder are store references (`store.base`): local paths or URLs. The folder is written
+into a staging folder published in one rename where the store renames atomically, else in place.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -25,9 +25,11 @@ from .hf_model import ADAPTER_STEM
 from .layout import UNIFIED, detect_layout
 from .options import parse_size
 from .planning import TensorSpec, plan_component
+from .storage.files import read_json, write_json
 from .storage.headers import TORCH_DTYPE_NAMES
 from .storage.manifest import MANIFEST_NAME
 from .storage.safetensors_io import ComponentReader, write_index, write_shard
+from .store import as_ref, is_file, join, listing, name_of, put_bytes, read_bytes, store_for
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +41,13 @@ _TRAINING_FILES = ("trainer_state.json", "training_args.bin", "scheduler.pt", "s
 
 def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, weights: str = "model",
            dtype: str | None = None, max_shard_size: str | int = "5GB", show_progress: bool = True,
-           merge_lora: bool = False, base_model: str | None = None) -> Path:
+           merge_lora: bool = False, base_model: str | None = None) -> str:
     """Write `checkpoint`'s `weights` (model, master or ema) into the new folder `out_dir`, cast to `dtype` (fp32,
     bf16, fp16; default: each tensor's own dtype, fp32 for master and EMA tensors). With `merge_lora`, those
     weights of a LoRA adapter merged into its base model (`base_model`, default the adapter config's): a plain
-    model folder. Returns `out_dir`."""
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new folder (nothing was written).")
+    model folder. Returns `out_dir` (a reference)."""
+    checkpoint, out_dir = as_ref(checkpoint), as_ref(out_dir)
+    require_new_folder(out_dir)
     if base_model and not merge_lora:
         raise ValueError("--base-model is only used with --merge-lora; add --merge-lora or drop --base-model.")
     layout = detect_layout(checkpoint)
@@ -65,30 +66,44 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, weights: s
     if merge_lora and stem != ADAPTER_STEM:
         raise UnsupportedCheckpointError(f"--merge-lora needs a PEFT/LoRA checkpoint (adapter_model files); {checkpoint} "
                                          f"holds '{stem}' files, a whole model already: export it without --merge-lora.")
-    staging = out_dir.parent / f".{out_dir.name}.incomplete"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    store = store_for(out_dir)
+    staging = store.stage(out_dir)
+    store.remove(staging)
+    store.make_folder(staging)
     try:
         with ComponentReader(checkpoint, stem) as model, \
                 ComponentReader(checkpoint, components[wanted]["file_stem"], anchor=model) as chosen:
             write = _write_merged if merge_lora else _write_weights
             write(model, chosen, staging, stem, DTYPES[dtype] if dtype else None, parse_size(max_shard_size),
-                  f"Exporting {weights} weights to {out_dir.name}" if show_progress else None,
+                  f"Exporting {weights} weights to {name_of(out_dir)}" if show_progress else None,
                   **({"checkpoint": checkpoint, "base_model": base_model} if merge_lora else {}))
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        store.remove(staging)
         raise
     _copy_model_files(checkpoint, staging, set(layout.manifest["files"]), skip=("adapter_config.json",) * merge_lora)
     if (dtype or weights != "model") and not merge_lora:  # master and EMA are fp32 unless cast
-        _set_config_dtype(staging / "config.json", DTYPES[dtype] if dtype else torch.float32)
-    if out_dir.exists():
-        out_dir.rmdir()  # empty (checked above)
-    os.replace(staging, out_dir)
+        _set_config_dtype(join(staging, "config.json"), DTYPES[dtype] if dtype else torch.float32)
+    publish_folder(staging, out_dir)
     logger.info("Exported the %s weights of %s to %s", weights, checkpoint, out_dir)
     return out_dir
 
 
-def _write_weights(model, chosen, folder: Path, stem: str, dtype, max_shard_size: int, progress: str | None) -> None:
+def require_new_folder(out_dir: str | os.PathLike) -> None:
+    """Refuse to write into `out_dir` when it is a file or a folder that holds anything."""
+    if is_file(out_dir) or listing(out_dir):
+        raise FileExistsError(f"{as_ref(out_dir)} exists and is not empty; choose a new folder (nothing was written).")
+
+
+def publish_folder(staging: str, out_dir: str) -> None:
+    """Make the folder written into `staging` (`Store.stage(out_dir)`) the folder `out_dir`, which is missing or
+    empty (`require_new_folder`)."""
+    store = store_for(out_dir)
+    if staging != out_dir and store.is_folder(out_dir):
+        store.remove(out_dir)  # empty (checked before writing)
+    store.publish(staging, out_dir)
+
+
+def _write_weights(model, chosen, folder: str, stem: str, dtype, max_shard_size: int, progress: str | None) -> None:
     """The model's tensors, each from `chosen` where it has it, cast, in shards of at most `max_shard_size`."""
     model_specs, chosen_specs = model.specs(), chosen.specs()
 
@@ -100,11 +115,11 @@ def _write_weights(model, chosen, folder: Path, stem: str, dtype, max_shard_size
                    max_shard_size, progress)
 
 
-def _write_merged(model, chosen, folder: Path, stem: str, dtype, max_shard_size: int, progress: str | None,
-                  checkpoint: Path, base_model: str | None) -> None:
+def _write_merged(model, chosen, folder: str, stem: str, dtype, max_shard_size: int, progress: str | None,
+                  checkpoint: str, base_model: str | None) -> None:
     """The adapter (each tensor from `chosen` where it has it) merged into its base model, written as
     `save_pretrained` names the merged model's tensors, with its config files."""
-    from .hf_model import MODEL_STEM, model_state_for_save, write_model_configs
+    from .hf_model import MODEL_STEM, model_config_files, model_state_for_save
     from .merge_lora import base_model_path, merged_model
 
     adapter = {n: (chosen if n in chosen else model).get(n) for n in model.keys()}
@@ -114,33 +129,33 @@ def _write_merged(model, chosen, folder: Path, stem: str, dtype, max_shard_size:
     state = model_state_for_save(merged)
     _write_sharded(folder, MODEL_STEM, [TensorSpec.of(n, t) for n, t in state.items()],
                    lambda n: state[n].detach().contiguous(), max_shard_size, progress)
-    write_model_configs(merged, folder)
+    for name, data in sorted(model_config_files(merged).items()):
+        put_bytes(join(folder, name), data)
 
 
-def _write_sharded(folder: Path, stem: str, specs: list[TensorSpec], get, max_shard_size: int,
+def _write_sharded(folder: str, stem: str, specs: list[TensorSpec], get, max_shard_size: int,
                    progress: str | None) -> None:
     """Tensors `get(name)` of `specs` in shards of at most `max_shard_size`, with an index when sharded."""
     plan = plan_component(MODEL.name, specs, 1, max_shard_size, file_stem=stem, min_parallel=0)
     for file, names in tqdm(plan.files.items(), desc=progress, unit="file", disable=progress is None):
-        write_shard(folder / file, {n: get(n) for n in names})
+        write_shard(join(folder, file), {n: get(n) for n in names})
     if plan.is_sharded:
         write_index(folder, stem, plan.weight_map, plan.total_size)
 
 
-def _set_config_dtype(config: Path, dtype: torch.dtype) -> None:
+def _set_config_dtype(config: str, dtype: torch.dtype) -> None:
     """Record the exported dtype in config.json, so that `from_pretrained(..., dtype="auto")` loads it as such."""
-    if config.is_file():
-        values = json.loads(config.read_text())
+    if is_file(config):
+        values = read_json(config, "config")
         values["dtype"] = str(dtype).removeprefix("torch.")
         values.pop("torch_dtype", None)
-        config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+        write_json(config, values)
 
 
-def _copy_model_files(checkpoint: Path, folder: Path, listed: set[str], skip: tuple[str, ...] = ()) -> None:
+def _copy_model_files(checkpoint: str, folder: str, listed: set[str], skip: tuple[str, ...] = ()) -> None:
     """Configs, generation config, adapter config and tokenizer files: every small file of the checkpoint that is
     not a tensor file, an index, a training file, or in `skip`."""
-    for path in sorted(checkpoint.iterdir()):
-        name = path.name
-        if (path.is_file() and not name.endswith((".safetensors", ".safetensors.index.json", ".pth"))
+    for name, size in sorted(listing(checkpoint).items()):
+        if (size is not None and not name.endswith((".safetensors", ".safetensors.index.json", ".pth"))
                 and name not in _TRAINING_FILES and name in listed and name not in skip):
-            shutil.copyfile(path, folder / name)
+            put_bytes(join(folder, name), read_bytes(join(checkpoint, name)))

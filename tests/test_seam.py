@@ -1,0 +1,110 @@
+"""The storage seam holds: no module outside `hf_unified_ckpt/store/` touches bytes at rest or types a checkpoint
+as a `pathlib.Path` (the legacy readers, which read the DeepSpeed/FSDP folders a user names, may keep local paths).
+
+The source is walked with `ast`; a new `open(...)`, `os.listdir(...)`, `shutil.*`, `Path(...)`,
+`safe_open(...)`, `torch.save(path)`... anywhere above the seam fails this test, naming the file and line."""
+
+import ast
+import os
+
+import hf_unified_ckpt
+
+PACKAGE = os.path.dirname(hf_unified_ckpt.__file__)
+#: Below the seam (the store package) and the readers of legacy folders.
+ALLOWED = ("store", "legacy")
+
+OS_FILE_FUNCTIONS = {
+    "open", "fdopen", "listdir", "scandir", "stat", "lstat", "fstat", "replace", "rename", "renames", "remove",
+    "unlink", "makedirs", "mkdir", "rmdir", "removedirs", "fsync", "fdatasync", "pwrite", "pread", "write", "read",
+    "ftruncate", "truncate", "walk", "link", "symlink", "chmod", "utime", "sendfile", "copy_file_range",
+}
+OS_PATH_IO = {"exists", "lexists", "isfile", "isdir", "islink", "getsize", "getmtime", "realpath", "samefile"}
+PATH_IO_METHODS = {
+    "read_text", "read_bytes", "write_text", "write_bytes", "mkdir", "rmdir", "unlink", "iterdir", "glob", "rglob",
+    "exists", "is_file", "is_dir", "stat", "touch", "rename", "replace", "resolve", "open", "with_name", "with_suffix",
+}
+LIBRARY_FILE_CALLS = {"safe_open", "save_file", "load_file", "rmtree", "copyfile", "copy2", "copytree"}
+
+
+def _modules():
+    for root, _, files in os.walk(PACKAGE):
+        relative = os.path.relpath(root, PACKAGE)
+        if relative.split(os.sep)[0] in ALLOWED:
+            continue
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield os.path.join(root, name)
+
+
+def _dotted(node) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    parts.append(node.id if isinstance(node, ast.Name) else "<expr>")
+    return ".".join(reversed(parts))
+
+
+def _violation(node) -> str | None:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        names = {alias.name for alias in node.names}
+        module = getattr(node, "module", None) or ""
+        if module == "pathlib" or "pathlib" in names or "shutil" in names or module == "shutil":
+            return f"imports {module or ', '.join(sorted(names))}"
+        if "safe_open" in names or module == "safetensors.torch" and names & {"save_file", "load_file"}:
+            return f"imports {sorted(names)} from {module}"
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    called = _dotted(node.func)
+    last = called.rsplit(".", 1)[-1]
+    if called in ("open", "Path", "PurePath") or called.startswith("shutil."):
+        return f"calls {called}()"
+    if called.startswith("os.path.") and last in OS_PATH_IO:
+        return f"calls {called}()"
+    if called.startswith("os.") and called.count(".") == 1 and last in OS_FILE_FUNCTIONS:
+        return f"calls {called}()"
+    if last in LIBRARY_FILE_CALLS:
+        return f"calls {called}()"
+    if called in ("torch.save", "torch.load") and not _in_memory(node):
+        return f"calls {called}() on a path"
+    if isinstance(node.func, ast.Attribute) and last in PATH_IO_METHODS and _looks_like_path(node.func.value):
+        return f"calls .{last}() on a path"
+    return None
+
+
+def _in_memory(node: ast.Call) -> bool:
+    """torch.save(obj, buffer) / torch.load(io.BytesIO(...)): bytes, not a file."""
+    target = node.args[1] if _dotted(node.func) == "torch.save" and len(node.args) > 1 else (
+        node.args[0] if node.args else None)
+    return target is not None and "BytesIO" in ast.unparse(target) or (
+        isinstance(target, ast.Name) and target.id in ("buffer", "f"))
+
+
+def _looks_like_path(value) -> bool:
+    text = ast.unparse(value)
+    return any(word in text for word in ("path", "folder", "dir", "Path(", "checkpoint", "staging", "/"))
+
+
+def test_no_file_system_calls_above_the_store():
+    found = []
+    for path in _modules():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            why = _violation(node)
+            if why:
+                found.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno}: {why}")
+    assert not found, ("these lines touch stored bytes or local paths above the storage seam; go through "
+                       "hf_unified_ckpt.store (store_for(ref), join, read_bytes, put_bytes, ...) instead:\n  "
+                       + "\n  ".join(found))
+
+
+def test_the_walker_sees_what_it_forbids():
+    """The check cannot pass vacuously: each kind of call it forbids is found in a sample."""
+    sample = ("import shutil\nfrom pathlib import Path\nopen('x')\nos.listdir(d)\nos.path.isdir(d)\n"
+              "shutil.rmtree(d)\nfolder.read_bytes()\nPath(d)\nsafe_open(p)\ntorch.load(path)\n"
+              "torch.save(x, io.BytesIO())\nos.path.join(a, b)\n")
+    flagged = [node.lineno for node in ast.walk(ast.parse(sample)) if _violation(node)]
+    assert sorted(set(flagged)) == list(range(1, 11))
+    assert _modules() and len(list(_modules())) > 20
