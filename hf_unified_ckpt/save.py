@@ -1,13 +1,17 @@
-"""The save algorithm, the same with and without a process group.
+"""The save algorithm, the same with and without a process group and for every store (`store/`: every byte goes
+through `store_for(ref)`; a checkpoint is a string reference, a local path or a URL).
 
-1. rank 0 creates the staging folder `.checkpoint-N.incomplete`; ranks that cannot see it (their machine has
-   its own local folder) create their own;
+1. rank 0 creates the staging folder (`Store.stage`: `.checkpoint-N.incomplete` where the store renames atomically,
+   else `checkpoint-N` itself, committed by its manifest); ranks that cannot see it (their machine has its own
+   local folder) create their own; ranks write pieces of shared files in place only where every rank sees the
+   folder and the store writes at offsets (`Staging.in_place`), else each file is streamed whole by one rank;
 2. every rank computes the same shard plan; file by file, sharded engines assemble each tensor on the rank that
    writes it, and that rank's writer thread writes the file into its own staging folder; then every rank writes
    its extras (RNG state...);
 3. every rank reports its file records (or its error) to all;
 4. rank 0 writes the index files and the manifest (last); the leader of every other folder copies rank 0's small
-   files and manifest into it; every leader renames its staging folder to `checkpoint-N`.
+   files and manifest into it; every leader publishes its staging folder as `checkpoint-N` (`Store.publish`: a rename, or nothing
+   where the manifest is the commit).
 Any failure on any rank aborts the save on every rank: the staging folders are removed and nothing is committed.
 With machine-local folders, each folder holds the manifest, the small files and its machine's share of the
 tensor files; the union of the folders is the checkpoint.
@@ -162,7 +166,9 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, small_files: Sm
     `after_commit` (rotation).
 
     Collective: all ranks must call it. Returns the committed folder; raises `UnifiedCheckpointError` on every
-    rank if any rank failed, leaving no `checkpoint-N` behind (an existing complete one stays untouched).
+    rank if any rank failed, leaving no `checkpoint-N` behind (an existing complete one stays untouched where the
+    store renames atomically; where the manifest is the commit, a save of a step that already has a checkpoint
+    writes in its place: that one is removed, manifest first, when the save begins).
     """
     staging = open_staging(as_ref(request.final_dir))
     plan = plan_save(engine, request, shared=staging.in_place)

@@ -173,6 +173,8 @@ def canonical(ref: str | os.PathLike) -> str:
     """`ref` in the form two references to the same checkpoint share: a local path resolved (symbolic links,
     `..`), a URL without a trailing `/`."""
     ref = as_ref(ref)
+    if scheme_of(ref) == "file":
+        ref = ref[len("file://"):]
     return ref.rstrip("/") if scheme_of(ref) else os.path.realpath(ref)
 
 

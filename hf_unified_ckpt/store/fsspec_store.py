@@ -6,6 +6,7 @@ as on `LocalStore`."""
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from collections.abc import Iterable
 
@@ -72,17 +73,26 @@ class FsspecStore:
         self.fs.pipe_file(self._key(ref), bytes(data))
 
     def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
-        """Streamed into one file object, committed whole when it is closed (a failed write leaves nothing)."""
+        """Streamed into one file object. A failed write leaves no file under `ref`: what it wrote is removed (an
+        fsspec file may be visible, or uploaded, with the bytes written so far: the memory file system shows a
+        file from the moment it is opened, and a buffered remote file uploads what it holds when it is closed)."""
+        key = self._key(ref)
         written, end = [], 0
-        with self.fs.open(self._key(ref), "wb") as f:
-            for offset, data in ranges:
-                if offset != end:
-                    raise ValueError(f"{ref}: a range starts at byte {offset}, expected {end} (gap or overlap)")
-                f.write(data)
-                written.append((offset, len(data), crc32(data)))
-                end += len(data)
-            if end != size:
-                raise ValueError(f"{ref}: the ranges end at {end}, the file is {size} bytes")
+        try:
+            with self.fs.open(key, "wb") as f:
+                for offset, data in ranges:
+                    if offset != end:
+                        raise ValueError(f"{ref}: a range starts at byte {offset}, expected {end} (gap or overlap)")
+                    f.write(data)
+                    written.append((offset, len(data), crc32(data)))
+                    end += len(data)
+                if end != size:
+                    raise ValueError(f"{ref}: the ranges end at {end}, the file is {size} bytes")
+        except BaseException:
+            with contextlib.suppress(Exception):  # the write's own error is the one to report
+                if self.fs.isfile(key):
+                    self.fs.rm_file(key)
+            raise
         return written
 
     def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
