@@ -103,20 +103,6 @@ def _zeros_operator(k: int) -> tuple[int, ...]:
     return tuple(_gf2_times(half, half[n]) for n in range(32))
 
 
-def record_of(ref: str | os.PathLike) -> FileRecord:
-    """Make a written file durable and return its manifest record (size and CRC-32 read back through its store)."""
-    ref = as_ref(ref)
-    store = store_for(ref)
-    store.sync(ref)
-    size = store.size(ref)
-    if size is None:
-        raise FileNotFoundError(f"{ref} was not written")
-    return FileRecord(name_of(ref), size, f"{store.crc32(ref, 0, size):08x}")
-
-
-record_file = record_of
-
-
 def put_file(ref: str | os.PathLike, data: bytes) -> FileRecord:
     """Write small file `ref` durably and atomically through its store; return its record (from `data`)."""
     store_for(ref).put(as_ref(ref), data)
