@@ -14,7 +14,7 @@ from .file_service import FileService
 from .optim_state import group_param_names
 from .options import UnifiedCheckpointOptions
 from .placement import Placement
-from .storage.files import write_bytes
+from .storage.files import put_file
 from .storage.manifest import (MANIFEST_NAME, check_share, checksum_problems, chunks_of, describe_problems,
                                read_manifest)
 from .storage.safetensors_io import ComponentReader
@@ -74,7 +74,7 @@ def fetch_small_files(folder: str | os.PathLike, manifest: dict, placement: Plac
         if wanted:
             _clear_unverified(folder, shards, manifest_here=placement.is_local(MANIFEST_NAME))
         for name in wanted:
-            write_bytes(join(folder, name), service.read_file(name))
+            put_file(join(folder, name), service.read_file(name))
     finally:
         service.close()
     if wanted and dist.local_rank() == 0:

@@ -42,7 +42,7 @@ from .persist import write_small_files
 from .planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
 from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
                              remove_writer_marks, sees_writer, staging_dir)
-from .storage.files import FileRecord, RangeRecord, combine_ranges, write_bytes
+from .storage.files import FileRecord, RangeRecord, combine_ranges, put_file
 from .store import as_ref, join, name_of, parent_of, store_for
 from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .storage.safetensors_io import index_name, write_index
@@ -334,7 +334,7 @@ def _commit_folder(staging: Staging, small_files: dict[str, bytes]) -> None:
     commit it."""
     if staging.leader != 0:
         for name in sorted(small_files, key=lambda n: n == MANIFEST_NAME):
-            write_bytes(join(staging.path, name), small_files[name])
+            put_file(join(staging.path, name), small_files[name])
     remove_writer_marks(staging.path)
     commit(staging.path, staging.final)
     logger.info("Saved unified checkpoint %s", staging.final)

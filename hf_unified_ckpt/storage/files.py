@@ -109,12 +109,6 @@ def put_file(ref: str | os.PathLike, data: bytes) -> FileRecord:
     return FileRecord(name_of(ref), len(data), f"{crc32(data):08x}")
 
 
-def write_bytes(ref: str | os.PathLike, data: bytes) -> None:
-    """Write small file `ref` durably and atomically (several processes may write the same file at once: the last
-    write wins)."""
-    put_file(ref, data)
-
-
 def json_bytes(obj) -> bytes:
     """The bytes every JSON file of a checkpoint is written as (indented, keys sorted, newline-terminated)."""
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")

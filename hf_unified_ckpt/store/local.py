@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Iterable
 
 from . import local_io
@@ -39,18 +40,25 @@ class LocalStore:
 
     # ---- reading ------------------------------------------------------------------------------------------------
     def list(self, ref: str) -> dict[str, int | None]:
+        out = {}
         try:
             with os.scandir(self._path(ref)) as entries:
-                return {e.name: (None if e.is_dir() else _size(e)) for e in entries}
+                for entry in entries:
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:  # removed while listed
+                        continue
+                    out[entry.name] = None if stat.S_ISDIR(st.st_mode) else st.st_size
         except (FileNotFoundError, NotADirectoryError):
             return {}
+        return out
 
     def size(self, ref: str) -> int | None:
         try:
             st = os.stat(self._path(ref))
         except OSError:
             return None
-        return st.st_size if not os.path.isdir(self._path(ref)) else None
+        return None if stat.S_ISDIR(st.st_mode) else st.st_size
 
     def is_folder(self, ref: str) -> bool:
         return os.path.isdir(self._path(ref))
@@ -138,9 +146,3 @@ class LocalStore:
     def local_path(self, ref: str) -> str | None:
         return self._path(ref)
 
-
-def _size(entry: os.DirEntry) -> int | None:
-    try:
-        return entry.stat().st_size
-    except FileNotFoundError:  # removed while listed
-        return None
