@@ -237,7 +237,7 @@ def saved_stage(folder: Path) -> str:
 def worker(out: Path, steps: int) -> None:
     import torch.distributed as dist
 
-    from hf_unified_ckpt.cli import _info
+    from hf_unified_ckpt.tools.cli import _info
 
     pin_threads()
     half, hop = steps // 2, steps // 10

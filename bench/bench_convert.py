@@ -130,7 +130,7 @@ def fsync_seconds(folder: Path) -> float:
 def import_floor() -> dict[str, tuple[float, int]]:
     """(seconds, peak RSS) of a fresh interpreter that only imports what each command imports."""
     py = sys.executable
-    return {"ours": measured([py, "-c", "import hf_unified_ckpt.cli, hf_unified_ckpt.convert"]),
+    return {"ours": measured([py, "-c", "import hf_unified_ckpt.tools.cli, hf_unified_ckpt.tools.convert"]),
             "theirs": measured([py, "-c", "import deepspeed.utils.zero_to_fp32, safetensors.torch"])}
 
 

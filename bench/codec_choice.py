@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from hf_unified_ckpt.codecs import CODE_BOOKS, Grid, dequantize, quantize
+from hf_unified_ckpt.format.codecs import CODE_BOOKS, Grid, dequantize, quantize
 
 
 def trained_states(steps: int, seed: int = 0):

@@ -1,6 +1,6 @@
 """hf_unified_ckpt: engine- and world-size-independent safetensors checkpoints for the Hugging Face Trainer.
 
-The public names below are imported on first use (PEP 562), so that importing a submodule (`hf_unified_ckpt.layout`,
+The public names below are imported on first use (PEP 562), so that importing a submodule (`hf_unified_ckpt.checkpoint.layout`,
 the `hf-unified-ckpt` command line) does not load transformers, accelerate or torch.
 """
 
@@ -13,8 +13,9 @@ from ._version import __version__
 _PUBLIC = {
     "UnifiedCheckpointArguments": "arguments", "UnifiedCheckpointFields": "arguments",
     "with_unified_checkpoint": "arguments",
-    "UnifiedCheckpointCallback": "integration", "UnifiedCheckpointMixin": "integration", "attach": "integration",
-    "Layout": "layout", "detect_layout": "layout", "newest_complete": "layout",
+    "UnifiedCheckpointCallback": "trainer.integration", "UnifiedCheckpointMixin": "trainer.integration",
+    "attach": "trainer.integration",
+    "Layout": "checkpoint.layout", "detect_layout": "checkpoint.layout", "newest_complete": "checkpoint.layout",
     "UnifiedCheckpointOptions": "options", "parse_options": "options",
 }
 

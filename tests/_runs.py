@@ -565,7 +565,7 @@ def _refused(trainer, resume, expected: str) -> dict:
 def slow_snapshot(seconds: float):
     """An async save's snapshot sleeps before it copies: a training step that did not wait for the copy would
     change the weights or optimizer state first, and the resume from that checkpoint would not be exact."""
-    from hf_unified_ckpt.async_save import AsyncSaver
+    from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
 
     original = AsyncSaver.stage
 
@@ -584,7 +584,7 @@ def slow_snapshot(seconds: float):
 def die_at_commit(when: str, nth: int):
     """This process dies as under kill -9 (no cleanup, no exception) at its `nth` folder commit, "before" or
     "after" the rename that commits its folder."""
-    import hf_unified_ckpt.save as save_module
+    import hf_unified_ckpt.checkpoint.save as save_module
 
     original, calls = save_module.commit, [0]
 
@@ -610,7 +610,7 @@ def die_mid_write(rank: int, step: int):
     of this rank's ranges written; the other ranks are stopped by the launcher."""
     import dataclasses
 
-    import hf_unified_ckpt.storage.writer as writer
+    import hf_unified_ckpt.checkpoint.writer as writer
 
     original = writer.write_ranges
 

@@ -7,11 +7,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hf_unified_ckpt.async_save as async_save  # noqa: E402
-import hf_unified_ckpt.integration as integration  # noqa: E402
-import hf_unified_ckpt.save as save  # noqa: E402
+import hf_unified_ckpt.checkpoint.async_save as async_save  # noqa: E402
+import hf_unified_ckpt.trainer.integration as integration  # noqa: E402
+import hf_unified_ckpt.checkpoint.save as save  # noqa: E402
 import hf_unified_ckpt.store.local as local_store  # noqa: E402
-import hf_unified_ckpt.storage.writer as writer  # noqa: E402
+import hf_unified_ckpt.checkpoint.writer as writer  # noqa: E402
 from _runs import train  # noqa: E402
 
 KILLED = 137

@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-import hf_unified_ckpt.save as save_module
-import hf_unified_ckpt.storage.writer as writer_module
+import hf_unified_ckpt.checkpoint.save as save_module
+import hf_unified_ckpt.checkpoint.writer as writer_module
 from _runs import final_state, run_spec, train
 from conftest import record_fault, torchrun
 from hf_unified_ckpt.errors import UnifiedCheckpointError
-from hf_unified_ckpt.layout import detect_layout, newest_complete
+from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
 
 ASYNC = {"unified_checkpoint_config": "async_save", "unified_checkpoint_max_shard_size": "40KB"}
 

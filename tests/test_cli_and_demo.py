@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from _runs import train
-from hf_unified_ckpt.cli import main as cli
+from hf_unified_ckpt.tools.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hf_unified_ckpt
-from hf_unified_ckpt.storage.manifest import ComponentEntry, build_manifest, write_manifest
-from hf_unified_ckpt.storage.safetensors_io import write_shard
+from hf_unified_ckpt.checkpoint.manifest import ComponentEntry, build_manifest, write_manifest
+from hf_unified_ckpt.checkpoint.safetensors_io import write_shard
 
 TRAINING_STACK = "{'transformers', 'accelerate', 'deepspeed', 'peft', 'trl'}"
 
@@ -35,12 +35,12 @@ def unified(tmp_path):
 
 
 def test_pure_and_storage_modules_import_no_training_stack():
-    modules = "hf_unified_ckpt.storage, hf_unified_ckpt.planning, hf_unified_ckpt.layout, hf_unified_ckpt.cli"
+    modules = "hf_unified_ckpt.store, hf_unified_ckpt.format.planning, hf_unified_ckpt.checkpoint.layout, hf_unified_ckpt.tools.cli"
     assert _loaded_after(f"import {modules}") == []
 
 
 def test_info_and_verify_import_no_torch(unified):
-    run = (f"from hf_unified_ckpt.cli import main\nassert main(['info', {str(unified)!r}]) == 0\n"
+    run = (f"from hf_unified_ckpt.tools.cli import main\nassert main(['info', {str(unified)!r}]) == 0\n"
            f"assert main(['verify', {str(unified)!r}]) == 0")
     assert _loaded_after(run, TRAINING_STACK[:-1] + ", 'torch'}") == []
 
@@ -52,7 +52,7 @@ def test_public_names_load_on_first_use():
     for name in hf_unified_ckpt.__all__:
         assert getattr(hf_unified_ckpt, name) is not None
     from hf_unified_ckpt import attach
-    from hf_unified_ckpt.integration import attach as defined
+    from hf_unified_ckpt.trainer.integration import attach as defined
 
     assert attach is defined and "attach" in dir(hf_unified_ckpt)
     with pytest.raises(AttributeError, match="no_such_name"):

@@ -10,8 +10,8 @@ import torch
 
 from _runs import assert_resumed_matches, run_spec
 from conftest import torchrun
-from hf_unified_ckpt.cli import main as cli
-from hf_unified_ckpt.layout import detect_layout
+from hf_unified_ckpt.tools.cli import main as cli
+from hf_unified_ckpt.checkpoint.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 LEGACY = {"attach": False, "unified_checkpoint": False}

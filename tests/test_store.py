@@ -21,24 +21,24 @@ import pytest
 import torch
 from torch import nn
 
-import hf_unified_ckpt.save as save_module
+import hf_unified_ckpt.checkpoint.save as save_module
 import hf_unified_ckpt.store.local as local_store_module
 from _runs import THREADS, pin_threads
 from conftest import record_fault
-from hf_unified_ckpt.async_save import AsyncSaver
+from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
 from hf_unified_ckpt.engines.replicated import ReplicatedEngine
 from hf_unified_ckpt.errors import CorruptCheckpointError, UnifiedCheckpointError
-from hf_unified_ckpt.layout import UNIFIED, UNIFIED_INCOMPLETE, detect_layout, newest_complete
-from hf_unified_ckpt.load import load_checkpoint, verify_checkpoint
+from hf_unified_ckpt.checkpoint.layout import UNIFIED, UNIFIED_INCOMPLETE, detect_layout, newest_complete
+from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
 from hf_unified_ckpt.options import UnifiedCheckpointOptions
-from hf_unified_ckpt.persist import PersistJob
-from hf_unified_ckpt.retention import rotate_checkpoints
-from hf_unified_ckpt.save import (SaveRequest, assembled_files, conclude, open_staging, plan_save, raise_if_failed,
+from hf_unified_ckpt.checkpoint.persist import PersistJob
+from hf_unified_ckpt.checkpoint.retention import rotate_checkpoints
+from hf_unified_ckpt.checkpoint.save import (SaveRequest, assembled_files, conclude, open_staging, plan_save, raise_if_failed,
                                   save_checkpoint)
-from hf_unified_ckpt.storage.commit import WRITER_MARK, list_checkpoints
-from hf_unified_ckpt.storage.manifest import MANIFEST_NAME
-from hf_unified_ckpt.storage.safetensors_io import ComponentReader
-from hf_unified_ckpt.storage.writer import SharedFileWriter, WholeFileWriter
+from hf_unified_ckpt.checkpoint.commit import WRITER_MARK, list_checkpoints
+from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME
+from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+from hf_unified_ckpt.checkpoint.writer import SharedFileWriter, WholeFileWriter
 from hf_unified_ckpt.store import (FsspecStore, LocalStore, canonical, join, name_of, parent_of, scheme_of, sibling,
                                    store_for)
 

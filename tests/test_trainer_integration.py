@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 import hf_unified_ckpt
 from _runs import TokenDataset, build_model, final_state, losses_of, make_args, reset_accelerate_state, train
 from hf_unified_ckpt.errors import UnsupportedCheckpointError
-from hf_unified_ckpt.layout import detect_layout
+from hf_unified_ckpt.checkpoint.layout import detect_layout
 
 
 def _logits(model):
@@ -109,7 +109,7 @@ def test_resume_from_a_folder_that_is_no_checkpoint(tmp_path):
 def test_the_callback_alone_gives_the_same_trainer_as_attach(tmp_path):
     """`Trainer(..., callbacks=[UnifiedCheckpointCallback()])` attaches that trainer (no global patching): the same
     save path, resume detection and checks as attach(trainer); saving and resuming alike."""
-    from hf_unified_ckpt.integration import UnifiedCheckpointMixin
+    from hf_unified_ckpt.trainer.integration import UnifiedCheckpointMixin
 
     def run(out, resume=None, how="callback"):
         reset_accelerate_state()

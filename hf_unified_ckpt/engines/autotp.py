@@ -90,7 +90,7 @@ def gather_split(local: torch.Tensor, split: TPSplit, group) -> torch.Tensor:
 def read_split_range(reader, name: str, split: TPSplit, start: int, count: int) -> torch.Tensor:
     """Elements [start, start + count) of this rank's flattened slice of tensor `name`, reading only the rows of
     the full tensor that cover them (rows: dim 0 of the full tensor, which the slice shares unless split there)."""
-    from ..storage.reader import read_flat_range
+    from ..format.reader import read_flat_range
 
     row = math.prod(split.shape[1:])
     if split.dim == 0:

@@ -12,8 +12,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from ..components import Component
-from ..planning import TensorSpec
+from ..format.components import Component
+from ..format.planning import TensorSpec
 
 T = TypeVar("T")
 

@@ -31,14 +31,14 @@ import torch
 from torch import nn
 
 from .. import dist
-from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
+from ..format.components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
-from ..hf_model import naming_policy, model_config_files
-from ..names import optimizer_key, split_optimizer_key
-from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_scalar
-from ..planning import TensorSpec
-from ..storage.reader import read_flat_range
-from ..storage.safetensors_io import ComponentReader
+from .hf_model import naming_policy, model_config_files
+from ..format.names import optimizer_key, split_optimizer_key
+from ..format.optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_scalar
+from ..format.planning import TensorSpec
+from ..format.reader import read_flat_range
+from ..checkpoint.safetensors_io import ComponentReader
 from .autotp import TPSplit, autotp_splits, gather_split, read_split_range
 from .base import Fragment, component_source
 

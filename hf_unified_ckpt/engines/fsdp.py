@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from .. import dist
-from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
+from ..format.components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
-from ..hf_model import naming_policy, model_config_files
-from ..names import optimizer_key, split_optimizer_key
-from ..optim_state import OptimizerStateDecoder, OptimizerStateEncoder
-from ..planning import TensorSpec
+from .hf_model import naming_policy, model_config_files
+from ..format.names import optimizer_key, split_optimizer_key
+from ..format.optim_state import OptimizerStateDecoder, OptimizerStateEncoder
+from ..format.planning import TensorSpec
 from .base import Fragment, component_source
 
 

@@ -10,12 +10,12 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from .. import dist
-from ..components import MASTER, MODEL, OPTIMIZER, Component, saved_by
+from ..format.components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first, missing_and_unexpected
-from ..hf_model import is_peft_model, model_state_for_save, naming_policy, parameter_names, model_config_files
-from ..optim_state import flatten_optimizer_state, unflatten_optimizer_state
-from ..planning import TensorSpec
-from ..storage.safetensors_io import ComponentReader
+from .hf_model import is_peft_model, model_state_for_save, naming_policy, parameter_names, model_config_files
+from ..format.optim_state import flatten_optimizer_state, unflatten_optimizer_state
+from ..format.planning import TensorSpec
+from ..checkpoint.safetensors_io import ComponentReader
 from .base import Fragment, component_source
 
 

@@ -33,7 +33,7 @@ def _not_resumable(layout) -> str:
 def legacy_components(legacy, for_loading: bool = False) -> dict:
     """The components a legacy reader holds, by name: model weights, master weights (when the engine kept a
     separate fp32 copy; for loading always, the model weights standing in for fp32 training) and optimizer."""
-    from ..components import MASTER, MODEL, OPTIMIZER
+    from ..format.components import MASTER, MODEL, OPTIMIZER
 
     check_readable(legacy)
     sources = {MODEL.name: legacy.model_source()}

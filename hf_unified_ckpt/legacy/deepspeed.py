@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..components import saved_by
+from ..format.components import saved_by
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..optim_state import OptimizerStateEncoder
+from ..format.optim_state import OptimizerStateEncoder
 from .sources import TensorSource
 
 logger = logging.getLogger(__name__)

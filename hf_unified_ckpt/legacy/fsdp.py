@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..components import saved_by
+from ..format.components import saved_by
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..names import canonical_name
-from ..optim_state import OptimizerStateEncoder
+from ..format.names import canonical_name
+from ..format.optim_state import OptimizerStateEncoder
 from .sources import TensorSource
 
 MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..storage.headers import safetensors_dtype
-from ..storage.reader import LoadedSlice, Specs, TensorReader
+from ..format.headers import safetensors_dtype
+from ..format.reader import LoadedSlice, Specs, TensorReader
 
 if TYPE_CHECKING:
     import torch

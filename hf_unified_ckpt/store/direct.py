@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..storage.checksum import crc32
+from ..format.checksum import crc32
 from .local_io import pwrite_all
 
 #: Bounce buffer size (a multiple of every logical block size in use: 512 B and 4 KiB).

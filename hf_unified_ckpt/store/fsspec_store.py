@@ -10,7 +10,7 @@ import contextlib
 import posixpath
 from collections.abc import Iterable
 
-from ..storage.checksum import crc32
+from ..format.checksum import crc32
 from .base import Capabilities, Range, Written, as_ref
 
 

@@ -7,7 +7,7 @@ import mmap
 import os
 import threading
 
-from ..storage.checksum import crc32
+from ..format.checksum import crc32
 
 _CHUNK = 16 * 2**20
 

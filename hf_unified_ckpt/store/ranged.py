@@ -9,7 +9,7 @@ import struct
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..storage.headers import MAX_HEADER, TORCH_DTYPE_NAMES
+from ..format.headers import MAX_HEADER, TORCH_DTYPE_NAMES
 
 
 class RangedFile:

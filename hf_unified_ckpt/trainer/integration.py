@@ -35,24 +35,24 @@ import transformers
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from . import dist
-from .async_save import AsyncSaver
-from .components import MASTER, MODEL, OPTIMIZER
-from .engines.base import LoadSources
-from .engines.replicated import ReplicatedEngine
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
-from .layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete
-from .legacy import check_readable, legacy_components, open_legacy
-from .lineage import error_half_life, options_for_save, restored_step
-from .ema import BackgroundUpdates, ExponentialAverage, WithEma
-from .load import fetch_small_files, load_checkpoint, verify_checkpoint
-from .optim_state import fit_scheduler_state, group_param_names, match_groups
-from .placement import Placement, judge_path, newest_across_machines, placement_of
-from .retention import rotate_checkpoints
-from .rng import capture_rng_state, restore_rng_state, rng_file_name
-from .save import SaveRequest, save_checkpoint, save_model_weights
-from .store import as_ref, canonical, is_file, is_folder, join, parent_of, read_bytes
-from .store.capture import files_written_by, torch_bytes
+from .. import dist
+from ..checkpoint.async_save import AsyncSaver
+from ..format.components import MASTER, MODEL, OPTIMIZER
+from ..engines.base import LoadSources
+from ..engines.replicated import ReplicatedEngine
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..checkpoint.layout import DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout, newest_complete
+from ..legacy import check_readable, legacy_components, open_legacy
+from ..format.lineage import error_half_life, options_for_save, restored_step
+from ..checkpoint.ema import BackgroundUpdates, ExponentialAverage, WithEma
+from ..checkpoint.load import fetch_small_files, load_checkpoint, verify_checkpoint
+from ..format.optim_state import fit_scheduler_state, group_param_names, match_groups
+from ..checkpoint.placement import Placement, judge_path, newest_across_machines, placement_of
+from ..checkpoint.retention import rotate_checkpoints
+from ..checkpoint.rng import capture_rng_state, restore_rng_state, rng_file_name
+from ..checkpoint.save import SaveRequest, save_checkpoint, save_model_weights
+from ..store import as_ref, canonical, is_file, is_folder, join, parent_of, read_bytes
+from ..store.capture import files_written_by, torch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -475,7 +475,7 @@ class _Engine:
 
 
 def _build_deepspeed(trainer):
-    from .engines.deepspeed import DeepSpeedEngine
+    from ..engines.deepspeed import DeepSpeedEngine
 
     return DeepSpeedEngine(trainer.model_wrapped, _master_policy(trainer.args.unified_checkpoint_options))
 
@@ -490,7 +490,7 @@ def _deepspeed_topology(trainer) -> dict:
 
 def _deepspeed_step_barrier(trainer, wait) -> None:
     """DeepSpeed steps inside backward, where no callback runs: its optimizer's own step waits."""
-    from .engines.deepspeed import wait_before_steps
+    from ..engines.deepspeed import wait_before_steps
 
     wait_before_steps(trainer.model_wrapped, wait)
 
@@ -512,7 +512,7 @@ def _deepspeed_refusal(trainer) -> str | None:
 
 
 def _build_fsdp(trainer):
-    from .engines.fsdp import FSDPEngine
+    from ..engines.fsdp import FSDPEngine
 
     return FSDPEngine(trainer.model_wrapped, trainer.optimizer)
 
@@ -524,7 +524,7 @@ def _sharded_at_load(trainer) -> bool:
 
 
 def _build_tensor_parallel(trainer):
-    from .engines.fsdp import FSDPEngine
+    from ..engines.fsdp import FSDPEngine
 
     return FSDPEngine(trainer.model_wrapped, trainer.optimizer, kind="tensor_parallel")
 

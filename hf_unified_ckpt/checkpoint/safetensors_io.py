@@ -13,8 +13,8 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..store import as_ref, join, name_of, store_for
 from .files import FileRecord, check_plain_name, crc32_combine, read_json, write_json
-from .headers import read_safetensors_header, tensor_specs
-from .reader import FileHandle, FileOpener, LogicalReader, Specs, TensorReader, TensorSlice
+from ..format.headers import read_safetensors_header, tensor_specs
+from ..format.reader import FileHandle, FileOpener, LogicalReader, Specs, TensorReader, TensorSlice
 
 __all__ = ["SAFETENSORS_METADATA", "ComponentReader", "LocalFiles", "StoredFiles", "index_name",
            "read_safetensors_header", "write_index", "write_shard"]
@@ -37,7 +37,7 @@ def write_shard(ref: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> 
     then by name), streamed tensor by tensor (`Store.write_whole`); the CRC-32 of each range is computed from
     memory as it is written and combined. Tensors sharing storage (one per-group scalar under several names) are
     written as copies."""
-    from ..planning import TensorSpec, header_bytes, safetensors_header
+    from ..format.planning import TensorSpec, header_bytes, safetensors_header
 
     ref = as_ref(ref)
     out, seen = {}, set()
@@ -182,7 +182,7 @@ class ComponentReader(LogicalReader):
     """
 
     def __init__(self, folder: str | os.PathLike, file_stem: str, remote=None, codec=None, anchor=None):
-        from ..codecs import codec_from_metadata
+        from ..format.codecs import codec_from_metadata
 
         stored = StoredFiles(folder, file_stem, remote)
         where = f"the {file_stem} files of {stored.folder}"

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 
-from . import dist
-from .engines.base import EngineAdapter
-from .errors import UnifiedCheckpointError
+from .. import dist
+from ..engines.base import EngineAdapter
+from ..errors import UnifiedCheckpointError
 from .persist import Background, HostBuffers, PersistJob
-from .planning import FilePlan
+from ..format.planning import FilePlan
 from .save import (SaveRequest, SmallFiles, Staging, assembled_files, conclude, guarded, open_staging, plan_save,
                    raise_if_failed)
-from .store import as_ref, name_of
+from ..store import as_ref, name_of
 
 logger = logging.getLogger(__name__)
 

@@ -32,21 +32,21 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from . import dist
-from .codecs import MomentCodec, ResidualCodec, count_ties
-from .components import MASTER, Component, Role, component
-from .engines.base import EngineAdapter
-from .errors import UnifiedCheckpointError
-from .options import UnifiedCheckpointOptions
+from .. import dist
+from ..format.codecs import MomentCodec, ResidualCodec, count_ties
+from ..format.components import MASTER, Component, Role, component
+from ..engines.base import EngineAdapter
+from ..errors import UnifiedCheckpointError
+from ..options import UnifiedCheckpointOptions
 from .persist import write_small_files
-from .planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
-from .storage.commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
+from ..format.planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
+from .commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
                              remove_writer_marks, sees_writer, staging_dir)
-from .storage.files import FileRecord, RangeRecord, combine_ranges, put_file
-from .store import as_ref, join, name_of, parent_of, store_for
-from .storage.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
-from .storage.safetensors_io import index_name, write_index
-from .storage.writer import SharedFileWriter, StorageWriter, WholeFileWriter
+from .files import FileRecord, RangeRecord, combine_ranges, put_file
+from ..store import as_ref, join, name_of, parent_of, store_for
+from .manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
+from .safetensors_io import index_name, write_index
+from .writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
 logger = logging.getLogger(__name__)
 

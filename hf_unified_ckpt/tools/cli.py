@@ -11,11 +11,11 @@ import sys
 
 # `info` and `verify` read file names, JSON and safetensors headers only: keep these imports free of torch,
 # transformers and accelerate (tests/test_imports.py), so the command answers at once. `convert` imports its own.
-from .errors import UnifiedCheckpointError
-from .layout import UNIFIED, detect_layout
-from .storage.headers import read_safetensors_header, tensor_specs
-from .storage.manifest import spread_hint, verify_folder
-from .store import join
+from ..errors import UnifiedCheckpointError
+from ..checkpoint.layout import UNIFIED, detect_layout
+from ..format.headers import read_safetensors_header, tensor_specs
+from ..checkpoint.manifest import spread_hint, verify_folder
+from ..store import join
 
 
 def _info(path: str) -> dict:

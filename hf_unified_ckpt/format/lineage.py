@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from .options import UnifiedCheckpointOptions
+from ..options import UnifiedCheckpointOptions
 
 #: Param-group hyper-parameters that are the decay rate of a moment (torch optimizers' names).
 _DECAYS = ("betas", "momentum", "alpha", "rho", "beta")

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .planning import FilePlan
-from .storage.files import FileRecord, RangeRecord, put_file
-from .store import join
+from ..format.planning import FilePlan
+from .files import FileRecord, RangeRecord, put_file
+from ..store import join
 
 
 @dataclass

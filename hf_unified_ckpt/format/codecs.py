@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .planning import TensorSpec
-from .storage.headers import TORCH_DTYPE_NAMES, safetensors_dtype
+from .headers import TORCH_DTYPE_NAMES, safetensors_dtype
 
 BLOCK_SIZE = 128
 SCALES, TIES = ":scales", ":ties"

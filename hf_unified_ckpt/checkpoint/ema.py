@@ -23,13 +23,13 @@ from dataclasses import replace
 
 import torch
 
-from . import dist
-from .components import EMA, Component
-from .engines.base import Fragment, LoadSources
-from .errors import UnsupportedCheckpointError, count_and_first
+from .. import dist
+from ..format.components import EMA, Component
+from ..engines.base import Fragment, LoadSources
+from ..errors import UnsupportedCheckpointError, count_and_first
 from .persist import Background, HostBuffers
-from .planning import TensorSpec
-from .storage.reader import read_flat_range
+from ..format.planning import TensorSpec
+from ..format.reader import read_flat_range
 
 logger = logging.getLogger(__name__)
 

@@ -10,16 +10,16 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from .components import OPTIMIZER, Component, component
-from .errors import UnsupportedCheckpointError
+from ..format.components import OPTIMIZER, Component, component
+from ..errors import UnsupportedCheckpointError
 from .export import require_new_folder
-from .layout import DEEPSPEED, FSDP, detect_layout
-from .legacy import legacy_components, open_legacy
-from .legacy.sources import TensorSource
-from .options import parse_options
-from .planning import TensorSpec
-from .save import SaveRequest, save_checkpoint
-from .store import as_ref, is_file, is_folder, join, listing, read_bytes, remove
+from ..checkpoint.layout import DEEPSPEED, FSDP, detect_layout
+from ..legacy import legacy_components, open_legacy
+from ..legacy.sources import TensorSource
+from ..options import parse_options
+from ..format.planning import TensorSpec
+from ..checkpoint.save import SaveRequest, save_checkpoint
+from ..store import as_ref, is_file, is_folder, join, listing, read_bytes, remove
 
 if TYPE_CHECKING:
     import torch

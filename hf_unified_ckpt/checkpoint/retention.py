@@ -7,8 +7,8 @@ import os
 from collections.abc import Iterable
 
 from .layout import detect_layout
-from .storage.commit import COMMIT_FILE, list_checkpoints
-from .store import canonical, store_for
+from .commit import COMMIT_FILE, list_checkpoints
+from ..store import canonical, store_for
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from . import dist
-from .store import as_ref, is_folder, listing
+from .. import dist
+from ..store import as_ref, is_folder, listing
 from .layout import UNIFIED, UNKNOWN, Layout, detect_layout
-from .storage.commit import list_checkpoints
-from .storage.manifest import MANIFEST_NAME, describe_problems, size_problem
+from .commit import list_checkpoints
+from .manifest import MANIFEST_NAME, describe_problems, size_problem
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,17 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from .components import EMA, MASTER, MODEL
-from .errors import UnsupportedCheckpointError
-from .hf_model import ADAPTER_STEM
-from .layout import UNIFIED, detect_layout
-from .options import parse_size
-from .planning import TensorSpec, plan_component
-from .storage.files import read_json, write_json
-from .storage.headers import TORCH_DTYPE_NAMES
-from .storage.manifest import MANIFEST_NAME
-from .storage.safetensors_io import ComponentReader, write_index, write_shard
-from .store import as_ref, is_file, join, listing, name_of, put_bytes, read_bytes, store_for
+from ..format.components import EMA, MASTER, MODEL
+from ..errors import UnsupportedCheckpointError
+from ..engines.hf_model import ADAPTER_STEM
+from ..checkpoint.layout import UNIFIED, detect_layout
+from ..options import parse_size
+from ..format.planning import TensorSpec, plan_component
+from ..checkpoint.files import read_json, write_json
+from ..format.headers import TORCH_DTYPE_NAMES
+from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.safetensors_io import ComponentReader, write_index, write_shard
+from ..store import as_ref, is_file, join, listing, name_of, put_bytes, read_bytes, store_for
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _write_merged(model, chosen, folder: str, stem: str, dtype, max_shard_size: 
                   checkpoint: str, base_model: str | None) -> None:
     """The adapter (each tensor from `chosen` where it has it) merged into its base model, written as
     `save_pretrained` names the merged model's tensors, with its config files."""
-    from .hf_model import MODEL_STEM, model_config_files, model_state_for_save
+    from ..engines.hf_model import MODEL_STEM, model_config_files, model_state_for_save
     from .merge_lora import base_model_path, merged_model
 
     adapter = {n: (chosen if n in chosen else model).get(n) for n in model.keys()}

@@ -6,19 +6,19 @@ import logging
 import os
 from contextlib import ExitStack
 
-from . import dist
-from .components import MASTER, MODEL, OPTIMIZER, Role
-from .engines.base import EngineAdapter, LoadSources
-from .errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
+from .. import dist
+from ..format.components import MASTER, MODEL, OPTIMIZER, Role
+from ..engines.base import EngineAdapter, LoadSources
+from ..errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
 from .file_service import FileService
-from .optim_state import group_param_names
-from .options import UnifiedCheckpointOptions
+from ..format.optim_state import group_param_names
+from ..options import UnifiedCheckpointOptions
 from .placement import Placement
-from .storage.files import put_file
-from .storage.manifest import (MANIFEST_NAME, check_share, checksum_problems, chunks_of, describe_problems,
+from .files import put_file
+from .manifest import (MANIFEST_NAME, check_share, checksum_problems, chunks_of, describe_problems,
                                read_manifest)
-from .storage.safetensors_io import ComponentReader
-from .store import as_ref, join, store_for
+from .safetensors_io import ComponentReader
+from ..store import as_ref, join, store_for
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .errors import count_and_first
+from ..errors import count_and_first
 from .names import optimizer_key, split_optimizer_key
 
 _PY_SCALARS = {bool: ("bool", torch.bool), int: ("int", torch.int64), float: ("float", torch.float64)}

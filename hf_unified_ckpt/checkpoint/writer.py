@@ -35,9 +35,9 @@ from typing import Protocol
 
 import torch
 
-from ..planning import FilePlan, WriteItem
+from ..format.planning import FilePlan, WriteItem
 from ..store import as_ref, join, store_for
-from .checksum import crc32
+from ..format.checksum import crc32
 from .files import FileRecord, RangeRecord
 from .safetensors_io import write_shard
 

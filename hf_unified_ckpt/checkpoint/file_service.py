@@ -20,12 +20,12 @@ import threading
 import torch
 import torch.distributed as tdist
 
-from . import dist
-from .errors import CorruptCheckpointError
+from .. import dist
+from ..errors import CorruptCheckpointError
 from .placement import Placement
-from .storage.headers import read_safetensors_header
-from .storage.reader import FileHandle, FileOpener, TensorSlice
-from .store import as_ref, join, store_for
+from ..format.headers import read_safetensors_header
+from ..format.reader import FileHandle, FileOpener, TensorSlice
+from ..store import as_ref, join, store_for
 
 logger = logging.getLogger(__name__)
 

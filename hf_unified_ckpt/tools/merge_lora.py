@@ -12,9 +12,9 @@ import os
 
 from torch import nn
 
-from .errors import UnsupportedCheckpointError
-from .storage.files import read_json
-from .store import as_ref, join
+from ..errors import UnsupportedCheckpointError
+from ..checkpoint.files import read_json
+from ..store import as_ref, join
 
 #: The adapter config PEFT writes next to the adapter weights.
 ADAPTER_CONFIG = "adapter_config.json"

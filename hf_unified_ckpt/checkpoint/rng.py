@@ -10,7 +10,7 @@ import random
 import numpy as np
 import torch
 
-from .store import as_ref, is_file, join, read_bytes
+from ..store import as_ref, is_file, join, read_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from ..errors import CorruptCheckpointError
 from ..store import as_ref, name_of, store_for
-from .checksum import crc32
+from ..format.checksum import crc32
 
 CHECKSUM_ALGORITHM = "crc32"
 

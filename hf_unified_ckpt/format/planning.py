@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from .storage.headers import safetensors_dtype
+from .headers import safetensors_dtype
 
 if TYPE_CHECKING:
     import torch

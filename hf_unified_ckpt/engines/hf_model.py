@@ -9,8 +9,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from .errors import UnsupportedCheckpointError, count_and_first
-from .names import NamingPolicy, canonical_name
+from ..errors import UnsupportedCheckpointError, count_and_first
+from ..format.names import NamingPolicy, canonical_name
 
 MODEL_STEM, ADAPTER_STEM = "model", "adapter_model"
 
@@ -90,7 +90,7 @@ def parameter_names(module: nn.Module, naming: NamingPolicy) -> dict[int, str]:
 def model_config_files(module: nn.Module) -> dict[str, bytes]:
     """config.json / generation_config.json (or adapter_config.json), as `save_pretrained` would write them: name ->
     bytes."""
-    from .store.capture import files_written_by
+    from ..store.capture import files_written_by
 
     return files_written_by(lambda folder: _save_configs(module, folder))
 
