@@ -108,3 +108,21 @@ def test_the_walker_sees_what_it_forbids():
     flagged = [node.lineno for node in ast.walk(ast.parse(sample)) if _violation(node)]
     assert sorted(set(flagged)) == list(range(1, 11))
     assert _modules() and len(list(_modules())) > 20
+
+
+def test_the_format_layer_is_pure():
+    """`format/` does no I/O and runs no collective: it imports nothing from the layers above or below it."""
+    above = ("store", "checkpoint", "engines", "trainer", "tools", "legacy", "dist")
+    found = []
+    folder = os.path.join(PACKAGE, "format")
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                module = (node.module or "").split(".")[0] or node.names[0].name
+                if module in above:
+                    found.append(f"format/{name}:{node.lineno} imports {module}")
+    assert not found, "\n".join(found)

@@ -23,7 +23,7 @@ import torch.distributed as tdist
 from .. import dist
 from ..errors import CorruptCheckpointError
 from .placement import Placement
-from ..format.headers import read_safetensors_header
+from ..store.safetensors_header import read_safetensors_header
 from ..format.reader import FileHandle, FileOpener, TensorSlice
 from ..store import as_ref, join, store_for
 

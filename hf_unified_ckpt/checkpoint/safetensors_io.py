@@ -13,7 +13,8 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..store import as_ref, join, name_of, store_for
 from .files import FileRecord, check_plain_name, crc32_combine, read_json, write_json
-from ..format.headers import read_safetensors_header, tensor_specs
+from ..format.headers import tensor_specs
+from ..store.safetensors_header import read_safetensors_header
 from ..format.reader import FileHandle, FileOpener, LogicalReader, Specs, TensorReader, TensorSlice
 
 __all__ = ["SAFETENSORS_METADATA", "ComponentReader", "LocalFiles", "StoredFiles", "index_name",

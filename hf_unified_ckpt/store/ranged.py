@@ -3,13 +3,10 @@ header is read once; a tensor, or the rows a step-1 slice of its first dimension
 
 from __future__ import annotations
 
-import json
-import struct
-
 import torch
 
-from ..errors import CorruptCheckpointError
-from ..format.headers import MAX_HEADER, TORCH_DTYPE_NAMES
+from ..format.headers import TORCH_DTYPE_NAMES
+from .safetensors_header import header_and_data_start
 
 
 class RangedFile:
@@ -17,11 +14,7 @@ class RangedFile:
 
     def __init__(self, store, ref: str):
         self.store, self.ref = store, ref
-        (n,) = struct.unpack("<Q", store.read(ref, 0, 8))
-        if n > MAX_HEADER:
-            raise CorruptCheckpointError(f"safetensors file {ref!r} has an implausible header length {n}.")
-        self.header = json.loads(store.read(ref, 8, n))
-        self.data_start = 8 + n
+        self.header, self.data_start = header_and_data_start(ref)
 
     def keys(self) -> list[str]:
         return [k for k in self.header if k != "__metadata__"]

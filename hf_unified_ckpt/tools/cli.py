@@ -13,7 +13,8 @@ import sys
 # transformers and accelerate (tests/test_imports.py), so the command answers at once. `convert` imports its own.
 from ..errors import UnifiedCheckpointError
 from ..checkpoint.layout import UNIFIED, detect_layout
-from ..format.headers import read_safetensors_header, tensor_specs
+from ..format.headers import tensor_specs
+from ..store.safetensors_header import read_safetensors_header
 from ..checkpoint.manifest import spread_hint, verify_folder
 from ..store import join
 
