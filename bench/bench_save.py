@@ -489,7 +489,7 @@ def quant_worker(out: Path, reps: int, dtype: str, size: str = "103m") -> None:
     import torch.distributed as dist
 
     from hf_unified_ckpt.engines.deepspeed import DeepSpeedEngine
-    from hf_unified_ckpt.trainer.integration import _master_policy
+    from hf_unified_ckpt.trainer.engines import master_policy as _master_policy
     from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
 
     world = int(os.environ["WORLD_SIZE"])

@@ -13,8 +13,8 @@ from ._version import __version__
 _PUBLIC = {
     "UnifiedCheckpointArguments": "arguments", "UnifiedCheckpointFields": "arguments",
     "with_unified_checkpoint": "arguments",
-    "UnifiedCheckpointCallback": "trainer.integration", "UnifiedCheckpointMixin": "trainer.integration",
-    "attach": "trainer.integration",
+    "UnifiedCheckpointCallback": "trainer.attach", "UnifiedCheckpointMixin": "trainer.mixin",
+    "attach": "trainer.attach",
     "Layout": "checkpoint.layout", "detect_layout": "checkpoint.layout", "newest_complete": "checkpoint.layout",
     "UnifiedCheckpointOptions": "options", "parse_options": "options",
 }

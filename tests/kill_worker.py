@@ -8,7 +8,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_unified_ckpt.checkpoint.async_save as async_save  # noqa: E402
-import hf_unified_ckpt.trainer.integration as integration  # noqa: E402
+import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
 import hf_unified_ckpt.checkpoint.save as save  # noqa: E402
 import hf_unified_ckpt.store.local as local_store  # noqa: E402
 import hf_unified_ckpt.checkpoint.writer as writer  # noqa: E402
@@ -98,7 +98,7 @@ if __name__ == "__main__":
     words = ["ema"] if point.startswith("ema-") else []
     point = point.removeprefix("o1-").removeprefix("ema-")
     {**POINTS, **ASYNC_POINTS}[point]()
-    integration.save_checkpoint = count_saves(integration.save_checkpoint)
+    mixin.save_checkpoint = count_saves(mixin.save_checkpoint)
     async_save.AsyncSaver.start = count_saves(async_save.AsyncSaver.start)
     limit = 1 if point == "during-rotation" else None
     words += ["async_save"] if point.startswith("async-") else []

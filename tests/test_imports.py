@@ -52,7 +52,7 @@ def test_public_names_load_on_first_use():
     for name in hf_unified_ckpt.__all__:
         assert getattr(hf_unified_ckpt, name) is not None
     from hf_unified_ckpt import attach
-    from hf_unified_ckpt.trainer.integration import attach as defined
+    from hf_unified_ckpt.trainer.attach import attach as defined
 
     assert attach is defined and "attach" in dir(hf_unified_ckpt)
     with pytest.raises(AttributeError, match="no_such_name"):

@@ -109,7 +109,7 @@ def test_resume_from_a_folder_that_is_no_checkpoint(tmp_path):
 def test_the_callback_alone_gives_the_same_trainer_as_attach(tmp_path):
     """`Trainer(..., callbacks=[UnifiedCheckpointCallback()])` attaches that trainer (no global patching): the same
     save path, resume detection and checks as attach(trainer); saving and resuming alike."""
-    from hf_unified_ckpt.trainer.integration import UnifiedCheckpointMixin
+    from hf_unified_ckpt.trainer.mixin import UnifiedCheckpointMixin
 
     def run(out, resume=None, how="callback"):
         reset_accelerate_state()

@@ -72,7 +72,7 @@ def test_trl_trainer_with_the_callback_alone(kind, tmp_path):
     """`callbacks=[UnifiedCheckpointCallback()]` instead of attach: the TRL trainer saves unified and resumes
     exactly, like the attached one."""
     trainer, base = _run(kind, tmp_path / "a", how="callback")
-    from hf_unified_ckpt.trainer.integration import UnifiedCheckpointMixin
+    from hf_unified_ckpt.trainer.mixin import UnifiedCheckpointMixin
 
     assert isinstance(trainer, UnifiedCheckpointMixin)
     assert detect_layout(tmp_path / "a" / "checkpoint-2").kind == "unified"

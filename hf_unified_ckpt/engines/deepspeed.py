@@ -66,6 +66,17 @@ def wait_before_steps(ds_engine, wait) -> None:
     optimizer._hf_unified_ckpt_wait = wait
 
 
+
+def autotp_refusal(tp_size: int, stage: int) -> str | None:
+    """Why DeepSpeed AutoTP at `tp_size` with ZeRO `stage` cannot be checkpointed (None: it can). AutoTP is supported
+    with ZeRO-1/2 (`autotp.py`); with ZeRO-3 each rank's partition is of its TP slice, which the ZeRO-3 reader does not
+    follow. The Trainer integration asks before the first step; the adapter refuses the same way."""
+    if tp_size > 1 and stage == 3:
+        return (f"DeepSpeed AutoTP (tensor_parallel.autotp_size={tp_size}) with ZeRO stage 3 is not supported by "
+                "unified checkpoints: use AutoTP with ZeRO stage 1 or 2, ZeRO-3 without autotp_size, or transformers' "
+                "tensor parallelism (from_pretrained(..., tp_plan='auto')).")
+    return None
+
 class DeepSpeedEngine:
     """Adapter for a `deepspeed.DeepSpeedEngine` (ZeRO stage 1, 2 or 3) wrapping a transformers/PEFT model."""
 
@@ -114,10 +125,9 @@ class DeepSpeedEngine:
         """(this rank's TP index, the `TPSplit` of every AutoTP-sharded parameter by id); (0, {}) without AutoTP."""
         if self.tp_size <= 1:
             return 0, {}
-        if self.stage == 3:
-            raise UnsupportedCheckpointError(
-                f"DeepSpeed AutoTP (autotp_size={self.tp_size}) with ZeRO stage 3 is not supported by unified "
-                "checkpoints; use AutoTP with ZeRO stage 1 or 2, or ZeRO-3 without AutoTP.")
+        refusal = autotp_refusal(self.tp_size, self.stage)
+        if refusal:
+            raise UnsupportedCheckpointError(refusal)
         from deepspeed.utils import groups
 
         index = int(groups.get_tensor_model_parallel_rank())

@@ -1,0 +1,133 @@
+"""Which folder a Trainer resumes from, checked before anything trains: `resolve` picks it (`True`: the newest
+checkpoint the machines together hold completely), verifies a unified one (copying its small files into every
+machine's folder first), refuses what cannot be loaded, and says what the plugin loads itself (`Resume`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .. import dist
+from ..checkpoint.layout import (DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout,
+                                 newest_complete)
+from ..checkpoint.load import fetch_small_files, verify_checkpoint
+from ..checkpoint.placement import Placement, judge_path, newest_across_machines, placement_of
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..legacy import check_readable, open_legacy
+from ..store import as_ref, canonical, join, parent_of
+from .capture import TRAINER_STATE_FILE
+from .engines import engine_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What `train` resolved: a verified unified folder (manifest) or a legacy folder read offline (legacy)."""
+
+    layout: Layout
+    manifest: dict | None = None
+    legacy: object | None = None
+    placement: Placement | None = None
+
+    @property
+    def saved_world_size(self) -> int:
+        if self.legacy is not None:
+            return self.legacy.world_size
+        return int(self.manifest.get("saved_by", {}).get("world_size", 1))
+
+
+def resolve(trainer, value) -> tuple[str | None, Resume | None]:
+    """The folder `trainer` resumes from (`resume_from_checkpoint`: None, True or a path), checked, and what this
+    plugin loads itself from it (None: the Trainer's own resume loads it); each rank looks at its own copy of the
+    path, and a unified checkpoint counts when the machines' folders together hold all of it. Refuses what cannot be
+    loaded, before anything trains. Collective: all ranks must call it."""
+    if value is None or value is False:
+        return None, None
+    if value is True:
+        step, verdict, skipped = newest_across_machines(trainer.args.output_dir)
+        run_dir = as_ref(trainer.args.output_dir)
+        for newer, why in skipped:
+            if dist.rank() == 0:
+                logger.warning("Skipping %s when resuming: %s", join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{newer}"),
+                               why.reason)
+        if verdict is None:
+            raise ValueError(f"resume_from_checkpoint=True but {trainer.args.output_dir} holds no complete "
+                             "checkpoint-N folder (unified or legacy). Start without resuming, or pass a path.")
+        path = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+    else:
+        path = as_ref(value)
+        verdict = judge_path(path)
+    if verdict.kind == UNIFIED:
+        refuse_without_trainer_state(path, verdict)
+        return path, check_unified(path, verdict, show_progress=not trainer.args.disable_tqdm)
+    layout = detect_layout(path)
+    check_loadable(layout)
+    engine = engine_of(trainer)
+    if layout.kind == HF_TRAINER and engine.native_folder_refusal:
+        raise UnsupportedCheckpointError(engine.native_folder_refusal.format(path=path))
+    if not verdict.complete:  # this rank sees it whole, another does not
+        raise IncompleteCheckpointError(f"{path}: {verdict.reason}.")
+    resume = None
+    if layout.kind == FSDP:  # always read offline: works from and into every engine and world size
+        resume = Resume(layout, legacy=open_legacy(layout))
+    elif layout.kind == DEEPSPEED:
+        legacy = open_legacy(layout)
+        if legacy.topology() != engine.topology(trainer):
+            check_readable(legacy)
+            resume = Resume(layout, legacy=legacy)  # resharded offline; native DeepSpeed refuses
+            if dist.rank() == 0:
+                logger.info("%s was written by DeepSpeed %s; this run differs, so it is read offline and "
+                            "resharded (the next save is unified).", layout.path, legacy.topology())
+    return layout.path, resume
+
+
+def check_unified(path: str, verdict, show_progress: bool = True) -> Resume:
+    """A unified checkpoint, perhaps spread over machine-local folders: refuse it if the union is
+    incomplete, copy the small files into every folder, verify every file on a rank that sees it.
+    Collective: all ranks call it."""
+    if not verdict.complete:
+        raise CorruptCheckpointError(verdict.refusal(path))
+    placement = fetch_small_files(path, verdict.manifest, placement_of(verdict))
+    manifest = verify_checkpoint(path, show_progress=show_progress, placement=placement)
+    if not placement.everywhere and dist.rank() == 0:
+        logger.info("Resuming from %s, whose files are spread over the machines' folders: ranks read the "
+                    "tensors they lack from ranks that hold them.", path)
+    layout = Layout(UNIFIED, path, True, manifest.get("global_step"), manifest=manifest)
+    return Resume(layout, manifest=manifest, placement=placement)
+
+
+def check_loadable(layout: Layout) -> None:
+    """Refuse a folder that is not a complete checkpoint this library knows, saying what it is and what to do."""
+    if layout.kind == UNIFIED:  # committed: damage is reported file by file by verify_checkpoint
+        return
+    if layout.kind == UNIFIED_INCOMPLETE:
+        newest = newest_complete(parent_of(layout.path))
+        raise IncompleteCheckpointError(
+            f"{layout.path} is not a complete unified checkpoint: {layout.reason}. "
+            + (f"The newest complete checkpoint next to it is {newest.path}." if newest else
+               "There is no complete checkpoint next to it.")
+            + " Resume from a complete one (resume_from_checkpoint=True picks it)."
+        )
+    if layout.kind in (HF_TRAINER, DEEPSPEED, FSDP):
+        if not layout.complete:
+            raise IncompleteCheckpointError(f"{layout.path} ({layout.kind}) is incomplete: {layout.reason}.")
+        return
+    raise UnsupportedCheckpointError(f"{layout.path} is not a checkpoint this library knows: {layout.reason}.")
+
+
+def refuse_without_trainer_state(path: str, verdict) -> None:
+    """A complete unified folder converted from a model folder (`Trainer.save_model`) has weights and optimizer
+    state but no trainer state: training cannot resume from it. The same on every rank (same manifest)."""
+    if verdict.complete and TRAINER_STATE_FILE not in verdict.manifest["files"]:
+        raise UnsupportedCheckpointError(
+            f"{path} holds no {TRAINER_STATE_FILE} (it was converted from a model folder written by "
+            "Trainer.save_model), so training cannot resume from it; load it with from_pretrained to start a new run "
+            "from its weights, or resume from a checkpoint-N folder.")
+
+
+def same_ref(a, b) -> bool:
+    """Whether two references name the same checkpoint (local paths compared normalised)."""
+    return canonical(a) == canonical(b)
