@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 WRITER_MARK = ".writer-"
-#: The file whose presence commits a checkpoint (`storage.manifest.MANIFEST_NAME`; named here, which imports less).
+#: The file whose presence commits a checkpoint (`checkpoint.manifest.MANIFEST_NAME`; named here, which imports less).
 COMMIT_FILE = "unified_checkpoint.json"
 
 

@@ -2,9 +2,9 @@
 
 When a checkpoint's files are spread over machine-local folders (`placement.py`), a rank that does not see a
 file asks a rank that does: every rank runs a small server thread for the files of its own folder, and the
-readers of `storage/safetensors_io.ComponentReader` send it requests for a safetensors header, a slice of one
+readers of `checkpoint/safetensors_io.ComponentReader` send it requests for a safetensors header, a slice of one
 tensor (only the rows the asking rank needs), or a whole small file: to a reader, `FileService` is the
-`storage.reader.FileOpener` of every file only another machine holds, and `RemoteFile` its handle. Requests and
+`format.reader.FileOpener` of every file only another machine holds, and `RemoteFile` its handle. Requests and
 replies travel on two gloo groups of their own, so they never interleave with the collectives the training thread
 runs meanwhile (FSDP's state-dict load). Each request is answered before the asker sends the next; `close` stops
 the servers.

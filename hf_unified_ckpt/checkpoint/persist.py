@@ -30,7 +30,7 @@ class PersistJob:
     """One rank's share of a save, ready to write (see the module docstring). Local I/O only: no collective."""
 
     folder: str
-    writer: object  # storage.writer.StorageWriter
+    writer: object  # checkpoint.writer.StorageWriter
     files: list[tuple[FilePlan, Mapping[str, torch.Tensor]]] = field(default_factory=list)
     small_files: dict[str, bytes] = field(default_factory=dict)
 

@@ -54,7 +54,7 @@ class Placement:
 
     def verification_shares(self, work) -> dict[int, list]:
         """Which rank checks what: `work` is a mapping of file name -> size (whole files) or a list of
-        `storage.manifest.Chunk`s (byte ranges); each item goes to one holder of its file, biggest first to the
+        `checkpoint.manifest.Chunk`s (byte ranges); each item goes to one holder of its file, biggest first to the
         least loaded holder (the same answer on every rank)."""
         items = [(n, size, n) for n, size in work.items()] if isinstance(work, Mapping) else \
             [(c.name, c.length, c) for c in work]

@@ -1,5 +1,5 @@
 """Sharded safetensors: writing one shard durably, HF-style index files, and lazy name-keyed reading
-(`ComponentReader`, a `storage.reader.TensorReader`). Header parsing lives in the torch-free `headers` module
+(`ComponentReader`, a `format.reader.TensorReader`). Header parsing lives in the torch-free `headers` module
 (`read_safetensors_header` is re-exported here)."""
 
 from __future__ import annotations

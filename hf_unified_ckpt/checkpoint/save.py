@@ -63,7 +63,7 @@ class SaveRequest:
     options: UnifiedCheckpointOptions
     include_optimizer: bool = True
     show_progress: bool = True
-    #: Files one process writes whole go to disk with direct I/O (`storage.direct`) where the filesystem allows:
+    #: Files one process writes whole go to disk with direct I/O (`store.direct`) where the filesystem allows:
     #: the offline converter, whose output the job does not read back.
     direct_io: bool = False
 

@@ -16,7 +16,7 @@ logical tensors from what the folder says, not from the options of the run that 
   flat index. Exact by construction, and checked on every tensor before it is written.
 
 Stored names: the codes (or the residual) keep the logical name; auxiliary tensors add a suffix (`:scales`,
-`:ties`) and are never shown to an engine (`storage.reader.LogicalReader`).
+`:ties`) and are never shown to an engine (`format.reader.LogicalReader`).
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ class MomentCodec:
         codec.tensors = dict(meta["tensors"])
         return codec
 
-    # read side (storage.reader.Codec)
+    # read side (format.reader.Codec)
     def logical_specs(self, stored_specs, metadata) -> dict:
         out = {n: s for n, s in stored_specs.items() if not self.hidden(n)}
         for name, entry in self.tensors.items():

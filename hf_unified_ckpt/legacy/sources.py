@@ -1,4 +1,4 @@
-"""`TensorSource`: a `storage.reader.TensorReader` over tensors computed on demand, so engines load from legacy
+"""`TensorSource`: a `format.reader.TensorReader` over tensors computed on demand, so engines load from legacy
 folders exactly as from unified ones."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ checkpoint is never picked. Modelled on torch DCP's `FileSystemBase` / `StorageW
 torchtitan's checkpoint storage and orbax's atomicity options.
 
 Which ranks call what: every method is local to the calling process (no collective). The save algorithm
-(`save.py`) decides who calls what, in order: rank 0 stages; every writer writes its files or pieces and
+(`checkpoint/save.py`) decides who calls what, in order: rank 0 stages; every writer writes its files or pieces and
 `sync`s them; rank 0 `put`s the indexes and the manifest last; each folder's leader `publish`es.
 """
 
@@ -77,7 +77,7 @@ class Store(Protocol):
         when it is missing."""
 
     def open_tensors(self, ref: str):
-        """A lazy handle on safetensors file `ref` (`storage.reader.FileHandle`): tensors or slices of them read
+        """A lazy handle on safetensors file `ref` (`format.reader.FileHandle`): tensors or slices of them read
         when asked for, only the bytes asked for where the store reads ranges."""
 
     def crc32(self, ref: str, offset: int, length: int) -> int | None:
