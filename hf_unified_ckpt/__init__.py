@@ -17,6 +17,7 @@ _PUBLIC = {
     "attach": "trainer.attach",
     "Layout": "checkpoint.layout", "detect_layout": "checkpoint.layout", "newest_complete": "checkpoint.layout",
     "UnifiedCheckpointOptions": "options", "parse_options": "options",
+    "TrainingPreempted": "errors", "RESUME_AUTO": "trainer.resume",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, is_dataclass
 
 from transformers import TrainingArguments
 
-from .options import CONFIG_WORDS, DEFAULT_MAX_SHARD_SIZE, UnifiedCheckpointOptions, parse_options
+from .options import (CONFIG_WORDS, DEFAULT_GRACE_PERIOD, DEFAULT_MAX_SHARD_SIZE, PREEMPTION_SIGNALS,
+                      UnifiedCheckpointOptions, parse_options, parse_preemption)
 
 _CONFIG_HELP = "Space- or comma-separated words: " + "; ".join(f"{w}: {d}" for w, d in CONFIG_WORDS.items()) + "."
 
@@ -46,6 +47,28 @@ class UnifiedCheckpointFields:
                           "that every rank writes at least one when the state is large enough."},
     )
 
+    save_on_preemption: bool = field(
+        default=True,
+        metadata={"help": "With unified_checkpoint: on a preemption signal (preemption_signals) the ranks agree at the "
+                          "next step boundary, save a checkpoint there, and train() raises TrainingPreempted (a "
+                          "SystemExit: the process ends with status 128 + the signal's number)."},
+    )
+    preemption_signals: str = field(
+        default="SIGTERM",
+        metadata={"help": "Signals that mean preemption, space- or comma-separated, from "
+                          f"{', '.join(PREEMPTION_SIGNALS)} (SLURM's --signal usually sends SIGUSR1 ahead)."},
+    )
+    preemption_grace_period: float = field(
+        default=DEFAULT_GRACE_PERIOD,
+        metadata={"help": "Seconds between the preemption signal and the SIGKILL after it (torchrun: 30). A rank "
+                          "waits at most half of it for the others to agree; a save predicted to overrun it is said."},
+    )
+    slurm_requeue: bool = field(
+        default=False,
+        metadata={"help": "Under SLURM: after the preemption save, requeue the job (scontrol requeue; array tasks "
+                          "included). Resume it with resume_from_checkpoint='auto'."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._unified_checkpoint_options = parse_options(
@@ -56,6 +79,8 @@ class UnifiedCheckpointFields:
             max_shard_size=self.unified_checkpoint_max_shard_size,
             ema_decay=self.ema_decay,
             ema_interval=self.ema_interval,
+            preemption=parse_preemption(self.save_on_preemption, self.preemption_signals,
+                                        self.preemption_grace_period, self.slurm_requeue),
         )
 
     @property
@@ -89,6 +114,7 @@ UnifiedCheckpointArguments = with_unified_checkpoint(
 )
 UnifiedCheckpointArguments.__doc__ = (
     "`transformers.TrainingArguments` plus the unified-checkpoint fields "
-    "(unified_checkpoint, unified_checkpoint_config, ckpt_quant_stage, disable_ckpt_quant, "
-    "unified_checkpoint_max_shard_size)."
+    "(unified_checkpoint, unified_checkpoint_config, ckpt_quant_stage, disable_ckpt_quant, ema_decay, ema_interval, "
+    "unified_checkpoint_max_shard_size, save_on_preemption, preemption_signals, preemption_grace_period, "
+    "slurm_requeue)."
 )

@@ -77,6 +77,30 @@ def gloo_group(purpose: str):
     return _GROUPS[key]
 
 
+def release_groups() -> None:
+    """Destroy the groups `gloo_group` created (a later call creates them again), so none outlives the `train()`
+    call that used it: a group's C++ threads then end now, not during interpreter finalization. Local: destroying a
+    gloo group involves no peer."""
+    groups, _ = list(_GROUPS.items()), _GROUPS.clear()
+    if not is_distributed():
+        return
+    dist = _torch_dist()
+    live = dist.distributed_c10d._world.pg_map
+    for (world, _purpose), group in groups:
+        if group is not None and world is dist.group.WORLD and group in live:
+            dist.destroy_process_group(group)
+
+
+def destroy_default_group() -> None:
+    """Destroy the default process group (and every group with it) if it is still there. For interpreter exit only:
+    a gloo group still alive when the interpreter finalizes aborts the process ("terminate called without an active
+    exception", SIGABRT) instead of letting it exit with its status, which happens whenever `train()` ends by an
+    exception (a preemption, an error) and skips the script's own `destroy_process_group()`. Local for gloo."""
+    _GROUPS.clear()
+    if is_distributed():
+        _torch_dist().destroy_process_group()
+
+
 def local_rank() -> int:
     """This process's index on its machine (LOCAL_RANK, set by torchrun, accelerate and the DeepSpeed launcher);
     the global rank when the launcher did not set it."""

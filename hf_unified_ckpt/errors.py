@@ -23,6 +23,30 @@ class UnsupportedOptionError(ValueError):
     """An option is valid in the format but not implemented by this version of the library."""
 
 
+class TrainingPreempted(SystemExit):
+    """Raised by `Trainer.train()` when a preemption signal (`preemption_signals`) ended training: all ranks agreed
+    at one step boundary, the training state of that step was saved and made durable (`saved`, at `checkpoint`),
+    and training stopped there. Uncaught, it ends the process quietly with status 128 + the signal's number (143
+    for SIGTERM), so a scheduler retries the job and nothing after `train()` runs by accident; a script that wants
+    to go on catches it (`except TrainingPreempted`). `saved` is False when nothing new was saved: the signal came
+    before the first step, after training had ended, or the ranks could not agree (a peer died); `checkpoint` is
+    then the newest complete checkpoint, if any. Resume with `train(resume_from_checkpoint="auto")`."""
+
+    def __init__(self, message: str, signal_number: int, step: int, checkpoint: str | None, saved: bool):
+        super().__init__(128 + signal_number)
+        self.message = message
+        self.signal_number = signal_number
+        self.step = step
+        self.checkpoint = checkpoint
+        self.saved = saved
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return type(self), (self.message, self.signal_number, self.step, self.checkpoint, self.saved)
+
+
 def count_and_first(items, noun: str = "tensor", shown: int = 5) -> str:
     """How many `items` there are and the first few: "12 tensor(s): ['a', 'b', 'c', 'd', 'e', ...]"."""
     items = list(items)

@@ -28,9 +28,72 @@ CONFIG_WORDS: dict[str, str] = {
 NOT_SUPPORTED_YET: dict[str, str] = {}
 
 QUANT_STAGES = ("O0", "O1", "O2")
+#: Signals a preemption may arrive by (SIGKILL and SIGSTOP cannot be caught).
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGXCPU")
+DEFAULT_GRACE_PERIOD = 30.0
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class PreemptionOptions:
+    """What a preemption signal does, with `unified_checkpoint=True` (`trainer/preemption.py`).
+
+    Attributes:
+        enabled: on a signal, the ranks agree at the next step boundary, save, and `train()` raises
+            `TrainingPreempted` (`save_on_preemption`).
+        signals: the signal numbers that mean "preempted" (`preemption_signals`, SIGTERM by default).
+        grace_period: seconds between the signal and the SIGKILL that follows it (`preemption_grace_period`; 30,
+            torchrun's). A rank waits at most half of it for the others to agree.
+        requeue: under SLURM, requeue the job after the save (`slurm_requeue`).
+    """
+
+    enabled: bool = True
+    signals: tuple[int, ...] = (15,)
+    grace_period: float = DEFAULT_GRACE_PERIOD
+    requeue: bool = False
+
+    @property
+    def agree_timeout(self) -> float:
+        return self.grace_period / 2
+
+
+def parse_signals(value: str | list[str] | tuple) -> tuple[int, ...]:
+    """"SIGTERM,SIGUSR1" (names with or without SIG, or numbers; spaces or commas) into signal numbers."""
+    import signal
+
+    words = split_config_words(value if value is not None else "")
+    numbers = []
+    for word in words:
+        name = word.upper() if not word.isdigit() else None
+        name = name if name is None or name.startswith("SIG") else f"SIG{name}"
+        try:
+            number = int(word) if name is None else int(getattr(signal, name))
+            canonical = signal.Signals(number).name
+        except (AttributeError, ValueError):
+            canonical = None
+        if canonical not in PREEMPTION_SIGNALS:
+            raise ValueError(
+                f"preemption_signals: {word!r} is not a signal a preemption can be caught by; expected names from "
+                f"{list(PREEMPTION_SIGNALS)} (SIGKILL and SIGSTOP cannot be caught), e.g. 'SIGTERM,SIGUSR1'.")
+        if number not in numbers:
+            numbers.append(number)
+    if not numbers:
+        raise ValueError("preemption_signals is empty; name at least one signal (e.g. 'SIGTERM'), or set "
+                         "save_on_preemption=False to turn preemption handling off.")
+    return tuple(numbers)
+
+
+def parse_preemption(enabled: bool = True, signals="SIGTERM", grace_period: float = DEFAULT_GRACE_PERIOD,
+                     requeue: bool = False) -> PreemptionOptions:
+    """The preemption fields parsed and checked."""
+    if not float(grace_period) > 0:
+        raise ValueError(f"preemption_grace_period={grace_period!r}: expected the seconds between the preemption "
+                         "signal and the SIGKILL that follows it (> 0; torchrun waits 30, SLURM's KillWait is 30 by "
+                         "default).")
+    return PreemptionOptions(enabled=bool(enabled), signals=parse_signals(signals), grace_period=float(grace_period),
+                             requeue=bool(requeue))
 
 
 @dataclass(frozen=True)
@@ -48,6 +111,7 @@ class UnifiedCheckpointOptions:
         ema, ema_decay, ema_interval: keep (and save) an EMA of the weights, updated every `ema_interval` steps.
         quant_stage: optimizer-moment compression, "O0" (none), "O1" (int8) or "O2" (int4).
         max_shard_size: upper bound, in bytes, of one safetensors file.
+        preemption: what a preemption signal does (`PreemptionOptions`).
     """
 
     enabled: bool = False
@@ -61,6 +125,7 @@ class UnifiedCheckpointOptions:
     ema_interval: int = 1
     quant_stage: str = "O0"
     max_shard_size: int = 5 * 10**9
+    preemption: PreemptionOptions = PreemptionOptions()
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
     #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
     quant_stage_requested: str | None = None
@@ -123,6 +188,7 @@ def parse_options(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     ema_decay: float = 0.999,
     ema_interval: int = 1,
+    preemption: PreemptionOptions | None = None,
 ) -> UnifiedCheckpointOptions:
     """Parse the raw argument values into `UnifiedCheckpointOptions`.
 
@@ -174,6 +240,7 @@ def parse_options(
         ema_interval=int(ema_interval),
         quant_stage=stage,
         max_shard_size=parse_size(max_shard_size),
+        preemption=preemption if preemption is not None else PreemptionOptions(),
     )
     validate_supported(options, words)
     return options

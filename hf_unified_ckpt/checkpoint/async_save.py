@@ -36,7 +36,6 @@ class AsyncSaver:
     def __init__(self):
         self._background = Background("save")
         self._buffers = HostBuffers()
-        self._group = None
 
     @property
     def in_flight(self) -> bool:
@@ -50,8 +49,7 @@ class AsyncSaver:
         """Begin a save and return once the rest can run in the background. Waits for (and raises the error
         of) the previous save first. Collective: all ranks must call it."""
         self.wait()
-        if self._group is None:
-            self._group = dist.gloo_group("async-save")
+        group = dist.gloo_group("async-save")
         final = as_ref(request.final_dir)
         staging = open_staging(final)
         plan = plan_save(engine, request, shared=staging.in_place)
@@ -59,7 +57,7 @@ class AsyncSaver:
                                     request.show_progress and dist.rank() == 0))
         job = PersistJob(staging.path, plan.writer, small_files=dict(small_files))
         self._background.start(lambda: guarded(lambda: self.stage(engine, job, mine)),
-                               lambda staged: self._finish(staged, plan, staging, request, after_commit),
+                               lambda staged: self._finish(staged, plan, staging, request, after_commit, group),
                                label=name_of(final))
         return final
 
@@ -71,11 +69,12 @@ class AsyncSaver:
             job.files.append((file, tensors))
         return job
 
-    def _finish(self, staged, plan, staging: Staging, request: SaveRequest, after_commit) -> tuple[list, Staging]:
+    def _finish(self, staged, plan, staging: Staging, request: SaveRequest, after_commit,
+                group) -> tuple[list, Staging]:
         """Run the staged job, then conclude the save on the save's own group (collectives)."""
         outcome = staged if not staged[0] else guarded(staged[1].run)
         try:
-            reports = conclude(plan, staging, request, outcome, group=self._group, after_commit=after_commit)
+            reports = conclude(plan, staging, request, outcome, group=group, after_commit=after_commit)
         except Exception as e:  # a collective failed (another rank died): report it as this save's failure
             reports = [(False, f"rank {dist.rank()}: {type(e).__name__}: {e}")]
         return reports, staging

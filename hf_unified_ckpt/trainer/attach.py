@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import weakref
 
 import transformers
 from transformers import TrainerCallback
 
+from .. import dist
 from ..checkpoint.async_save import AsyncSaver
 from .mixin import UnifiedCheckpointMixin
 
 SUPPORTED_TRANSFORMERS_MAJOR = 5
 _REQUIRED_METHODS = ("train", "_prepare_for_training", "_load_from_checkpoint", "_load_rng_state",
                      "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler", "_load_best_model",
-                     "save_model", "push_to_hub")
+                     "save_model", "push_to_hub", "_maybe_log_save_evaluate", "get_train_dataloader",
+                     "get_eval_dataloader")
 
 
 class UnifiedCheckpointCallback(TrainerCallback):
@@ -63,11 +66,14 @@ class UnifiedCheckpointCallback(TrainerCallback):
             self.trainer._uc_updates.wait()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """Refuse a callback that reached no Trainer; end the run here if a preemption signal came during set-up."""
         if not self.attached:
             raise RuntimeError(
                 "UnifiedCheckpointCallback was added to a Trainer after its construction (add_callback), so it could "
                 "not attach it and checkpoints would be written the native way. Pass it in "
                 "Trainer(..., callbacks=[UnifiedCheckpointCallback()]) or call hf_unified_ckpt.attach(trainer).")
+        if self.trainer is not None:
+            self.trainer._uc_before_first_step()
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -114,9 +120,27 @@ def attach(trainer):
     callback.trainer = trainer
     if callback.saver is None:
         callback.saver = AsyncSaver()
-        atexit.register(callback.saver.close)
+        _register_exit(callback.saver)
     trainer._uc_saver = callback.saver
     return trainer
+
+
+_SAVERS: weakref.WeakSet = weakref.WeakSet()
+_EXIT_HOOK: list = []
+
+
+def _register_exit(saver: AsyncSaver) -> None:
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(atexit.register(_at_exit))
+    _SAVERS.add(saver)
+
+
+def _at_exit() -> None:
+    """Interpreter exit: every background save in flight commits (its error logged), then the process groups are
+    destroyed if the script did not (`dist.destroy_default_group`: a `train()` that raised skipped its tear-down)."""
+    for saver in list(_SAVERS):
+        saver.close()
+    dist.destroy_default_group()
 
 
 def _check_transformers(trainer) -> None:

@@ -22,6 +22,10 @@ from .engines import engine_of
 
 logger = logging.getLogger(__name__)
 
+#: `train(resume_from_checkpoint=RESUME_AUTO)`: the newest complete checkpoint of `output_dir` when there is one,
+#: else a fresh start: what a job that a scheduler requeues after a preemption wants on every start, its first too.
+RESUME_AUTO = "auto"
+
 
 @dataclass(frozen=True)
 class Resume:
@@ -40,22 +44,28 @@ class Resume:
 
 
 def resolve(trainer, value) -> tuple[str | None, Resume | None]:
-    """The folder `trainer` resumes from (`resume_from_checkpoint`: None, True or a path), checked, and what this
+    """The folder `trainer` resumes from (`resume_from_checkpoint`: None, True, `RESUME_AUTO` or a path), checked, and what this
     plugin loads itself from it (None: the Trainer's own resume loads it); each rank looks at its own copy of the
     path, and a unified checkpoint counts when the machines' folders together hold all of it. Refuses what cannot be
     loaded, before anything trains. Collective: all ranks must call it."""
     if value is None or value is False:
         return None, None
-    if value is True:
+    if value is True or value == RESUME_AUTO:
         step, verdict, skipped = newest_across_machines(trainer.args.output_dir)
         run_dir = as_ref(trainer.args.output_dir)
         for newer, why in skipped:
             if dist.rank() == 0:
                 logger.warning("Skipping %s when resuming: %s", join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{newer}"),
                                why.reason)
+        if verdict is None and value == RESUME_AUTO:
+            if dist.rank() == 0:
+                logger.info("resume_from_checkpoint='auto': %s holds no complete checkpoint yet; starting fresh.",
+                            trainer.args.output_dir)
+            return None, None
         if verdict is None:
             raise ValueError(f"resume_from_checkpoint=True but {trainer.args.output_dir} holds no complete "
-                             "checkpoint-N folder (unified or legacy). Start without resuming, or pass a path.")
+                             "checkpoint-N folder (unified or legacy). Start without resuming, pass a path, or pass "
+                             f"resume_from_checkpoint={RESUME_AUTO!r} (resume when there is one, else start fresh).")
         path = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
     else:
         path = as_ref(value)
