@@ -8,7 +8,7 @@ TORCH  := torch==2.13.0
 PINS   := transformers==5.23.0 accelerate==1.15.0 safetensors==0.8.0 deepspeed==0.19.8 \
           peft==0.21.2 trl==1.16.0 pytest==9.2.0 matplotlib==3.11.2 isal==1.9.1
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-slow venv clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
+
+# Repeat tests kept out of `make test` (minutes each): REPEATS=N sets the launches of the clean-exit repeat.
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow tests
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache

@@ -30,10 +30,11 @@ class TrainingPreempted(SystemExit):
     for SIGTERM), so a scheduler retries the job and nothing after `train()` runs by accident; a script that wants
     to go on catches it (`except TrainingPreempted`). `saved` is False when nothing new was saved: the signal came
     before the first step, after training had ended, or the ranks could not agree (a peer died); `checkpoint` is
-    then the newest complete checkpoint, if any. Resume with `train(resume_from_checkpoint="auto")`."""
+    then the newest complete checkpoint, if any (`signal_number` 0 and status 1: this rank got no signal and lost a
+    peer while voting). Resume with `train(resume_from_checkpoint="auto")`."""
 
     def __init__(self, message: str, signal_number: int, step: int, checkpoint: str | None, saved: bool):
-        super().__init__(128 + signal_number)
+        super().__init__(128 + signal_number if signal_number else 1)
         self.message = message
         self.signal_number = signal_number
         self.step = step

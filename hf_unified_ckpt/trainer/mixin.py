@@ -80,6 +80,7 @@ class UnifiedCheckpointMixin:
         self._uc_updates = BackgroundUpdates(self._uc_average) if self._uc_average is not None else None
         self._uc_fragments = None
         self._uc_saved_step = self._uc_save_seconds = None
+        self._uc_preempting = False
         self._uc_refuse_unsupported()
         path, self._uc_resume = resolve(self, resume_from_checkpoint)
         self._uc_preemption = self._uc_watch_preemption()
