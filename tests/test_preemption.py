@@ -104,8 +104,8 @@ def alive(pid: int) -> bool:
 
 PHASES = {  # tag: (run fields, expected step (None: any from the first save), saved)
     "before_first_step": ({"phase": "before_first_step"}, 0, False),
-    # one rank only: the other learns it from the vote (read one boundary later: step 4's signal saves step 5)
-    "mid_step": ({"phase": "mid_step", "at": 4, "signal_ranks": [1]}, 5, True),
+    # one rank only, before step 4's optimizer step: the other learns it from the vote, at the end of that step
+    "mid_step": ({"phase": "mid_step", "at": 4, "signal_ranks": [1]}, 4, True),
     # every rank, twice (SLURM + torchrun): the save of step 3 it interrupted is the one kept
     "sync_save": ({"phase": "sync_save", "signals": ["SIGTERM", "SIGTERM"]}, 3, True),
     "async_save": ({"phase": "async_save", "signal_ranks": [0],
@@ -278,8 +278,8 @@ def test_zero3_preempted_mid_step_resumes_exactly(tmp_path):
             run(tmp_path, "mid", zero=3, resume="auto", result=str(tmp_path / "mid-resumed.pt"))]
     finish(launch("zero3", runs, tmp_path))
     got = result(tmp_path, "mid")["preempted"]
-    assert got["step"] == 5 and got["saved"] and complete(got["checkpoint"]), got
+    assert got["step"] == 4 and got["saved"] and complete(got["checkpoint"]), got
     resumed, reference = result(tmp_path, "mid-resumed"), result(tmp_path, "reference")
-    assert_resumed_matches(resumed, reference, range(6, MAX_STEPS + 1), exact=True, loss_rtol=0, state_atol=0)
+    assert_resumed_matches(resumed, reference, range(5, MAX_STEPS + 1), exact=True, loss_rtol=0, state_atol=0)
     for name, value in reference["optim"].items():
         assert torch.equal(resumed["optim"][name], value), name

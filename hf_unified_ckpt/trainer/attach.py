@@ -47,9 +47,10 @@ class UnifiedCheckpointCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """An in-flight async save, and an EMA update, copy live weights (and optimizer state): the step waits
-        for those copies."""
+        for those copies. The ranks' vote on a preemption signal starts here (read at the step's end)."""
         if self.trainer is not None:
             self.trainer._uc_wait_for_copies()
+            self.trainer._uc_start_vote()
         elif self.saver is not None:
             self.saver.wait_for_snapshot()
 

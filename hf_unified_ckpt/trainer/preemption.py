@@ -4,10 +4,11 @@ A signal reaches the ranks at different moments, or only some of them (the launc
 every process; when one worker crashes torchrun signals the others). Saving where the signal lands would make the
 ranks enter the save's collectives at different steps (ZeRO-3 and FSDP hang there). So the handler only records it
 (`signals.SignalFlag`) and the ranks vote at every step boundary: an all-reduce (max) of the signal number each
-received, on a gloo group of its own. The vote of a boundary is started there and read at the next one, so training
-never waits for it (a boundary costs starting one small all-reduce); `now` votes and reads at once, for the rare
-boundaries after an evaluation or a save and at the ends of `train()`. Every rank reads the same votes in the same
-order, so all see the same outcome at the same boundary.
+received, on a gloo group of its own. A step's vote is started before its optimizer step and read at the boundary
+after it, so it runs while the optimizer steps and training hardly waits for it, and a signal that came during the
+forward and backward passes is honoured at the end of that same step; `now` votes and reads at once, for the rare
+boundaries after an evaluation or a save and at the ends of `train()`. Every rank starts and reads the same votes in
+the same order, so all see the same outcome at the same boundary.
 
 A rank that received a signal waits for a vote at most `agree_timeout` seconds: past that a peer is gone (killed, or
 stuck), and this rank leaves without saving (`PeerLost`); the newest complete checkpoint stays the one a resume picks.
@@ -32,7 +33,7 @@ class PeerLost(RuntimeError):
 
 
 class Agreement:
-    """Votes on `flag` at step boundaries. Collective at creation (its gloo group) and at every `poll` / `now`: all
+    """Votes on `flag`. Collective at creation (its gloo group) and at every `start` / `read` / `now`: all
     ranks call them in the same order."""
 
     def __init__(self, flag: SignalFlag, agree_timeout: float):
@@ -41,16 +42,18 @@ class Agreement:
         self._group = dist.gloo_group("preemption") if dist.is_distributed() else None
         self._pending = None
 
-    def poll(self) -> int:
-        """The signal agreed by the previous boundary's vote (0: none), this boundary's vote started when there is
-        none. Collective: all ranks call it."""
-        agreed = self._read()
-        if not agreed:
+    def start(self) -> None:
+        """Start a vote (none when one is in flight already). Collective: all ranks call it."""
+        if self._pending is None:
             self._start()
-        return agreed
+
+    def read(self) -> int:
+        """The signal agreed by the vote in flight (0: none, or no vote in flight). Collective: all ranks call it."""
+        return self._read()
 
     def now(self) -> int:
-        """The signal agreed by a vote taken now (and by the one in flight). Collective: all ranks call it."""
+        """The signal agreed by the vote in flight or, when that says none, by a vote taken now. Collective: all
+        ranks call it."""
         return self._read() or (self._start(), self._read())[1]
 
     def drain(self, timeout: float = 0.0) -> None:
@@ -121,9 +124,13 @@ class Watch:
         if self.agreement is not None:
             self.agreement.drain(timeout=1.0)
 
-    def vote(self, now: bool = False) -> int:
-        """The signal the ranks agreed on (0: none): the previous boundary's vote, or one taken `now`. Collective."""
-        return self.agreement.now() if now else self.agreement.poll()
+    def vote(self, now: bool = False, start: bool = False) -> int:
+        """The signal the ranks agreed on (0: none): the vote in flight read, one taken `now`, or (`start`: 0
+        returned) one started. Collective."""
+        if start:
+            self.agreement.start()
+            return 0
+        return self.agreement.now() if now else self.agreement.read()
 
     def late(self, expected_save_seconds: float | None) -> None:
         """Say (rank 0) when the save about to start may not finish before the SIGKILL that follows the signal."""
