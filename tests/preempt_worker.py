@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node N tests/preempt_worker.py spec.json
 
 A run is {"output_dir", "phase", "signal_ranks", "signals", "resume", "zero", "overrides", "result", "exit",
-"slow_steps", "progress"}. `phase` says where the test sends the signals to this process (a real `os.kill`, caught
+"slow_steps", "progress", "vote_every"} (the ranks' voting interval, fixed: 1 by default, 0 for the measured one). `phase` says where the test sends the signals to this process (a real `os.kill`, caught
 by the plugin's real handler): before_first_step, mid_step (step `at`), sync_save, async_save, eval, resume_load,
 after_training. A run the plugin ends raises `TrainingPreempted`: recorded and caught, or with "exit" left uncaught,
 so the process ends as a user's would. After every run the worker checks that nothing of the plugin outlived
@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
+import hf_unified_ckpt.trainer.preemption as preemption  # noqa: E402
 import hf_unified_ckpt.dist as plugin_dist  # noqa: E402
 import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
 from _runs import (TokenDataset, disable_deepspeed_jit, losses_of, make_trainer, record, zero_config)  # noqa: E402
@@ -106,6 +107,9 @@ def run_one(run: dict, world: int) -> dict:
     hooks = [(mixin, "save_checkpoint", "sync_save"), (mixin, "load_checkpoint", "resume_load"),
              (persist.PersistJob, "run", "async_save")]
     saved = [(m, n, *patched(m, n, run, p)) for m, n, p in hooks]
+    if run.get("vote_every", 1):  # the voting interval the ranks want, fixed so that the step a signal is honoured
+        wanted = preemption.Agreement.wanted_every  # at is known (0: measured from step times, as in a user's run)
+        saved.append((preemption.Agreement, "wanted_every", wanted, lambda self: run.get("vote_every", 1)))
     for module, name, _, wrapper in saved:
         setattr(module, name, wrapper)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}

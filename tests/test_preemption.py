@@ -126,6 +126,8 @@ def caught(tmp_path_factory):
     for tag, (fields, _, _) in PHASES.items():
         runs.append(run(tmp, tag, **fields))
     runs.append(run(tmp, "reference", phase="after_training", resume="auto", result=str(tmp / "after_training.pt")))
+    runs.append(run(tmp, "sparse_votes", phase="mid_step", at=33, signal_ranks=[1], vote_every=5,
+                    overrides={"max_steps": 40, "save_steps": 100}))
     for tag, (fields, _, _) in PHASES.items():
         keep = {k: v for k, v in fields.items() if k in ("eval", "overrides")}
         runs.append(run(tmp, tag, resume="auto", result=str(tmp / f"{tag}-resumed.pt"), **keep))
@@ -172,7 +174,14 @@ def test_nothing_left_to_train_still_ends_the_run(caught):
     assert got["checkpoint"] == str(caught / "reference" / f"checkpoint-{got['step']}") and complete(got["checkpoint"])
 
 
-@pytest.mark.parametrize("tag", [*PHASES, "after_training", "reference"])
+def test_votes_every_few_steps_still_honour_the_signal_across_epoch_ends(caught):
+    """Where votes would cost too much per step, the ranks vote every few (here 5, fixed): a signal in step 33 (the
+    third epoch: each epoch's end adds a step boundary, not an optimizer step) is honoured at step 35."""
+    got = result(caught, "sparse_votes")["preempted"]
+    assert got["step"] == 35 and got["saved"] and complete(got["checkpoint"]), got
+
+
+@pytest.mark.parametrize("tag", [*PHASES, "after_training", "reference", "sparse_votes"])
 def test_nothing_of_the_plugin_outlives_train(caught, tag):
     """Deterministic check of the clean exit: after `train()` returns or raises, the plugin's gloo groups are
     destroyed (one kept past the interpreter's finalization is what aborted processes at exit), its threads have
@@ -190,7 +199,7 @@ def external(tmp_path_factory):
     slow = {"max_steps": 16, "save_steps": 5, "dataloader_num_workers": 1}
     timings = {}
     proc = launch("launcher", [run(tmp, "launcher", exit=True, progress=str(tmp / "launcher.step"), slow_steps=0.3,
-                                   overrides=slow)], tmp)
+                                   vote_every=0, overrides=slow)], tmp)
     wait_for_step(tmp / "launcher.step", 3, proc)
     workers = pids_of(tmp, "launcher")
     loaders = [k for w in workers for k in children(w)]
@@ -204,7 +213,7 @@ def external(tmp_path_factory):
     timings["launcher_checkpoints"] = checkpoints(tmp / "launcher")
 
     proc = launch("crash", [run(tmp, "crash", exit=True, progress=str(tmp / "crash.step"), slow_steps=0.3,
-                                overrides={**slow, "save_steps": 2})], tmp)
+                                vote_every=0, overrides={**slow, "save_steps": 2})], tmp)
     wait_for_step(tmp / "crash.step", 5, proc)
     workers = pids_of(tmp, "crash")
     os.kill(workers[1], signal.SIGKILL)

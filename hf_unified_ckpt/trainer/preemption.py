@@ -6,8 +6,9 @@ ranks enter the save's collectives at different steps (ZeRO-3 and FSDP hang ther
 (`signals.SignalFlag`) and the ranks vote at every step boundary: an all-reduce (max) of the signal number each
 received, on a gloo group of its own. A step's vote is started before its optimizer step and read at the boundary
 after it, so it runs while the optimizer steps and training hardly waits for it, and a signal that came during the
-forward and backward passes is honoured at the end of that same step; `now` votes and reads at once, for the rare
-boundaries after an evaluation or a save and at the ends of `train()`. Every rank starts and reads the same votes in
+forward and backward passes is honoured at the end of that same step (where steps are so short that a vote per step
+would cost more than half a percent, the ranks agree to vote every few steps, at least once a second: `Agreement`);
+`now` votes and reads at once, for the rare boundaries after an evaluation or a save and at the ends of `train()`. Every rank starts and reads the same votes in
 the same order, so all see the same outcome at the same boundary.
 
 A rank that received a signal waits for a vote at most `agree_timeout` seconds: past that a peer is gone (killed, or
@@ -17,7 +18,9 @@ stuck), and this rank leaves without saving (`PeerLost`); the newest complete ch
 from __future__ import annotations
 
 import logging
+import math
 import time
+from datetime import timedelta
 
 from .. import dist
 from ..errors import TrainingPreempted
@@ -27,6 +30,16 @@ from .signals import SignalFlag, signal_name
 
 logger = logging.getLogger(__name__)
 
+#: How long one wait for a vote blocks before Python gets to run signal handlers (and check the deadline).
+WAIT_SLICE = timedelta(milliseconds=50)
+#: The share of training time votes may cost (`Agreement`), and the longest time between two votes.
+EXPOSED_SHARE = 0.005
+MAX_LATENCY = 1.0
+
+
+def _smooth(average: float | None, sample: float) -> float:
+    return sample if average is None else 0.9 * average + 0.1 * sample
+
 
 class PeerLost(RuntimeError):
     """The ranks could not agree on a preemption: a peer did not vote in time, or its connection failed."""
@@ -34,27 +47,53 @@ class PeerLost(RuntimeError):
 
 class Agreement:
     """Votes on `flag`. Collective at creation (its gloo group) and at every `start` / `read` / `now`: all
-    ranks call them in the same order."""
+    ranks call them in the same order.
+
+    A vote costs a little time whatever the step's length (an all-reduce on gloo: a fraction of a millisecond on a
+    busy CPU); where steps are that short, voting at every one would slow training. So the ranks vote every `every`
+    boundaries: each vote carries the interval every rank wants, the largest at which its votes cost at most
+    `EXPOSED_SHARE` of its training time, but a vote at least every `MAX_LATENCY` seconds; all ranks read the same
+    vote at the same boundary and adopt its maximum there. Steps of a tenth of a second or more vote at every one."""
 
     def __init__(self, flag: SignalFlag, agree_timeout: float):
         self.flag = flag
         self.agree_timeout = agree_timeout
+        self.every = 1
         self._group = dist.gloo_group("preemption") if dist.is_distributed() else None
         self._pending = None
+        self._steps = 0  # optimizer steps seen by `start` (counted there: an epoch's end adds a boundary, not a step)
+        self._cost = self._step = None  # smoothed seconds: one vote's cost to this rank; one optimizer step
+        self._last = None  # when the previous optimizer step began
+        self._spent = 0.0  # seconds the vote of the coming boundary has cost so far
 
     def start(self) -> None:
-        """Start a vote (none when one is in flight already). Collective: all ranks call it."""
-        if self._pending is None:
+        """Before an optimizer step: start the vote of the coming boundary, when one is due there (and none is in
+        flight). Collective: all ranks call it."""
+        self._steps += 1
+        now = time.monotonic()
+        if self._last is not None:
+            self._step = _smooth(self._step, now - self._last)
+        self._last = now
+        if self._pending is None and self._steps % self.every == 0:
             self._start()
+            self._spent += time.monotonic() - now
 
     def read(self) -> int:
-        """The signal agreed by the vote in flight (0: none, or no vote in flight). Collective: all ranks call it."""
-        return self._read()
+        """At a step boundary: the signal agreed by the vote in flight (0: none, or no vote due here). Collective:
+        all ranks call it."""
+        began, voted = time.monotonic(), self._pending is not None
+        agreed, wanted = self._read()
+        now = time.monotonic()
+        if voted:
+            self.every = max(1, wanted)
+            self._cost = _smooth(self._cost, self._spent + now - began)
+        self._spent = 0.0
+        return agreed
 
     def now(self) -> int:
         """The signal agreed by the vote in flight or, when that says none, by a vote taken now. Collective: all
         ranks call it."""
-        return self._read() or (self._start(), self._read())[1]
+        return self._read()[0] or (self._start(), self._read())[1][0]
 
     def drain(self, timeout: float = 0.0) -> None:
         """Forget the vote in flight, waiting up to `timeout` s for it (leaving `train()` by an exception). Local."""
@@ -64,40 +103,47 @@ class Agreement:
             while not pending[0].is_completed() and time.monotonic() < deadline:
                 time.sleep(0.001)
 
+    def wanted_every(self) -> int:
+        """The voting interval this rank wants (see the class docstring)."""
+        if not self._cost or not self._step:
+            return 1
+        cheap = math.ceil(self._cost / (EXPOSED_SHARE * self._step))
+        return max(1, min(cheap, int(MAX_LATENCY / self._step)))
+
     def _start(self) -> None:
         if self._group is None:
             return
         import torch
 
-        vote = torch.tensor([self.flag.received], dtype=torch.int32)
+        vote = torch.tensor([self.flag.received, self.wanted_every()], dtype=torch.int32)
         work = torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (work, vote)
 
-    def _read(self) -> int:
+    def _read(self) -> tuple[int, int]:
+        """(the agreed signal, the agreed voting interval) of the vote in flight; without one, (0, `every`)."""
         if self._group is None:
-            return self.flag.received
+            return self.flag.received, 1
         if self._pending is None:
-            return 0
+            return 0, self.every
         work, vote = self._pending
         self._wait(work)
         self._pending = None
-        return int(vote.item())
+        return int(vote[0]), int(vote[1])
 
     def _wait(self, work) -> None:
-        """Until `work` completes; in a Python loop, so the signal handlers run meanwhile. Once this rank has a
-        signal, at most `agree_timeout` s from it."""
-        delay = 1e-5
-        while not work.is_completed():
+        """Until `work` completes: in slices of `WAIT_SLICE` (a timed wait in C++, no polling), so the signal
+        handlers run between them. Once this rank has a signal, at most `agree_timeout` s from it."""
+        while True:
+            try:
+                work.wait(timeout=WAIT_SLICE)
+                return
+            except RuntimeError as e:
+                if work.is_completed():  # it failed rather than took long: a peer's connection closed
+                    self._pending = None
+                    raise PeerLost(f"the vote failed: {type(e).__name__}: {e}") from e
             if self.flag.received and self.flag.elapsed() > self.agree_timeout:
-                raise PeerLost(f"no agreement within {self.agree_timeout:.0f} s of the signal: a peer did not vote "
-                               "(it may have died)")
-            time.sleep(delay)
-            delay = min(2 * delay, 0.005)
-        try:
-            work.wait()
-        except Exception as e:  # the group failed: a peer's connection closed
-            self._pending = None
-            raise PeerLost(f"the vote failed: {type(e).__name__}: {e}") from e
+                raise PeerLost(f"no agreement within {self.agree_timeout:.0f} s of the signal: a peer did not "
+                               "vote (it may have died)")
 
 
 class Watch:
