@@ -172,3 +172,30 @@ def _catching(errors: list, fn) -> None:
         fn()
     except BaseException as e:  # noqa: BLE001 (reported to the test)
         errors.append(e)
+
+
+class NeverVotes:
+    """A vote in flight whose peer never takes part: its timed waits time out, it never completes."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self):
+        return False
+
+
+def test_a_rank_with_a_signal_stops_waiting_for_a_vote_after_half_the_grace():
+    """The rule `Agreement` applies to a vote that does not arrive (a peer died): without a signal it keeps waiting
+    (a slow peer is not a dead one); with one, it gives up once `agree_timeout` has passed since the signal."""
+    import time
+
+    from hf_unified_ckpt.trainer.preemption import Agreement, PeerLost
+    from hf_unified_ckpt.trainer.signals import SignalFlag
+
+    flag = SignalFlag((signal.SIGTERM,))
+    agreement = Agreement(flag, agree_timeout=0.2)
+    flag.received, flag.at = signal.SIGTERM, time.monotonic()
+    began = time.monotonic()
+    with pytest.raises(PeerLost, match="no agreement within 0 s of the signal"):
+        agreement._wait(NeverVotes())
+    assert 0.2 <= time.monotonic() - began < 2.0
