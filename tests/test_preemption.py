@@ -292,3 +292,16 @@ def test_zero3_preempted_mid_step_resumes_exactly(tmp_path):
     assert_resumed_matches(resumed, reference, range(5, MAX_STEPS + 1), exact=True, loss_rtol=0, state_atol=0)
     for name, value in reference["optim"].items():
         assert torch.equal(resumed["optim"][name], value), name
+
+
+def test_a_preemption_checkpoint_of_two_ranks_resumes_on_one_process(caught, tmp_path):
+    """The checkpoint saved on preemption is an ordinary unified one: resumed at another world size (DDP × 2 → one
+    process, the global batch kept), it follows the uninterrupted run within fp32 reduction-order differences."""
+    from _runs import final_state, losses_of, make_trainer
+
+    step = result(caught, "mid_step")["preempted"]["step"]
+    trainer = make_trainer(tmp_path / "one", max_steps=MAX_STEPS, save_steps=SAVE_STEPS)
+    trainer.train(resume_from_checkpoint=str(caught / "mid_step" / f"checkpoint-{step}"))
+    resumed = {"losses": losses_of(trainer), "state": final_state(trainer)}
+    assert_resumed_matches(resumed, result(caught, "reference"), range(step + 1, MAX_STEPS + 1), exact=False,
+                           loss_rtol=1e-5, state_atol=1e-5)

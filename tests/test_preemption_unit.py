@@ -13,6 +13,7 @@ import stat
 import threading
 
 import pytest
+import torch
 from transformers import TrainerCallback
 
 from _runs import make_trainer
@@ -199,3 +200,23 @@ def test_a_rank_with_a_signal_stops_waiting_for_a_vote_after_half_the_grace():
     with pytest.raises(PeerLost, match="no agreement within 0 s of the signal"):
         agreement._wait(NeverVotes())
     assert 0.2 <= time.monotonic() - began < 2.0
+
+
+@pytest.mark.parametrize("kind, extra", [("gpt2", {}), ("lora", {}), ("llama", {"bf16": True})],
+                         ids=["tied-gpt2", "lora", "bf16"])
+def test_preempted_then_resumed_equals_the_uninterrupted_run(tmp_path, kind, extra):
+    """What users run: a tied-embedding model, a LoRA adapter, bf16 autocast; preempted mid-step 3 and resumed with
+    "auto" in a new Trainer, the weights equal the uninterrupted run's bit for bit (one process, same threads)."""
+    from _runs import final_state, losses_of
+
+    reference = make_trainer(tmp_path / "reference", kind, max_steps=6, save_steps=4, **extra)
+    reference.train()
+    trainer = make_trainer(tmp_path / "run", kind, max_steps=6, save_steps=4, **extra)
+    trainer.add_callback(SignalAt(3, signal.SIGTERM))
+    assert preempted(trainer).step == 3
+    resumed = make_trainer(tmp_path / "run", kind, max_steps=6, save_steps=4, **extra)
+    resumed.train(resume_from_checkpoint="auto")
+    assert {s: l for s, l in losses_of(resumed).items() if s > 3} == \
+        {s: l for s, l in losses_of(reference).items() if s > 3}
+    want, got = final_state(reference), final_state(resumed)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
