@@ -47,6 +47,14 @@ class UnifiedCheckpointFields:
                           "that every rank writes at least one when the state is large enough."},
     )
 
+    unified_checkpoint_storage: str = field(
+        default="",
+        metadata={"help": "Where the run's checkpoints go: empty for output_dir, or an object-store prefix such as "
+                          "'s3://bucket/run1' (pip install 'hf_unified_ckpt[s3]'). Endpoint and credentials come from "
+                          "the AWS environment and config files, never from here. Logs and save_model stay in "
+                          "output_dir."},
+    )
+
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "With unified_checkpoint: on a preemption signal (preemption_signals) the ranks agree at the "
@@ -81,6 +89,7 @@ class UnifiedCheckpointFields:
             ema_interval=self.ema_interval,
             preemption=parse_preemption(self.save_on_preemption, self.preemption_signals,
                                         self.preemption_grace_period, self.slurm_requeue),
+            storage=self.unified_checkpoint_storage,
         )
 
     @property
@@ -115,6 +124,6 @@ UnifiedCheckpointArguments = with_unified_checkpoint(
 UnifiedCheckpointArguments.__doc__ = (
     "`transformers.TrainingArguments` plus the unified-checkpoint fields "
     "(unified_checkpoint, unified_checkpoint_config, ckpt_quant_stage, disable_ckpt_quant, ema_decay, ema_interval, "
-    "unified_checkpoint_max_shard_size, save_on_preemption, preemption_signals, preemption_grace_period, "
-    "slurm_requeue)."
+    "unified_checkpoint_max_shard_size, unified_checkpoint_storage, save_on_preemption, preemption_signals, "
+    "preemption_grace_period, slurm_requeue)."
 )

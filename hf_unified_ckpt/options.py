@@ -112,6 +112,8 @@ class UnifiedCheckpointOptions:
         quant_stage: optimizer-moment compression, "O0" (none), "O1" (int8) or "O2" (int4).
         max_shard_size: upper bound, in bytes, of one safetensors file.
         preemption: what a preemption signal does (`PreemptionOptions`).
+        storage: where the run's checkpoints go (`unified_checkpoint_storage`): an object-store URL prefix such as
+            `s3://bucket/run1`, or None for `output_dir`.
     """
 
     enabled: bool = False
@@ -126,6 +128,7 @@ class UnifiedCheckpointOptions:
     quant_stage: str = "O0"
     max_shard_size: int = 5 * 10**9
     preemption: PreemptionOptions = PreemptionOptions()
+    storage: str | None = None
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
     #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
     quant_stage_requested: str | None = None
@@ -145,6 +148,30 @@ class UnifiedCheckpointOptions:
             "ema": self.ema,
             **({"ema_decay": self.ema_decay, "ema_interval": self.ema_interval} if self.ema else {}),
         }
+
+
+def parse_storage(value: str | None) -> str | None:
+    """`unified_checkpoint_storage`: None/"" (checkpoints in output_dir), or the URL of a store (`s3://bucket/run`)
+    whose scheme has a store (checked here, before any training; nothing is contacted). Credentials never go in the
+    URL: they would be saved with the training arguments."""
+    if not value:
+        return None
+    from .store import scheme_of, store_for  # here: the store registry imports its backends
+
+    value = str(value).strip().rstrip("/")
+    if not scheme_of(value):
+        raise ValueError(f"unified_checkpoint_storage={value!r} is a local path; it takes an object-store URL such as "
+                         "'s3://bucket/run1'. For a local or mounted folder, set output_dir instead.")
+    where, _, rest = value.partition("://")
+    if "@" in rest.split("/", 1)[0] or "?" in rest:
+        raise ValueError(f"unified_checkpoint_storage: the URL carries credentials or parameters ({where}://<...>@ or "
+                         "?...), which would be saved with the training arguments. Give the bare "
+                         f"'{where}://bucket/prefix' and put credentials in the environment (AWS_ACCESS_KEY_ID, "
+                         "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3) or ~/.aws/credentials.")
+    if not rest.split("/", 1)[0]:
+        raise ValueError(f"unified_checkpoint_storage={value!r} names no bucket; expected '{where}://bucket/prefix'.")
+    store_for(value)  # an unknown or unsupported scheme is refused by name here
+    return value
 
 
 def parse_size(value: str | int) -> int:
@@ -189,6 +216,7 @@ def parse_options(
     ema_decay: float = 0.999,
     ema_interval: int = 1,
     preemption: PreemptionOptions | None = None,
+    storage: str | None = None,
 ) -> UnifiedCheckpointOptions:
     """Parse the raw argument values into `UnifiedCheckpointOptions`.
 
@@ -241,6 +269,7 @@ def parse_options(
         quant_stage=stage,
         max_shard_size=parse_size(max_shard_size),
         preemption=preemption if preemption is not None else PreemptionOptions(),
+        storage=parse_storage(storage),
     )
     validate_supported(options, words)
     return options

@@ -85,3 +85,36 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"fault injection: {len(_FAULTS)} faults tried, {survived} survived"
                                     + ("" if survived == len(_FAULTS) else
                                        f" (not survived: {sorted(k for k, v in _FAULTS.items() if not v)})"))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS) on loopback for the whole session, started on first use; the standard AWS
+    environment points at it while it runs (so launched workers inherit it)."""
+    from s3_server import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("weed")).start()
+    saved = {k: os.environ.get(k) for k in server.environment()}
+    os.environ.update(server.environment())
+    try:
+        yield server
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_session_bucket(s3_server):
+    return s3_server.make_bucket("hfuc-tests")
+
+
+@pytest.fixture
+def s3_bucket(s3_session_bucket):
+    """A fresh, empty prefix in the session's bucket on the real S3 server, as an `s3://bucket/prefix` URL."""
+    import uuid
+
+    return f"{s3_session_bucket}/t-{uuid.uuid4().hex[:12]}"

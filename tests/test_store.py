@@ -113,6 +113,15 @@ def _memory_root() -> str:
     return f"memory://t-{uuid.uuid4().hex}"
 
 
+@pytest.fixture(params=["memory", "s3"])
+def remote_run(request):
+    """A run on each store without local paths: memory:// and a fresh prefix on the real S3 server."""
+    if request.param == "s3":
+        yield join(request.getfixturevalue("s3_bucket"), "run")
+        return
+    yield from memory_run.__wrapped__()
+
+
 @pytest.fixture
 def memory_run():
     root = _memory_root()
@@ -121,11 +130,15 @@ def memory_run():
     assert not store_for(root).is_folder(root)
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def run_ref(request, tmp_path):
-    """A run folder on each store: a local path or a `memory://` URL (removed afterwards)."""
+    """A run folder on each store: a local path, a `memory://` URL (removed afterwards) or a prefix in a fresh bucket
+    of the real S3 server."""
     if request.param == "local":
         yield str(tmp_path / "run")
+        return
+    if request.param == "s3":
+        yield join(request.getfixturevalue("s3_bucket"), "run")
         return
     root = _memory_root()
     yield join(root, "run")
@@ -133,15 +146,20 @@ def run_ref(request, tmp_path):
 
 
 def _kind(run: str) -> str:
-    return "memory" if scheme_of(run) == "memory" else "local"
+    return scheme_of(run) or "local"
+
+
+def _in_place(run: str) -> bool:
+    """Whether the store writes a save in place, committed by its manifest (no rename): memory://, s3://."""
+    return _kind(run) != "local"
 
 
 # ---- 1. the round trip through memory:// ------------------------------------------------------------------------
 
-def test_memory_round_trip_is_byte_identical_to_local(memory_run, tmp_path, monkeypatch):
-    run = memory_run
+def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path, monkeypatch):
+    run = remote_run
     store = store_for(run)
-    assert isinstance(store, FsspecStore) and not store.capabilities.positional_writes
+    assert not store.capabilities.positional_writes and not store.capabilities.local_paths
     assert not store.capabilities.atomic_rename and store.stage(join(run, "checkpoint-1")) == join(run, "checkpoint-1")
     model, opt = _model_and_optimizer()
     states = {}
@@ -291,7 +309,7 @@ def test_save_cut_before_the_manifest_is_never_picked(run_ref, how, monkeypatch)
     assert not layout.complete and not layout.committed
     if how == "error":  # cleaned up: nothing of the save is left
         assert store.list(run) == {"checkpoint-1": None}
-    elif _kind(run) == "memory":  # written in place: checkpoint-2 holds every tensor file, but no manifest
+    elif _in_place(run):  # written in place: checkpoint-2 holds every tensor file, but no manifest
         assert layout.kind == UNIFIED_INCOMPLETE and "unified_checkpoint.json is missing" in layout.reason
         left = store.list(two)
         assert MANIFEST_NAME not in left and sum(n.endswith(".safetensors") for n in left) >= 6
@@ -339,8 +357,9 @@ def test_damaged_file_is_named_by_verify(run_ref, damage):
 def _interrupt_retire(run: str, m) -> None:
     """Make the next checkpoint removal stop half-way, as a kill would: memory:// after its manifest was deleted
     (the second `FsspecStore.remove` of `retire`), a local folder after it was renamed aside (its deletion)."""
-    if _kind(run) == "memory":
-        real, calls = FsspecStore.remove, []
+    if _in_place(run):
+        cls = type(store_for(run))
+        real, calls = cls.remove, []
 
         def remove(self, ref):
             calls.append(ref)
@@ -348,7 +367,7 @@ def _interrupt_retire(run: str, m) -> None:
                 raise OSError(errno.EIO, "Input/output error (injected)", ref)
             return real(self, ref)
 
-        m.setattr(FsspecStore, "remove", remove)
+        m.setattr(cls, "remove", remove)
     else:
         def rmtree(path, *args, **kwargs):
             raise OSError(errno.EIO, "Input/output error (injected)", path)
@@ -369,7 +388,7 @@ def test_rotation_cut_half_way_leaves_nothing_that_is_picked(run_ref, monkeypatc
         _interrupt_retire(run, m)
         with pytest.raises(OSError, match="injected"):
             rotate_checkpoints(run, limit=1)
-    if _kind(run) == "memory":  # checkpoint-1 is still there, its manifest gone
+    if _in_place(run):  # checkpoint-1 is still there, its manifest gone
         assert store.is_folder(one) and MANIFEST_NAME not in store.list(one)
         assert detect_layout(one).kind == UNIFIED_INCOMPLETE
     else:  # renamed aside before anything was deleted
@@ -383,11 +402,11 @@ def test_rotation_cut_half_way_leaves_nothing_that_is_picked(run_ref, monkeypatc
     record_fault(name, survived=True)
 
 
-def test_failed_whole_file_write_leaves_no_file(memory_run):
+def test_failed_whole_file_write_leaves_no_file(remote_run):
     """`FsspecStore.write_whole`: a write that fails (the ranges' producer raises, or they do not fill the file)
     leaves no file under its name."""
-    store = store_for(memory_run)
-    ref = join(memory_run, "x.safetensors")
+    store = store_for(remote_run)
+    ref = join(remote_run, "x.safetensors")
 
     def ranges():
         yield 0, memoryview(b"abcd")
@@ -474,18 +493,18 @@ def test_persist_job_runs_alike_in_a_spawned_process_and_on_a_thread(tmp_path, m
     _assert_equal_states(_load(staging_a.final), state)
 
 
-def test_async_save_on_memory(memory_run):
-    """`AsyncSaver` runs its job to memory:// too: the snapshot is taken before the optimizer moves on."""
+def test_async_save_on_remote_stores(remote_run):
+    """`AsyncSaver` runs its job to memory:// and s3:// too: the snapshot is taken before the optimizer moves on."""
     model, opt = _model_and_optimizer()
     _train_step(model, opt, 1)
-    saver, final = AsyncSaver(), join(memory_run, "checkpoint-1")
+    saver, final = AsyncSaver(), join(remote_run, "checkpoint-1")
     assert saver.start(ReplicatedEngine(model, opt), SaveRequest(final, 1, OPTIONS, show_progress=False),
                        {"trainer_state.json": b"{}"}) == final
     state = _state(model, opt)
     saver.wait_for_snapshot()
     _train_step(model, opt, 2)
     saver.wait()
-    assert newest_complete(memory_run).global_step == 1
+    assert newest_complete(remote_run).global_step == 1
     _assert_equal_states(_load(final), state)
 
 
@@ -521,19 +540,25 @@ def test_url_references_are_not_mangled():
 
 def test_unknown_scheme_is_refused_by_name():
     with pytest.raises(ValueError) as e:
-        store_for("s3://x")
+        store_for("hdfs://x")
     message = str(e.value)
-    assert "'s3://x'" in message and "scheme 's3'" in message and "register a store for s3://" in message
-    assert "memory://" in message and "local paths" in message
+    assert "'hdfs://x'" in message and "scheme 'hdfs'" in message and "register a store for hdfs://" in message
+    assert "memory://" in message and "s3://" in message and "local paths" in message
+    for url in ("gs://bucket/run", "az://container/run", "abfs://c/run"):  # named: not supported yet, use s3://
+        with pytest.raises(ValueError, match=r"not supported yet: only s3:// object storage is") as e:
+            store_for(url)
+        assert f"{scheme_of(url)}://" in str(e.value)
     memory = store_for("memory://x")
     assert type(memory) is FsspecStore and memory is store_for("memory://y/z")
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
-def test_store_primitives_agree(kind, tmp_path):
-    """What the algorithms above rely on, the same on both stores."""
-    root = str(tmp_path) if kind == "local" else _memory_root()
-    store = store_for(root)
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_store_primitives_agree(kind, tmp_path, request):
+    """What the algorithms above rely on, the same on every store (S3 has no empty folders: a prefix exists while
+    an object lies under it)."""
+    root = {"local": lambda: str(tmp_path), "memory": _memory_root,
+            "s3": lambda: request.getfixturevalue("s3_bucket")}[kind]()
+    store, folders = store_for(root), kind != "s3"
     try:
         folder = join(root, "f")
         assert store.list(folder) == {} and store.size(join(folder, "x")) is None and not store.is_folder(folder)
@@ -542,13 +567,18 @@ def test_store_primitives_agree(kind, tmp_path):
         store.make_folder(join(folder, "sub"))
         store.put(join(folder, "x"), b"0123456789")
         store.put(join(folder, "x"), b"abcdefghij")  # the last put wins
-        assert store.list(folder) == {"sub": None, "x": 10} and store.is_folder(folder)
+        assert store.list(folder) == {**({"sub": None} if folders else {}), "x": 10} and store.is_folder(folder)
         assert store.size(join(folder, "x")) == 10 and store.size(join(folder, "sub")) is None
         assert store.read(join(folder, "x"), 3, 4) == b"defg" and store.read(join(folder, "x"), 7) == b"hij"
         assert store.read(join(folder, "x"), 3, 0) == b""
         assert store.crc32(join(folder, "x"), 2, 5) == zlib.crc32(b"cdefg")
+        store.put(join(folder, "m"), b"first", exclusive=True)  # the manifest's commit: only if absent
+        with pytest.raises(FileExistsError):
+            store.put(join(folder, "m"), b"second", exclusive=True)
+        assert store.read(join(folder, "m")) == b"first"
+        store.remove(join(folder, "m"))
         store.move(join(folder, "x"), join(folder, "y"))
-        assert store.list(folder) == {"sub": None, "y": 10}
+        assert store.list(folder) == {**({"sub": None} if folders else {}), "y": 10}
         assert store.crc32(join(folder, "y"), 0, 11) is None  # beyond its end
         store.remove(join(folder, "missing"))  # nothing to remove: no error
         store.retire(folder, "y")

@@ -103,9 +103,10 @@ def _zeros_operator(k: int) -> tuple[int, ...]:
     return tuple(_gf2_times(half, half[n]) for n in range(32))
 
 
-def put_file(ref: str | os.PathLike, data: bytes) -> FileRecord:
-    """Write small file `ref` durably and atomically through its store; return its record (from `data`)."""
-    store_for(ref).put(as_ref(ref), data)
+def put_file(ref: str | os.PathLike, data: bytes, exclusive: bool = False) -> FileRecord:
+    """Write small file `ref` durably and atomically through its store (with `exclusive`, only if it does not
+    exist: FileExistsError); return its record (from `data`)."""
+    store_for(ref).put(as_ref(ref), data, exclusive=exclusive)
     return FileRecord(name_of(ref), len(data), f"{crc32(data):08x}")
 
 
@@ -114,9 +115,9 @@ def json_bytes(obj) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-def write_json(ref: str | os.PathLike, obj) -> FileRecord:
-    """Write JSON durably and atomically; return its record."""
-    return put_file(ref, json_bytes(obj))
+def write_json(ref: str | os.PathLike, obj, exclusive: bool = False) -> FileRecord:
+    """Write JSON durably and atomically (see `put_file`); return its record."""
+    return put_file(ref, json_bytes(obj), exclusive=exclusive)
 
 
 def read_json(ref: str | os.PathLike, what: str):

@@ -75,8 +75,9 @@ def build_manifest(global_step: int, saved_by: Mapping, options: Mapping,
 
 
 def write_manifest(folder: str | os.PathLike, manifest: Mapping) -> FileRecord:
-    """Write the manifest (durably, atomically). Call it last: its presence commits the folder."""
-    return write_json(join(folder, MANIFEST_NAME), manifest)
+    """Write the manifest (durably, atomically), only if the folder has none (a conditional put on object stores:
+    two writers never both commit). Call it last: its presence commits the folder."""
+    return write_json(join(folder, MANIFEST_NAME), manifest, exclusive=True)
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:

@@ -1,16 +1,21 @@
 """The storage seam: the only package that touches checkpoint bytes at rest (see `base`). `LocalStore` serves
-local paths; `FsspecStore` serves `memory://` URLs. A new backend is one module here, registered by URL scheme
-with `register_store`."""
+local paths, `FsspecStore` `memory://` URLs, `S3Store` `s3://` (S3 and S3-compatible servers); `gs://` and `az://`
+are refused by name. A new backend is one module here, registered by URL scheme with `register_store`."""
 
 from .base import (Capabilities, Store, as_ref, canonical, is_file, is_folder, join, listing, name_of, parent_of, put_bytes,
                    read_bytes, register_store, remove, scheme_of, sibling, store_for)
 from .fsspec_store import FsspecStore
 from .local import LocalStore
+from .s3 import S3Store, refuse_scheme
 
 register_store("", LocalStore)
 register_store("file", LocalStore)
 register_store("memory", FsspecStore)
+register_store("s3", S3Store)
+for _scheme in ("gs", "gcs", "az", "abfs", "abfss"):
+    register_store(_scheme, refuse_scheme)
 
-__all__ = ["Capabilities", "FsspecStore", "LocalStore", "Store", "as_ref", "canonical", "is_file", "is_folder", "join", "listing",
+__all__ = ["Capabilities", "FsspecStore", "LocalStore", "S3Store", "Store", "as_ref", "canonical", "is_file",
+           "is_folder", "join", "listing",
            "name_of", "parent_of", "put_bytes", "read_bytes", "register_store", "remove", "scheme_of", "sibling",
            "store_for"]

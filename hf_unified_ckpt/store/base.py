@@ -83,9 +83,10 @@ class Store(Protocol):
     def crc32(self, ref: str, offset: int, length: int) -> int | None:
         """The CRC-32 of bytes `[offset, offset + length)` of file `ref`; None when the file is missing."""
 
-    def put(self, ref: str, data: bytes) -> None:
+    def put(self, ref: str, data: bytes, exclusive: bool = False) -> None:
         """Write small file `ref` whole, durably and atomically (a reader sees the old bytes or the new, and a
-        crash leaves no partial file under `ref`); several processes may put the same file, the last one wins."""
+        crash leaves no partial file under `ref`); several processes may put the same file, the last one wins.
+        `exclusive`: only if there is no file `ref` (else FileExistsError): the manifest's commit."""
 
     def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
         """Create file `ref` from `ranges` (offset order, tiling [0, size)), consumed one at a time so that the
@@ -97,8 +98,21 @@ class Store(Protocol):
         `size` first when it is given (the rank that writes the header). Only where
         `capabilities.positional_writes`; durable only after `sync`."""
 
-    def write_part(self, ref: str, upload: str, number: int, data: memoryview) -> None:
-        """Upload part `number` of file `ref` in multipart upload `upload`. Only where `capabilities.multipart`."""
+    def start_upload(self, ref: str) -> str:
+        """Begin a multipart upload of file `ref`; its ID, to which any process may upload parts. Only where
+        `capabilities.multipart` (so are the four methods below)."""
+
+    def write_part(self, ref: str, upload: str, number: int, data) -> str:
+        """Upload part `number` (1-based, parts in offset order) of file `ref` in `upload`; the part's tag."""
+
+    def finish_upload(self, ref: str, upload: str, parts: list[tuple[int, str]]) -> None:
+        """Complete `upload` from its (number, tag) parts: file `ref` appears whole, at once."""
+
+    def abort_upload(self, ref: str, upload: str) -> None:
+        """Drop `upload` and its parts (nothing when it is gone)."""
+
+    def abort_uploads(self, prefix: str, keep=()) -> list[str]:
+        """Abort the uploads under `prefix` that crashed saves left, except the IDs in `keep`."""
 
     def sync(self, ref: str) -> None:
         """Make the bytes written to file `ref` durable."""
@@ -126,6 +140,29 @@ class Store(Protocol):
 
     def local_path(self, ref: str) -> str | None:
         """`ref` as a path other libraries can open (`capabilities.local_paths`), else None."""
+
+
+class NoMultipart:
+    """The multipart methods of a store without multipart uploads (`capabilities.multipart` False)."""
+
+    def _no_multipart(self):
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads (capabilities.multipart is False)")
+
+    def start_upload(self, ref: str) -> str:
+        self._no_multipart()
+
+    def write_part(self, ref: str, upload: str, number: int, data) -> str:
+        self._no_multipart()
+
+    def finish_upload(self, ref: str, upload: str, parts: list[tuple[int, str]]) -> None:
+        self._no_multipart()
+
+    def abort_upload(self, ref: str, upload: str) -> None:
+        self._no_multipart()
+
+    def abort_uploads(self, prefix: str, keep=()) -> list[str]:
+        """Nothing to abort."""
+        return []
 
 
 # ---- references -------------------------------------------------------------------------------------------------

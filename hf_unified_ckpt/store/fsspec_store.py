@@ -11,10 +11,10 @@ import posixpath
 from collections.abc import Iterable
 
 from ..format.checksum import crc32
-from .base import Capabilities, Range, Written, as_ref
+from .base import Capabilities, NoMultipart, Range, Written, as_ref
 
 
-class FsspecStore:
+class FsspecStore(NoMultipart):
     """References are URLs of one fsspec protocol (see the module docstring)."""
 
     capabilities = Capabilities(positional_writes=False, atomic_rename=False, local_paths=False,
@@ -69,7 +69,10 @@ class FsspecStore:
         return crc32(self.read(ref, offset, length)) if length else 0
 
     # ---- writing ------------------------------------------------------------------------------------------------
-    def put(self, ref: str, data: bytes) -> None:
+    def put(self, ref: str, data: bytes, exclusive: bool = False) -> None:
+        """`exclusive` is checked, then written: not atomic, enough for one process's memory."""
+        if exclusive and self.size(ref) is not None:
+            raise FileExistsError(f"{as_ref(ref)} already exists")
         self.fs.pipe_file(self._key(ref), bytes(data))
 
     def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
@@ -98,9 +101,6 @@ class FsspecStore:
     def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
         raise NotImplementedError(f"{self.scheme}:// has no positional writes (capabilities.positional_writes is "
                                   "False): write whole files")
-
-    def write_part(self, ref: str, upload: str, number: int, data: memoryview) -> None:
-        raise NotImplementedError(f"{self.scheme}:// has no multipart uploads here (capabilities.multipart is False)")
 
     def sync(self, ref: str) -> None:
         """A closed file is committed: nothing more to do."""

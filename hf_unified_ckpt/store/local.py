@@ -15,7 +15,7 @@ import stat
 from collections.abc import Iterable
 
 from . import local_io
-from .base import Capabilities, Range, Written, as_ref
+from .base import Capabilities, NoMultipart, Range, Written, as_ref
 from .direct import write_whole_direct
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ SUPERSEDED_SUFFIX = ".superseded"
 DELETING_SUFFIX = ".deleting"
 
 
-class LocalStore:
+class LocalStore(NoMultipart):
     """References are local paths (see the module docstring)."""
 
     capabilities = Capabilities(positional_writes=True, atomic_rename=True, local_paths=True,
@@ -78,8 +78,8 @@ class LocalStore:
         return local_io.range_crc32(self._path(ref), offset, length)
 
     # ---- writing ------------------------------------------------------------------------------------------------
-    def put(self, ref: str, data: bytes) -> None:
-        local_io.write_atomic(self._path(ref), data)
+    def put(self, ref: str, data: bytes, exclusive: bool = False) -> None:
+        local_io.write_atomic(self._path(ref), data, exclusive=exclusive)
 
     def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
         path = self._path(ref)
@@ -92,9 +92,6 @@ class LocalStore:
 
     def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
         local_io.write_at(self._path(ref), ranges, size)
-
-    def write_part(self, ref: str, upload: str, number: int, data: memoryview) -> None:
-        raise NotImplementedError("a local folder has no multipart uploads (capabilities.multipart is False)")
 
     def sync(self, ref: str) -> None:
         local_io.fsync_file(self._path(ref))

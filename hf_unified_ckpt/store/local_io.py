@@ -66,9 +66,10 @@ def range_crc32(path: str | os.PathLike, offset: int, length: int) -> int | None
         return crc
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) -> None:
     """Write `data` durably through a temporary file and an atomic rename (several processes may write the same
-    file at once: each uses its own temporary name, and the last rename wins)."""
+    file at once: each uses its own temporary name, and the last rename wins). `exclusive`: a hard link instead of
+    the rename, which fails (FileExistsError) when `path` exists."""
     path = os.fspath(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.getpid()}-{threading.get_ident()}.tmp")
@@ -76,7 +77,13 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if not exclusive:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
 
 
 def write_at(path: str | os.PathLike, ranges, size: int | None) -> None:

@@ -46,6 +46,7 @@ from .capture import ARGS_FILE, SCHEDULER_FILE, processing_class_files, small_fi
 from .engines import engine_of
 from .preempt_mixin import PreemptionMixin
 from .resume import Resume, check_unified, resolve, same_ref
+from .storage import LocalAlias, check_writable, checkpoint_root, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,14 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         self._uc_fragments = None
         self._uc_saved_step = self._uc_save_seconds = None
         self._uc_preempting = False
+        self._uc_alias = None
         self._uc_refuse_unsupported()
+        if options.enabled and options.storage is not None:
+            check_writable(checkpoint_root(self, trial))
         path, self._uc_resume = resolve(self, resume_from_checkpoint)
+        if self._uc_resume is not None and is_remote(path):  # the Trainer's own code opens its small files by path
+            self._uc_alias = LocalAlias(path)
+            path = self._uc_alias.path
         self._uc_preemption = self._uc_watch_preemption()
         try:
             output = super().train(resume_from_checkpoint=path, trial=trial,
@@ -95,6 +102,9 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         watch, self._uc_preemption = getattr(self, "_uc_preemption", None), None
         if watch is not None:
             watch.close()
+        alias, self._uc_alias = getattr(self, "_uc_alias", None), None
+        if alias is not None:
+            alias.close()
         if not self._uc_saver.in_flight:
             dist.release_groups()
 
@@ -105,6 +115,9 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         if options.async_save and self.args.push_to_hub:
             raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
                                              "before the background save commits. Drop one of them.")
+        if options.storage is not None and self.args.push_to_hub:
+            raise UnsupportedCheckpointError("unified_checkpoint_storage with push_to_hub is not supported yet: the "
+                                             "Hub upload reads checkpoints from output_dir. Drop one of them.")
         engine = engine_of(self)
         refusal = engine.refusal(self)
         if refusal:
@@ -118,8 +131,10 @@ class UnifiedCheckpointMixin(PreemptionMixin):
                            "for the engine that runs.", engine.label())
 
     def _uc_resuming(self, checkpoint) -> Resume | None:
-        resume = getattr(self, "_uc_resume", None)
-        if resume is not None and checkpoint is not None and same_ref(checkpoint, resume.layout.path):
+        resume, alias = getattr(self, "_uc_resume", None), getattr(self, "_uc_alias", None)
+        if resume is None or checkpoint is None:
+            return None
+        if same_ref(checkpoint, resume.layout.path) or (alias is not None and same_ref(checkpoint, alias.path)):
             return resume
         return None
 
@@ -150,7 +165,10 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             logger.warning("Resuming from %s, which holds no EMA of the weights: the EMA starts again from the "
                            "weights at its first update.", folder)
         self._uc_load_scheduler(folder, saved_groups, engine)
-        self._load_scaler(str(folder))
+        alias = getattr(self, "_uc_alias", None)
+        self._load_scaler(alias.path if alias is not None else str(folder))
+        if alias is not None and alias.best_model_checkpoint and is_folder(alias.best_model_checkpoint):
+            self.state.best_model_checkpoint = alias.best_model_checkpoint  # the stand-in's state left it out
         logger.info("Resumed from %s checkpoint %s", resume.layout.kind, folder)
         return model, train_dataloader
 
@@ -213,7 +231,7 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         resume = self._uc_resuming(checkpoint)
         if resume is None:
             return super()._load_rng_state(checkpoint)
-        lost = restore_rng_state(checkpoint, dist.rank(), resume.saved_world_size, dist.world_size())
+        lost = restore_rng_state(resume.layout.path, dist.rank(), resume.saved_world_size, dist.world_size())
         if lost and dist.rank() == 0:
             logger.warning("Resuming from %s: %s", checkpoint, lost)
 
@@ -226,7 +244,7 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         options = self._uc_save_options(options)
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        run_dir = as_ref(self._get_output_dir(trial=trial))
+        run_dir = checkpoint_root(self, trial)
         output_dir = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         saver = self._uc_saver
         saver.wait()  # one save in flight: the previous one commits (or raises) before this one starts

@@ -21,9 +21,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .. import dist
 from ..checkpoint.layout import newest_complete
 from ..errors import UnsupportedCheckpointError
-from ..store import as_ref, join
+from ..store import join
 from .preemption import PeerLost, Watch
 from .signals import ignore_in_workers
+from .storage import checkpoint_root
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class PreemptionMixin:
         try:
             return watch.vote(now=now, start=start)
         except PeerLost as e:
-            newest = newest_complete(self._get_output_dir(None))
+            newest = newest_complete(checkpoint_root(self))
             raise watch.ended(watch.flag.received, self.state.global_step, newest.path if newest else None,
                               saved=False, where=f"{where}; {e}") from e
 
@@ -116,7 +117,7 @@ class PreemptionMixin:
             self._save_checkpoint(model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         self._uc_saver.wait()
-        folder = join(as_ref(self._get_output_dir(trial)), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        folder = join(checkpoint_root(self, trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
         raise watch.ended(number, step, folder, saved=True, where="at a step boundary",
                           save_seconds=time.monotonic() - started)
 
@@ -140,7 +141,7 @@ class PreemptionMixin:
         agreed = self._uc_vote(watch, "after training", now=True)
         if agreed:
             self._uc_saver.wait()
-            newest = newest_complete(self._get_output_dir(trial))
+            newest = newest_complete(checkpoint_root(self, trial))
             saved = newest is not None and newest.global_step == self.state.global_step
             raise watch.ended(agreed, self.state.global_step, newest.path if newest else None, saved=saved,
                               where="after the last step")

@@ -19,11 +19,13 @@ from ..legacy import check_readable, open_legacy
 from ..store import as_ref, canonical, join, parent_of
 from .capture import TRAINER_STATE_FILE
 from .engines import engine_of
+from .storage import checkpoint_root
 
 logger = logging.getLogger(__name__)
 
-#: `train(resume_from_checkpoint=RESUME_AUTO)`: the newest complete checkpoint of `output_dir` when there is one,
-#: else a fresh start: what a job that a scheduler requeues after a preemption wants on every start, its first too.
+#: `train(resume_from_checkpoint=RESUME_AUTO)`: the newest complete checkpoint of the run (in `output_dir`, or
+#: `unified_checkpoint_storage`) when there is one, else a fresh start: what a job that a scheduler requeues after
+#: a preemption wants on every start, its first too.
 RESUME_AUTO = "auto"
 
 
@@ -51,8 +53,8 @@ def resolve(trainer, value) -> tuple[str | None, Resume | None]:
     if value is None or value is False:
         return None, None
     if value is True or value == RESUME_AUTO:
-        step, verdict, skipped = newest_across_machines(trainer.args.output_dir)
-        run_dir = as_ref(trainer.args.output_dir)
+        run_dir = checkpoint_root(trainer)
+        step, verdict, skipped = newest_across_machines(run_dir)
         for newer, why in skipped:
             if dist.rank() == 0:
                 logger.warning("Skipping %s when resuming: %s", join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{newer}"),
@@ -60,10 +62,10 @@ def resolve(trainer, value) -> tuple[str | None, Resume | None]:
         if verdict is None and value == RESUME_AUTO:
             if dist.rank() == 0:
                 logger.info("resume_from_checkpoint='auto': %s holds no complete checkpoint yet; starting fresh.",
-                            trainer.args.output_dir)
+                            run_dir)
             return None, None
         if verdict is None:
-            raise ValueError(f"resume_from_checkpoint=True but {trainer.args.output_dir} holds no complete "
+            raise ValueError(f"resume_from_checkpoint=True but {run_dir} holds no complete "
                              "checkpoint-N folder (unified or legacy). Start without resuming, pass a path, or pass "
                              f"resume_from_checkpoint={RESUME_AUTO!r} (resume when there is one, else start fresh).")
         path = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")

@@ -1,0 +1,87 @@
+"""Uploads of the S3 store: a file streamed whole by one writer (`stream_upload`) and a bounded pool of part
+uploads (`PartUploads`), both holding at most `PART_SIZE * UPLOAD_CONCURRENCY` bytes of parts in flight."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..format.checksum import crc32
+from .base import Range, Written
+from .s3 import PART_SIZE, UPLOAD_CONCURRENCY
+
+
+class PartUploads:
+    """Parts of one or more multipart uploads sent by a few threads; `submit` blocks while `concurrency` parts are
+    in flight, so the bytes held stay bounded. `results` waits for all and raises the first failure, naming the
+    object and the part."""
+
+    def __init__(self, store, concurrency: int = UPLOAD_CONCURRENCY):
+        self.store = store
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="s3-part")
+        self._futures: list[tuple[str, int, Future]] = []
+
+    def submit(self, ref: str, upload: str, number: int, data: bytes) -> None:
+        self._slots.acquire()
+        future = self._pool.submit(self._send, ref, upload, number, data)
+        self._futures.append((ref, number, future))
+
+    def _send(self, ref, upload, number, data) -> str:
+        try:
+            return self.store.write_part(ref, upload, number, data)
+        finally:
+            self._slots.release()
+
+    def results(self) -> list[tuple[str, int, str]]:
+        """(ref, part number, ETag) of every part, once all are uploaded."""
+        try:
+            out = []
+            for ref, number, future in self._futures:
+                try:
+                    out.append((ref, number, future.result()))
+                except Exception as e:
+                    raise OSError(f"uploading part {number} of {ref} failed: {type(e).__name__}: {e}") from e
+            return out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def stream_upload(store, ref: str, ranges: Iterable[Range], size: int) -> list[Written]:
+    """Create object `ref` from `ranges` (offset order, tiling [0, size)): one PUT below a part, else a multipart
+    upload of PART_SIZE parts, aborted on any failure (no object appears)."""
+    written, end, buffer = [], 0, bytearray()
+    upload, parts, number = None, None, 0
+    try:
+        for offset, data in ranges:
+            if offset != end:
+                raise ValueError(f"{ref}: a range starts at byte {offset}, expected {end} (gap or overlap)")
+            written.append((offset, len(data), crc32(data)))
+            end += len(data)
+            buffer += data
+            while len(buffer) >= PART_SIZE:  # every part but the last is PART_SIZE (>= MIN_PART_SIZE)
+                if upload is None:
+                    upload, parts = store.start_upload(ref), PartUploads(store)
+                number += 1
+                parts.submit(ref, upload, number, bytes(buffer[:PART_SIZE]))
+                del buffer[:PART_SIZE]
+        if end != size:
+            raise ValueError(f"{ref}: the ranges end at {end}, the file is {size} bytes")
+        if upload is None:
+            store.put(ref, bytes(buffer))
+            return written
+        if buffer:
+            number += 1
+            parts.submit(ref, upload, number, bytes(buffer))
+        store.finish_upload(ref, upload, [(n, etag) for _, n, etag in parts.results()])
+    except BaseException:
+        if parts is not None:
+            parts.close()
+        if upload is not None:
+            store.abort_upload(ref, upload)
+        raise
+    return written
