@@ -56,6 +56,10 @@ def build_model(kind: str = "llama", seed: int = 0):
         config = GPT2Config(vocab_size=VOCAB, n_embd=30, n_layer=2, n_head=3, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
         return GPT2LMHeadModel(config)
+    if kind == "llama_s3":  # embeddings of 12 MB: each of 2 ranks holds more than S3's 5 MiB smallest part of them
+        return LlamaForCausalLM(LlamaConfig(vocab_size=6007, hidden_size=512, intermediate_size=343,
+                                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                                            max_position_embeddings=64, tie_word_embeddings=False))
     if kind in TP_LLAMA:  # heads tensor parallelism can split, widths it cannot split evenly
         return LlamaForCausalLM(LlamaConfig(**TP_LLAMA[kind]))
     if kind == "lora":
@@ -630,7 +634,7 @@ def die_mid_write(rank: int, step: int):
 
 #: The decoder layer class of each test model: one FSDP unit each.
 LAYER_CLASS = {"llama": "LlamaDecoderLayer", "lora": "LlamaDecoderLayer", "gpt2": "GPT2Block",
-               "llama_tp": "LlamaDecoderLayer", "llama_tp_tied": "LlamaDecoderLayer"}
+               "llama_tp": "LlamaDecoderLayer", "llama_tp_tied": "LlamaDecoderLayer", "llama_s3": "LlamaDecoderLayer"}
 
 
 def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT", model: str = "llama") -> dict:

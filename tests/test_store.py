@@ -268,13 +268,15 @@ def test_full_disk_mid_save_commits_nothing(run_ref, monkeypatch):
             return real(ref, *args, **kwargs)
         return write
 
-    with monkeypatch.context() as m:  # whichever the store's writer uses: whole files (memory) or in place (local)
-        m.setattr(store, "write_whole", failing(store.write_whole))
+    with monkeypatch.context() as m:  # whichever the store's writer uses: whole files (memory), in place (local),
+        m.setattr(store, "write_whole", failing(store.write_whole))  # parts of uploads (s3)
         m.setattr(store, "write_at", failing(store.write_at))
+        m.setattr(store, "write_part", failing(store.write_part))
         with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
             _save(model, opt, two, 2)
     assert "No space left on device" in str(e.value) and "checkpoint-2" in str(e.value)
     assert len(tensor_files) >= 2
+    assert store.abort_uploads(run) == []  # the failed save aborted its multipart uploads (s3) itself
     assert store.list(run) == {"checkpoint-1": None}  # no checkpoint-2 and no staging folder either
     assert not detect_layout(two).complete and not store.is_folder(two)
     assert newest_complete(run).global_step == 1 and _complete_steps(run) == [1]

@@ -23,8 +23,8 @@ from ..engines.base import EngineAdapter
 from ..errors import UnifiedCheckpointError
 from .persist import Background, HostBuffers, PersistJob
 from ..format.planning import FilePlan
-from .save import (SaveRequest, SmallFiles, Staging, assembled_files, conclude, guarded, open_staging, plan_save,
-                   raise_if_failed)
+from .save import (SaveRequest, SmallFiles, Staging, assembled_files, begin_multipart, conclude, guarded,
+                   open_staging, plan_save, raise_if_failed)
 from ..store import as_ref, name_of
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class AsyncSaver:
         group = dist.gloo_group("async-save")
         final = as_ref(request.final_dir)
         staging = open_staging(final)
-        plan = plan_save(engine, request, shared=staging.in_place)
+        plan = begin_multipart(plan_save(engine, request, shared=staging.in_place), staging)
         mine = list(assembled_files(engine, plan.writer, plan.files, f"Saving {name_of(final)}",
                                     request.show_progress and dist.rank() == 0))
         job = PersistJob(staging.path, plan.writer, small_files=dict(small_files))

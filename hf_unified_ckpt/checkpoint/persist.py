@@ -35,9 +35,18 @@ class PersistJob:
     small_files: dict[str, bytes] = field(default_factory=dict)
 
     def run(self) -> list[FileRecord | RangeRecord]:
-        """Write the tensor files (durable on return) and the small files; return their records."""
+        """Write the tensor files (durable on return) and the small files; return their records. After a failure
+        the remaining files are still handed to the writer (a multipart writer's exchanges are collectives the other
+        ranks wait for); the first failure is raised at the end."""
+        records, failure = [], None
         with self.writer.syncing():
-            records = [r for file, tensors in self.files for r in self.writer.write(self.folder, file, tensors)]
+            for file, tensors in self.files:
+                try:
+                    records += self.writer.write(self.folder, file, tensors)
+                except Exception as e:  # raised below, once every file had its turn
+                    failure = failure or e
+        if failure is not None:
+            raise failure
         return records + write_small_files(self.folder, self.small_files)
 
 

@@ -46,6 +46,8 @@ from .files import FileRecord, RangeRecord, combine_ranges, put_file
 from ..store import as_ref, join, name_of, parent_of, store_for
 from .manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .safetensors_io import index_name, write_index
+from .multipart import (GROUP as MULTIPART_GROUP, MultipartWriter, abort_uploads, begin_uploads, finish_uploads,
+                        record_uploads)
 from .writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,8 @@ class SavePlan:
     saved_by: dict
     pieces: dict[str, dict[str, Pieces]] = dataclasses.field(default_factory=dict)  # component -> tensor -> pieces
     direct_io: bool = False  # SaveRequest.direct_io
+    #: Object stores: file name -> multipart upload ID, every rank uploading its parts (`begin_multipart`).
+    uploads: dict[str, str] | None = None
 
     @property
     def files(self) -> list[FilePlan]:
@@ -86,7 +90,10 @@ class SavePlan:
 
     @property
     def writer(self) -> StorageWriter:
-        """In place into shared files when the plan has pieces (one folder every rank sees), else whole files."""
+        """Parts of multipart uploads (object stores), in place into shared files when the plan has pieces (one
+        folder every rank sees), else whole files."""
+        if self.uploads is not None:
+            return MultipartWriter(dist.rank(), self.uploads)
         return SharedFileWriter(dist.rank(), self.direct_io) if self.pieces else WholeFileWriter()
 
 
@@ -106,6 +113,19 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False)
         plans[c.name] = dataclasses.replace(plan, index_metadata=metadata)
     pieces = census_of_pieces(engine, plans) if shared else {}
     return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, request.direct_io)
+
+
+def begin_multipart(plan: SavePlan, staging: "Staging") -> SavePlan:
+    """The plan with one multipart upload per file where ranks upload their parts into an object store (begun by
+    rank 0, after aborting what a crashed save left; the IDs sent to all), else `plan` itself; the gloo group of
+    the hand-overs is made here, on the training thread. Collective: all ranks must call it."""
+    if not staging.multipart:
+        return plan
+    dist.gloo_group(MULTIPART_GROUP)
+    status = guarded(lambda: begin_uploads(staging.path, plan.files)) if dist.rank() == 0 else (True, None)
+    status = dist.broadcast_object(status)
+    raise_if_failed([status], staging)
+    return dataclasses.replace(plan, uploads=status[1])
 
 
 def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:
@@ -171,7 +191,7 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, small_files: Sm
     writes in its place: that one is removed, manifest first, when the save begins).
     """
     staging = open_staging(as_ref(request.final_dir))
-    plan = plan_save(engine, request, shared=staging.in_place)
+    plan = begin_multipart(plan_save(engine, request, shared=staging.in_place), staging)
     show = request.show_progress and dist.rank() == 0
     outcome = guarded(lambda: _write_share(engine, plan.writer, plan.files, staging.path,
                                            f"Saving {name_of(staging.final)}", show,
@@ -196,9 +216,17 @@ class Staging:
 
     @property
     def in_place(self) -> bool:
-        """Whether ranks write their pieces of shared files in place: every rank sees the folder and its store
-        writes at offsets (else each file is written whole, in order, by one rank)."""
-        return self.shared and store_for(self.path).capabilities.positional_writes
+        """Whether ranks write their pieces of shared files themselves: every rank sees the folder and its store
+        writes at offsets or takes parts of one upload from several processes (else each file is written whole, in
+        order, by one rank)."""
+        capabilities = store_for(self.path).capabilities
+        return self.shared and (capabilities.positional_writes or capabilities.multipart)
+
+    @property
+    def multipart(self) -> bool:
+        """Whether the ranks upload their pieces as parts of multipart uploads (an object store every rank sees)."""
+        capabilities = store_for(self.path).capabilities
+        return self.shared and capabilities.multipart and not capabilities.positional_writes
 
 
 def open_staging(final: str) -> Staging:
@@ -305,6 +333,8 @@ def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest,
     into its staging folder. Returns the bytes of the small files every folder holds (empty when all ranks share
     one folder)."""
     shards = {f for cplan in plan.components.values() for f in cplan.files}
+    if plan.uploads is not None:
+        finish_uploads(staging.path, plan.uploads, records)
     ranges = [r for r in records if isinstance(r, RangeRecord)]
     if ranges:
         sizes = {f.name: f.size for f in plan.files}
@@ -321,6 +351,8 @@ def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest,
                                        cplan.total_size, codec_summary(codec))
     manifest = build_manifest(request.global_step, plan.saved_by, request.options.as_manifest_dict(),
                               entries, records)
+    if plan.uploads is not None:
+        record_uploads(manifest, plan.files, ranges, store_for(staging.path).capabilities.min_part_size)
     write_manifest(staging.path, manifest)
     if staging.shared:
         return {}
@@ -346,6 +378,8 @@ def discard(staging: str) -> None:
     store = store_for(staging)
     if store.is_folder(staging):
         store.retire(staging, MANIFEST_NAME)
+    if store.capabilities.multipart:
+        abort_uploads(staging)
 
 
 def save_model_weights(engine: EngineAdapter, folder: str | os.PathLike, max_shard_size: int, small_files: SmallFiles,

@@ -161,10 +161,18 @@ def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Map
         with _prefetching(itertools.chain([(0, memoryview(head))], lazily)) as ranges:
             written = store.write_whole(ref, ranges, file.size, direct_io=True)
         return [RangeRecord(file.name, offset, length, crc) for offset, length, crc in written]
-    ranges = [(0, memoryview(head))] if rank == file.header_rank else []
-    ranges += [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items]
+    ranges = rank_ranges(file, rank, tensors)
     store.write_at(ref, ranges, file.size if rank == file.header_rank else None)
     return [RangeRecord(file.name, offset, len(data), crc32(data)) for offset, data in ranges]
+
+
+def rank_ranges(file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, memoryview]]:
+    """What `rank` holds of `file`, as (offset in the file, bytes) in offset order: the header on the header rank,
+    then its write items, from `tensors` (by stored name, encoded)."""
+    head = file.header_bytes
+    ranges = [(0, memoryview(head))] if rank == file.header_rank else []
+    items = sorted(file.items_of(rank), key=lambda item: item.start)
+    return ranges + [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items]
 
 
 def _writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:

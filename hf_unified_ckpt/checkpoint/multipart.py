@@ -1,0 +1,166 @@
+"""`MultipartWriter`: every rank uploads the bytes it holds of the shared files, as parts of one multipart upload
+per file (object stores: `Capabilities.multipart`).
+
+Rank 0 begins one upload per file when the save starts (`begin_uploads`: its IDs are sent to all ranks, and
+uploads that a crashed save left under the run are aborted first). Each file's part plan (`format.parts`) is the
+same on every rank: a rank holding a run of at least the store's smallest part uploads it itself; smaller runs are
+sent to the neighbour that uploads them (`_exchange`: one all-gather per file that has hand-overs, on a gloo group
+of its own, so it never meets training's collectives). Each rank reports one `PartRecord` per part it uploaded
+(offset, length, CRC-32, part number, tag); rank 0 completes every upload from them before it puts the manifest
+(`finish_uploads`), and a failed save aborts them (`abort_uploads`).
+
+Memory: a part's bytes are gathered into one buffer just before it is sent, and at most
+`store.s3.UPLOAD_CONCURRENCY` parts are in flight, so the extra host memory per rank is about
+(UPLOAD_CONCURRENCY + 1) x `store.s3.PART_SIZE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .. import dist
+from ..format.checksum import crc32
+from ..format.parts import PartPlan, file_runs, plan_parts
+from ..format.planning import FilePlan
+from ..store import join, store_for
+from ..store.s3 import PART_SIZE
+from ..store.s3_upload import PartUploads
+from .files import RangeRecord
+from .writer import SharedFileWriter, rank_ranges
+
+logger = logging.getLogger(__name__)
+
+#: The name of the gloo group that carries hand-overs (`dist.gloo_group`).
+GROUP = "multipart"
+
+
+@dataclass(frozen=True)
+class PartRecord(RangeRecord):
+    """A range one rank uploaded as part `part` of its file's upload, with the tag the store returned."""
+
+    part: int = 0
+    etag: str = ""
+    rank: int = 0
+
+
+class MultipartWriter(SharedFileWriter):
+    """See the module docstring. Every rank takes part in every file (`writes` is always True): the hand-overs
+    are collectives, in plan order. A failure on this rank is raised only after this file's exchange, so the other
+    ranks never wait for it; `PersistJob.run` goes on with the exchanges of the remaining files after a failure."""
+
+    def __init__(self, rank: int, uploads: Mapping[str, str]):
+        super().__init__(rank)
+        self.uploads = dict(uploads)
+        self.hand_over_bytes = 0
+
+    def writes(self, file: FilePlan, rank: int) -> bool:
+        return True
+
+    def part_plan(self, file: FilePlan, ref: str) -> PartPlan:
+        return plan_parts(file_runs(file), store_for(ref).capabilities.min_part_size, PART_SIZE)
+
+    def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[PartRecord]:
+        """Upload this rank's parts of `file` (after sending and receiving its hand-overs: a collective on the
+        `multipart` gloo group when the plan has any)."""
+        ref = join(folder, file.name)
+        plan = self.part_plan(file, ref)
+        failure, held = None, []
+        try:
+            held = rank_ranges(file, self.rank, file.encoded(tensors, self.rank))
+        except Exception as e:  # raised after the exchange, which the other ranks wait for
+            failure = e
+        received = self._exchange(file, plan, held if failure is None else None)
+        if failure is not None:
+            raise failure
+        pieces = sorted(held + received, key=lambda r: r[0])
+        uploads, records = PartUploads(store_for(ref)), []
+        try:
+            for part in plan.uploaded_by(self.rank):
+                data = _gather(pieces, part.start, part.end, ref)
+                records.append(PartRecord(file.name, part.start, len(data), crc32(data), part.number, rank=self.rank))
+                uploads.submit(ref, self.uploads[file.name], part.number, data)
+                del data
+            tags = {number: tag for _, number, tag in uploads.results()}
+        finally:
+            uploads.close()
+        return [dataclasses.replace(r, etag=tags[r.part]) for r in records]
+
+    def _exchange(self, file: FilePlan, plan: PartPlan, held: list | None) -> list[tuple[int, memoryview]]:
+        """Send the ranges this rank hands over and receive those handed to it (nothing when the plan has no
+        hand-over: the same decision on every rank). `held` None: this rank failed; it sends nothing, and a
+        receiver of its bytes raises. Collective on the `multipart` gloo group when there are hand-overs."""
+        if not plan.hand_overs:
+            return []
+        sent = {}
+        if held is not None:
+            pieces = sorted(held, key=lambda r: r[0])
+            sent = {(h.start, h.end): _gather(pieces, h.start, h.end, file.name) for h in plan.sent_by(self.rank)}
+        everyone = dist.all_gather_object(sent, group=dist.gloo_group(GROUP))
+        mine = [h for h in plan.hand_overs if h.receiver == self.rank]
+        self.hand_over_bytes += sum(h.end - h.start for h in mine)
+        try:
+            return [(h.start, memoryview(everyone[h.sender][(h.start, h.end)])) for h in mine]
+        except KeyError:
+            raise RuntimeError(f"{file.name}: a rank that hands bytes to rank {self.rank} failed before sending "
+                               "them") from None
+
+
+def _gather(pieces: list[tuple[int, memoryview]], start: int, end: int, what: str) -> bytes:
+    """Bytes `[start, end)` of a file from `pieces` ((offset, bytes), offset order, covering them)."""
+    out, at = bytearray(), start
+    for offset, data in pieces:
+        stop = offset + len(data)
+        if stop <= at or offset >= end:
+            continue
+        if offset > at:
+            break
+        take = data[at - offset:min(end, stop) - offset]
+        out += take
+        at += len(take)
+        if at == end:
+            return bytes(out)
+    raise RuntimeError(f"{what}: bytes [{at}, {end}) of a part are not held by this rank; the part plan and the "
+                       "engine's shards disagree.")
+
+
+def begin_uploads(staging: str, files: list[FilePlan]) -> dict[str, str]:
+    """Rank 0: abort the uploads a crashed save left under the run, then begin one upload per file of this save;
+    file name -> upload ID."""
+    store = store_for(staging)
+    parent = staging.rstrip("/").rpartition("/")[0]
+    aborted = store.abort_uploads(parent)
+    if aborted:
+        logger.info("Aborted %d multipart upload(s) that an interrupted save left under %s.", len(aborted), parent)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        ids = pool.map(lambda f: store.start_upload(join(staging, f.name)), files)
+        return {f.name: upload for f, upload in zip(files, ids)}
+
+
+def finish_uploads(staging: str, uploads: Mapping[str, str], records: list) -> None:
+    """Rank 0: complete every file's upload from the parts the ranks reported (before the manifest)."""
+    store = store_for(staging)
+    parts: dict[str, list[tuple[int, str]]] = {name: [] for name in uploads}
+    for r in records:
+        if isinstance(r, PartRecord):
+            parts[r.name].append((r.part, r.etag))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda name: store.finish_upload(join(staging, name), uploads[name], parts[name]), uploads))
+
+
+def abort_uploads(staging: str) -> None:
+    """Drop every unfinished upload under `staging` (a failed save)."""
+    store_for(staging).abort_uploads(staging)
+
+
+def record_uploads(manifest: dict, files: list[FilePlan], records: list, min_part: int) -> None:
+    """Add to `manifest` what the ranks uploaded: per file, its parts in order as [offset, length, CRC-32 (hex),
+    uploading rank] (a reader checks what it reads against them), and in `saved_by.upload` the part sizes and the
+    bytes that crossed ranks (from the plan: the same on every rank)."""
+    for r in sorted((r for r in records if isinstance(r, PartRecord)), key=lambda r: (r.name, r.offset)):
+        manifest["files"][r.name].setdefault("parts", []).append([r.offset, r.length, f"{r.crc32:08x}", r.rank])
+    crossed = sum(plan_parts(file_runs(f), min_part, PART_SIZE).hand_over_bytes for f in files)
+    manifest["saved_by"]["upload"] = {"min_part_size": min_part, "part_size": PART_SIZE, "hand_over_bytes": crossed}
