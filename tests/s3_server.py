@@ -5,6 +5,7 @@ it). Traps (DESIGN.md §5): each service also listens on its port + 10000 (gRPC)
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -14,6 +15,14 @@ import time
 from pathlib import Path
 
 ACCESS_KEY, SECRET_KEY = "hfuc-test-access", "hfuc-test-secret"
+#: Credentials that may read and list but not write (refused by `train()` before the first step).
+READ_ONLY_KEY, READ_ONLY_SECRET = "hfuc-test-reader", "hfuc-test-reader-secret"
+IDENTITIES = {"identities": [
+    {"name": "admin", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+     "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+    {"name": "reader", "credentials": [{"accessKey": READ_ONLY_KEY, "secretKey": READ_ONLY_SECRET}],
+     "actions": ["Read", "List"]},
+]}
 
 
 def weed_binary() -> str:
@@ -58,7 +67,9 @@ class SeaweedS3:
         s3, master, volume, filer = _draw_ports(4)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.data_dir / "weed.log", "wb")
-        cmd = [weed_binary(), "server", f"-dir={self.data_dir}", "-s3", f"-s3.port={s3}", f"-master.port={master}",
+        identities = self.data_dir / "s3-identities.json"
+        identities.write_text(json.dumps(IDENTITIES))
+        cmd = [weed_binary(), "server", f"-dir={self.data_dir}", "-s3", f"-s3.port={s3}", f"-s3.config={identities}", f"-master.port={master}",
                f"-volume.port={volume}", f"-filer.port={filer}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                "-master.telemetry=false", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                # each bucket is a collection that takes volumes of its own: small volumes, and many of them

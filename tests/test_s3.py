@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, run_spec
+from _runs import BEST, assert_resumed_matches, loop_spec, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME
 from hf_unified_ckpt.store import join, listing, read_bytes, store_for
@@ -45,11 +45,17 @@ def runs(tmp_path_factory, s3_session_bucket):
     savers = [_spec(tmp, bucket, e, e) for e in ENGINES]
     resumed = [_spec(tmp, bucket, "z3", "z3-to-z3", resume="z3"), _spec(tmp, bucket, "f2", "z3-to-f2", resume="z3"),
                _spec(tmp, bucket, "z3", "f2-to-z3", resume="f2")]
-    torchrun(2, savers + resumed, tmp)
-    out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False) for s in savers + resumed}
+    best = [loop_spec(_spec(tmp, bucket, "z3", "best-z3"), tmp / "best-z3-model")]
+    torchrun(2, savers + resumed + best, tmp)
+    out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False)
+           for s in savers + resumed + best}
     for saved_by in ("ddp", "f2"):  # on one process, in this one
         tag = f"{saved_by}-to-single"
         out[tag] = run_spec(_spec(tmp, bucket, "single", tag, resume=saved_by), 1)
+    # resuming the loop run's last checkpoint from the bucket keeps its best checkpoint (a URL) and trains on
+    again = _spec(tmp, bucket, "single", "best-again", eval=True, overrides={**BEST, "max_steps": 8})
+    again["resume"] = join(bucket, "best-z3", "checkpoint-6")
+    out["best-again"] = run_spec(again, 1)
     return tmp, bucket, out
 
 
@@ -110,3 +116,111 @@ def test_cli_reads_bucket_checkpoints_and_exports_for_from_pretrained(runs, tmp_
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     final = out["f2"]["state"]
     assert all(torch.equal(t, final[n]) for n, t in model.state_dict().items())
+
+
+@pytest.mark.dist
+def test_best_model_rotation_and_save_model_with_the_bucket(runs):
+    """ZeRO-3 x 2 with evaluation, load_best_model_at_end, save_total_limit=2 and save_model: the best checkpoint is
+    a URL kept by rotation, the final weights are its weights, and the model folder (output_dir side) loads them.
+    Resumed from the bucket, the run keeps that best checkpoint."""
+    tmp, bucket, out = runs
+    result = out["best-z3"]
+    best = result["best"]
+    assert best.startswith(bucket) and not best.endswith("checkpoint-6"), best
+    assert sorted(listing(join(bucket, "best-z3"))) == sorted({"checkpoint-6", best.rsplit("/", 1)[1]})
+    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+
+    with ComponentReader(best, "model") as reader:
+        assert [k for k, v in result["state"].items() if not torch.equal(reader.get(k), v)] == []
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp / "best-z3-model").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in result["state"].items())
+    again = out["best-again"]
+    # kept across the resume (the Trainer would drop a best checkpoint it cannot os.path.isdir), and loaded at the end
+    assert again["global_step"] == 8 and again["best"] == best
+    assert all(torch.equal(again["state"][k], v) for k, v in result["state"].items())
+
+
+def _single_trainer(tmp_path, storage, **overrides):
+    from _runs import make_trainer
+
+    return make_trainer(tmp_path / "out", "llama", unified_checkpoint_storage=storage, **overrides)
+
+
+def test_unwritable_storage_is_refused_before_the_first_step(s3_bucket, tmp_path, monkeypatch):
+    """Read-only credentials and a missing bucket are refused by train() before anything trains; the error names
+    the URL and what to check, never a secret."""
+    from s3_server import READ_ONLY_KEY, READ_ONLY_SECRET, SECRET_KEY
+
+    from hf_unified_ckpt.errors import UnsupportedCheckpointError
+
+    store = store_for(s3_bucket)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", READ_ONLY_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", READ_ONLY_SECRET)
+    store.close()  # the next request signs with the environment's credentials
+    try:
+        trainer = _single_trainer(tmp_path, join(s3_bucket, "run"))
+        with pytest.raises(UnsupportedCheckpointError, match="a test write under it failed before training") as e:
+            trainer.train()
+        assert trainer.state.global_step == 0 and "Access Denied" in str(e.value)
+        assert READ_ONLY_SECRET not in str(e.value) and "credentials" in str(e.value)
+    finally:
+        monkeypatch.undo()
+        store.close()
+    trainer = _single_trainer(tmp_path, "s3://hfuc-no-such-bucket/run")
+    with pytest.raises(UnsupportedCheckpointError, match="s3://hfuc-no-such-bucket/run") as e:
+        trainer.train()
+    assert trainer.state.global_step == 0 and "bucket exists" in str(e.value) and SECRET_KEY not in str(e.value)
+    assert listing(s3_bucket) == {}
+
+
+@pytest.mark.parametrize("value,words", [
+    ("s3://KEY:SECRET@bucket/run", "carries credentials"), ("s3://bucket/run?endpoint=x", "carries credentials"),
+    ("/local/folder", "is a local path"), ("s3:///run", "names no bucket"),
+    ("gs://bucket/run", "not supported yet: only s3://"), ("az://container/run", "not supported yet"),
+])
+def test_bad_storage_urls_are_refused_when_the_arguments_are_built(value, words, tmp_path):
+    from _runs import make_args
+
+    with pytest.raises(ValueError, match=words) as e:
+        make_args(tmp_path, unified_checkpoint_storage=value)
+    assert "KEY:SECRET" not in str(e.value)  # the refused URL is not echoed
+
+
+@pytest.mark.dist
+def test_no_credential_is_written_anywhere(runs, s3_server):
+    """The access key and secret appear in no object of the bucket (training_args.bin included)."""
+    from s3_server import ACCESS_KEY, SECRET_KEY
+
+    _, bucket, _ = runs
+    store = store_for(bucket)
+    keys = store.fs.find(store._key(bucket))
+    assert any(k.endswith("training_args.bin") for k in keys)
+    for key in keys:
+        data = store.read(f"s3://{key}")
+        assert SECRET_KEY.encode() not in data and ACCESS_KEY.encode() not in data, key
+
+
+def test_a_forked_worker_gets_a_client_of_its_own(s3_bucket):
+    """A DataLoader worker (forked) that touches the store builds its own client instead of using the parent's
+    event loop and connections; the parent's client still works after the fork, and after `close`."""
+    import multiprocessing
+
+    store = store_for(s3_bucket)
+    store.put(join(s3_bucket, "x"), b"parent")
+    parent_fs = store.fs
+
+    def child(queue):
+        queue.put((store.read(join(s3_bucket, "x")), store.fs is not parent_fs))
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    got = queue.get(timeout=60)
+    proc.join(60)
+    assert proc.exitcode == 0 and got == (b"parent", True)
+    assert store.read(join(s3_bucket, "x")) == b"parent" and store.fs is parent_fs
+    store.close()
+    assert store.read(join(s3_bucket, "x")) == b"parent"

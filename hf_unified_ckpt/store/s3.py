@@ -219,6 +219,17 @@ class S3Store:
                 return aborted
             marker = {"KeyMarker": listed["NextKeyMarker"], "UploadIdMarker": listed["NextUploadIdMarker"]}
 
+    def check_writable(self, probe: str) -> None:
+        """Raise unless the bucket of `probe` exists and object `probe` can be put and deleted (some servers create
+        a missing bucket on a put: the bucket is asked for first)."""
+        bucket, _ = self._bucket_key(probe)
+        try:
+            self._call("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist") from None
+        self.put(probe, b"hf_unified_ckpt write check\n")
+        self.remove(probe)
+
     def sync(self, ref: str) -> None:
         """A completed PUT or multipart upload is durable: nothing more to do."""
 

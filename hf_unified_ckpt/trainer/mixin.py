@@ -46,7 +46,7 @@ from .capture import ARGS_FILE, SCHEDULER_FILE, processing_class_files, small_fi
 from .engines import engine_of
 from .preempt_mixin import PreemptionMixin
 from .resume import Resume, check_unified, resolve, same_ref
-from .storage import LocalAlias, check_writable, checkpoint_root, is_remote
+from .storage import LocalAlias, check_writable, checkpoint_root, close_store, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,9 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             alias.close()
         if not self._uc_saver.in_flight:
             dist.release_groups()
+            storage = self.args.unified_checkpoint_options.storage
+            if storage is not None:  # its client session ends with the run (made again on next use)
+                close_store(storage)
 
     def _uc_refuse_unsupported(self) -> None:
         """Refuse here, before anything trains, what a save would refuse later; warn once (rank 0) when FSDP was

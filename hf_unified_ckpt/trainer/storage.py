@@ -50,8 +50,11 @@ def check_writable(root: str) -> None:
         probe = join(root, f".hf_unified_ckpt-write-check-{uuid.uuid4().hex[:12]}")
         try:
             store = store_for(probe)
-            store.put(probe, b"hf_unified_ckpt write check\n")
-            store.remove(probe)
+            if hasattr(store, "check_writable"):
+                store.check_writable(probe)
+            else:
+                store.put(probe, b"hf_unified_ckpt write check\n")
+                store.remove(probe)
         except Exception as e:  # any failure: reported on every rank below
             outcome = f"{type(e).__name__}: {e}"
     outcome = dist.broadcast_object(outcome)
@@ -61,6 +64,13 @@ def check_writable(root: str) -> None:
             "that the bucket exists and that the credentials may write and delete there (AWS_ACCESS_KEY_ID / "
             "AWS_SECRET_ACCESS_KEY or ~/.aws/credentials; AWS_ENDPOINT_URL_S3 for a server other than AWS). Nothing "
             "was trained or saved.")
+
+
+def close_store(ref: str) -> None:
+    """End the client session of `ref`'s store, if it keeps one (object stores). Local."""
+    close = getattr(store_for(ref), "close", None)
+    if close is not None:
+        close()
 
 
 class LocalAlias:
