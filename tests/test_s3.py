@@ -224,3 +224,116 @@ def test_a_forked_worker_gets_a_client_of_its_own(s3_bucket):
     assert store.read(join(s3_bucket, "x")) == b"parent" and store.fs is parent_fs
     store.close()
     assert store.read(join(s3_bucket, "x")) == b"parent"
+
+
+# ---- faults: throttling, dropped connections, a failing part (a fault-injecting proxy before the real server) ----
+
+@pytest.fixture
+def faulty(s3_server, s3_session_bucket):
+    """(run prefix, proxy): a store registered as `s3faulty://` that talks to the real server through the proxy."""
+    import uuid
+
+    from s3_faults import FaultyProxy
+
+    from hf_unified_ckpt.store import S3Store, register_store
+
+    proxy = FaultyProxy(s3_server.endpoint).start()
+    register_store("s3faulty", lambda scheme: S3Store(scheme, endpoint_url=proxy.endpoint))
+    bucket = s3_session_bucket.split("://", 1)[1]
+    try:
+        yield f"s3faulty://{bucket}/faults-{uuid.uuid4().hex[:8]}", proxy
+    finally:
+        store_for("s3faulty://x").close()
+        proxy.stop()
+
+
+def _state_of(model, opt):
+    out = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, s in opt.state_dict()["state"].items():
+        out.update({f"optim/{i}/{k}": v.clone() for k, v in s.items() if torch.is_tensor(v)})
+    return out
+
+
+def _fault_model(seed=0):
+    """About 22 MB of weights and moments: 3 optimizer files of several 5 MiB+ parts."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(1201, 1500), torch.nn.Linear(1500, 7))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for k in (1, 2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(k))
+        opt.step()
+    return model, opt
+
+
+def _save_to(final, model, opt, step):
+    from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
+    from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+    from hf_unified_ckpt.options import parse_options
+
+    options = parse_options(unified_checkpoint=True, max_shard_size="8MB")
+    return save_checkpoint(ReplicatedEngine(model, opt), SaveRequest(final, step, options, show_progress=False),
+                           {"trainer_state.json": b"{}"})
+
+
+def _load_from(final):
+    from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
+    from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+    from hf_unified_ckpt.options import parse_options
+
+    model, opt = _fault_model(seed=5)
+    load_checkpoint(final, ReplicatedEngine(model, opt), verify_checkpoint(final),
+                    parse_options(unified_checkpoint=True))
+    return _state_of(model, opt)
+
+
+def _same(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_throttling_and_dropped_connections_are_retried(faulty):
+    from s3_faults import Fault
+
+    from conftest import record_fault
+
+    run, proxy = faulty
+    record_fault("S3 503 SlowDown and dropped connections", survived=False)
+    model, opt = _fault_model()
+    proxy.faults[:] = [Fault("503", ("partNumber=",), "PUT", times=4), Fault("503", ("uploads",), "POST", times=1),
+                       Fault("drop", ("partNumber=1",), "PUT", times=2),
+                       Fault("drop", ("unified_checkpoint.json",), "PUT", times=1)]
+    final = _save_to(join(run, "checkpoint-1"), model, opt, 1)
+    assert all(f.hits == f.times for f in proxy.faults), [(f.action, f.match, f.hits) for f in proxy.faults]
+    manifest = json.loads(read_bytes(join(final, MANIFEST_NAME)))
+    parts = sum(len(entry.get("parts", [])) for entry in manifest["files"].values())
+    assert parts >= 3 and sum(1 for _, t, what in proxy.log if "partNumber" in t and what == "relayed") == parts
+    _same(_load_from(final), _state_of(model, opt))
+    record_fault("S3 503 SlowDown and dropped connections", survived=True)
+
+
+def test_a_part_that_keeps_failing_fails_the_save_naming_it_and_commits_nothing(faulty):
+    from s3_faults import Fault
+
+    from conftest import record_fault
+    from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
+    from hf_unified_ckpt.errors import UnifiedCheckpointError
+
+    run, proxy = faulty
+    record_fault("S3 part failing on every retry", survived=False)
+    model, opt = _fault_model()
+    one = _save_to(join(run, "checkpoint-1"), model, opt, 1)
+    state1 = _state_of(model, opt)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    proxy.faults[:] = [Fault("500", ("optimizer", "partNumber=1"), "PUT", times=None)]
+    with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
+        _save_to(join(run, "checkpoint-2"), model, opt, 2)
+    message = str(e.value)
+    assert "uploading part 1 of s3faulty://" in message and "optimizer" in message and "InternalError" in message
+    assert proxy.faults[0].hits >= 5  # retried with backoff before giving up
+    assert not detect_layout(join(run, "checkpoint-2")).complete and newest_complete(run).global_step == 1
+    assert store_for(run).abort_uploads(run) == []  # the failed save's uploads were aborted
+    _same(_load_from(one), state1)
+    proxy.faults.clear()  # the server recovers: the next save of the step commits
+    _same(_load_from(_save_to(join(run, "checkpoint-2"), model, opt, 2)), _state_of(model, opt))
+    record_fault("S3 part failing on every retry", survived=True)

@@ -62,7 +62,7 @@ class S3Store:
                 import s3fs  # noqa: F401  (fsspec finds it; imported to give the error below)
             except ImportError as e:
                 raise ImportError("s3:// checkpoints need s3fs: pip install 'hf_unified_ckpt[s3]'") from e
-            self._fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, use_listings_cache=False,
+            self._fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False,
                                          **self.storage_options)
             self._pid = os.getpid()
         return self._fs
@@ -91,7 +91,11 @@ class S3Store:
         return bucket, key
 
     def _call(self, method: str, **kwargs):
-        return self.fs.call_s3(method, **kwargs)
+        """One S3 request (botocore's and s3fs's retries with backoff included); an error names the object."""
+        try:
+            return self.fs.call_s3(method, **kwargs)
+        except OSError as e:
+            raise _naming(e, f"{method} {self.scheme}://{kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}") from e
 
     # ---- reading ------------------------------------------------------------------------------------------------
     def list(self, ref: str) -> dict[str, int | None]:
@@ -267,6 +271,15 @@ class S3Store:
 
     def local_path(self, ref: str) -> str | None:
         return None
+
+
+def _naming(error: OSError, what: str) -> OSError:
+    """`error` again (same class: FileNotFoundError stays one), its message led by `what`."""
+    message = f"{what}: {error.strerror or error}"
+    try:
+        return type(error)(error.errno, message) if error.errno is not None else type(error)(message)
+    except TypeError:
+        return OSError(error.errno, message)
 
 
 def _code(error: BaseException) -> str | None:
