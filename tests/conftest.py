@@ -29,6 +29,44 @@ def torchrun(nproc: int, runs: list[dict], workdir: Path, timeout: int = 900, ex
     return proc
 
 
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL process `pid` and every process below it, all at once (torchrun starts its workers in sessions of
+    their own, so a process-group kill would leave them running). Linux (/proc). Returns the pids killed."""
+    import signal
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
+def torchrun_popen(nproc: int, runs: list[dict], workdir: Path) -> subprocess.Popen:
+    """Start a `torchrun` launch like `torchrun`, without waiting (kill it whole with `kill_tree(proc.pid)`), its
+    output in workdir."""
+    spec = workdir / f"spec-{nproc}-{len(list(workdir.glob('spec-*')))}.json"
+    spec.write_text(json.dumps({"runs": runs}))
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(TESTS / "dist_worker.py"), str(spec)]
+    log = open(workdir / f"{spec.stem}.log", "wb")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def torchrun_machines(machines: list[tuple[int, list[dict]]], workdir: Path, timeout: int = 600,
                       expect_failure: bool = False) -> list[subprocess.CompletedProcess]:
     """Simulate several machines on this one: one `torchrun` per machine (static rendezvous on 127.0.0.1),

@@ -123,7 +123,7 @@ class SeaweedS3:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()

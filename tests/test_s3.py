@@ -276,13 +276,14 @@ def _save_to(final, model, opt, step):
                            {"trainer_state.json": b"{}"})
 
 
-def _load_from(final):
+def _load_from(final, checked_on_read=False):
+    """Verify (as `verify` does, or as a resume from the bucket does: `checked_on_read`) and load `final`."""
     from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
     from hf_unified_ckpt.options import parse_options
 
     model, opt = _fault_model(seed=5)
-    load_checkpoint(final, ReplicatedEngine(model, opt), verify_checkpoint(final),
+    load_checkpoint(final, ReplicatedEngine(model, opt), verify_checkpoint(final, checked_on_read=checked_on_read),
                     parse_options(unified_checkpoint=True))
     return _state_of(model, opt)
 
@@ -337,3 +338,90 @@ def test_a_part_that_keeps_failing_fails_the_save_naming_it_and_commits_nothing(
     proxy.faults.clear()  # the server recovers: the next save of the step commits
     _same(_load_from(_save_to(join(run, "checkpoint-2"), model, opt, 2)), _state_of(model, opt))
     record_fault("S3 part failing on every retry", survived=True)
+
+
+# ---- kill -9 of the launcher and every worker at random instants of an upload ----------------------------------
+
+KILL_DELAYS = (0.0, 0.35)  # seconds after checkpoint-6's uploads began (seeded "random" instants, reproducible)
+
+
+@pytest.mark.dist
+def test_killed_upload_is_never_picked_and_resume_is_exact(runs, tmp_path):
+    """ZeRO-3 x 2 saving into the bucket, killed whole (SIGKILL to torchrun and both workers) while checkpoint-6
+    is being uploaded: no torn checkpoint is taken for complete, `resume_from_checkpoint=True` continues from
+    checkpoint-3 bit-exactly like the uninterrupted run, and its first save aborts the uploads the kill left."""
+    import time
+
+    from conftest import kill_tree, record_fault, torchrun_popen
+    from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
+
+    _, bucket, out = runs
+    store, resumed = store_for(bucket), []
+    for k, delay in enumerate(KILL_DELAYS):
+        name = f"kill -9 during an S3 upload (+{delay}s)"
+        record_fault(name, survived=False)
+        prefix = join(bucket, f"kill-{k}")
+        proc = torchrun_popen(2, [_spec(tmp_path, bucket, "z3", f"kill-{k}")], tmp_path)
+        deadline = time.monotonic() + 300
+        while not store.uploads(join(prefix, "checkpoint-6")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step-6 upload"
+            time.sleep(0.02)
+        time.sleep(delay)
+        killed = kill_tree(proc.pid)
+        proc.wait(60)
+        assert len(killed) >= 3  # the launcher and both workers
+        assert not detect_layout(join(prefix, "checkpoint-6")).complete, "the kill came after the commit"
+        assert newest_complete(prefix).global_step == 3
+        assert store.uploads(prefix)  # the kill left unfinished uploads behind
+        resumed.append({**_spec(tmp_path, bucket, "z3", f"kill-{k}-resumed"),
+                        "overrides": {**_spec(tmp_path, bucket, "z3", "x")["overrides"],
+                                      "unified_checkpoint_storage": prefix}, "resume": True})
+    torchrun(2, resumed, tmp_path)
+    for k, delay in enumerate(KILL_DELAYS):
+        result = torch.load(tmp_path / f"kill-{k}-resumed.pt", weights_only=False)
+        assert_resumed_matches(result, out["z3"], (4, 5, 6), True, LOSS_RTOL, STATE_ATOL)
+        prefix = join(bucket, f"kill-{k}")
+        assert store.uploads(prefix) == [] and newest_complete(prefix).global_step == 6
+        record_fault(f"kill -9 during an S3 upload (+{delay}s)", survived=True)
+
+
+def test_resume_reads_only_what_it_loads_and_checks_it(s3_bucket):
+    """A checkpoint uploaded in parts records a CRC-32 per MiB block; a resume from the bucket does not read the
+    tensor files to verify them (`checked_on_read`): each ranged read checks its blocks, so a load fetches about
+    what it loads, and a damaged block is refused by name. The `verify` command still reads everything."""
+    from hf_unified_ckpt.checkpoint.load import verify_checkpoint
+    from hf_unified_ckpt.errors import CorruptCheckpointError
+    from hf_unified_ckpt.store.s3 import S3Store
+
+    model, opt = _fault_model()
+    final = _save_to(join(s3_bucket, "checkpoint-1"), model, opt, 1)
+    manifest = json.loads(read_bytes(join(final, MANIFEST_NAME)))
+    tensor_files = {n: e for n, e in manifest["files"].items() if n.endswith(".safetensors")}
+    assert all(e["blocks"]["size"] == MIB and len(e["blocks"]["crc32"]) == -(-e["size"] // MIB)
+               for e in tensor_files.values())
+    fetched, real = [], S3Store.read
+
+    def counting(self, ref, offset=0, length=None):
+        data = real(self, ref, offset, length)
+        fetched.append((ref.rsplit("/", 1)[1], len(data)))
+        return data
+
+    S3Store.read = counting
+    try:
+        verify_checkpoint(final, checked_on_read=True)
+        assert sum(n for name, n in fetched if name in tensor_files) < 4096 * len(tensor_files)  # headers only
+        fetched.clear()
+        _same(_load_from(final, checked_on_read=True), _state_of(model, opt))
+        loaded = sum(n for name, n in fetched if name in tensor_files)  # headers + blocks of every tensor, once
+        assert loaded <= 1.1 * sum(e["size"] for e in tensor_files.values()), loaded
+    finally:
+        S3Store.read = real
+    victim = sorted(n for n in tensor_files if n.startswith("optimizer"))[0]
+    data = bytearray(read_bytes(join(final, victim)))
+    data[len(data) // 2] ^= 0x40
+    store_for(final).put(join(final, victim), bytes(data))
+    verify_checkpoint(final, checked_on_read=True)  # sizes and headers are fine: the damage is found on reading
+    with pytest.raises(CorruptCheckpointError, match=f"{victim}: bytes .* do not match the CRC-32"):
+        _load_from(final, checked_on_read=True)
+    with pytest.raises(CorruptCheckpointError, match=victim):
+        verify_checkpoint(final)

@@ -39,6 +39,7 @@ from hf_unified_ckpt.checkpoint.commit import WRITER_MARK, list_checkpoints
 from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME
 from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
 from hf_unified_ckpt.checkpoint.writer import SharedFileWriter, WholeFileWriter
+from hf_unified_ckpt.format.parts import VERIFY_BLOCK
 from hf_unified_ckpt.store import (FsspecStore, LocalStore, canonical, join, name_of, parent_of, scheme_of, sibling,
                                    store_for)
 
@@ -177,10 +178,19 @@ def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path, monk
     assert sum(n.startswith("model-") for n in shards) >= 3 and sum(n.startswith("optimizer-") for n in shards) >= 3
     assert not [n for n in files if n.startswith(".")]  # no writer marks left: the folder holds the checkpoint only
 
-    # the same bytes as the local save, file for file, the manifest included: the memory save streamed whole files
-    # (WholeFileWriter), the local one wrote in place (SharedFileWriter); neither writes paths or times into a file
-    assert files == _files(local)
+    # the same bytes as the local save, file for file: the memory save streamed whole files (WholeFileWriter), the
+    # s3 one uploaded parts (MultipartWriter), the local one wrote in place (SharedFileWriter); none writes paths or
+    # times into a file. The manifests are the same too, but for what s3 adds: its parts and block CRCs
+    local_files = _files(local)
+    assert {n: b for n, b in files.items() if n != MANIFEST_NAME} == \
+        {n: b for n, b in local_files.items() if n != MANIFEST_NAME}
     manifest = json.loads(files[MANIFEST_NAME])
+    uploaded = _kind(run) == "s3"
+    assert manifest["saved_by"].pop("upload", None) is not None if uploaded else "upload" not in manifest["saved_by"]
+    for name, entry in manifest["files"].items():  # tensor files are uploaded in parts, small files put whole
+        assert ("parts" in entry and "blocks" in entry) is (uploaded and name.endswith(".safetensors")), name
+        entry.pop("parts", None), entry.pop("blocks", None)
+    assert manifest == json.loads(local_files[MANIFEST_NAME])
     assert sorted(manifest["files"]) == sorted(n for n in files if n != MANIFEST_NAME)
     assert all(manifest["files"][n]["size"] == len(files[n]) for n in manifest["files"])
 
@@ -208,7 +218,10 @@ def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path, monk
         assert embedding.get_shape() == [11, 7] and embedding.get_dtype() == "F32"
         reads.clear()
         assert torch.equal(embedding[3:8], weights["2.weight"][3:8])
-        assert [length for _, _, length in reads] == [5 * 7 * 4]
+        if uploaded:  # read by whole blocks, each checked against its CRC (here the file is one block, kept)
+            assert all(offset % VERIFY_BLOCK == 0 for _, offset, _ in reads) and len(reads) <= 1
+        else:
+            assert [length for _, _, length in reads] == [5 * 7 * 4]
         assert torch.equal(embedding[3:8, 2:5], weights["2.weight"][3:8, 2:5])
         assert torch.equal(embedding[-2:], weights["2.weight"][-2:])
         assert embedding[8:3].shape == (0, 7)
@@ -588,3 +601,37 @@ def test_store_primitives_agree(kind, tmp_path, request):
     finally:
         if kind == "memory":
             store.remove(root)
+
+
+def test_ranged_reads_check_block_crcs_and_keep_the_last_block(memory_run):
+    """`RangedFile` with a block table: each read is widened to whole blocks, every block fetched is checked, the
+    last block read serves the next read that starts in it, and a damaged block is refused by name."""
+    import zlib
+
+    from hf_unified_ckpt.store.ranged import RangedFile
+
+    store = store_for(memory_run)
+    header = json.dumps({"t": {"dtype": "U8", "shape": [200], "data_offsets": [0, 200]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = len(header).to_bytes(8, "little") + header + bytes(range(200))
+    ref = join(memory_run, "x.safetensors")
+    store.put(ref, data)
+    block = 16
+    table = {"size": block, "crc32": [f"{zlib.crc32(data[i:i + block]):08x}" for i in range(0, len(data), block)]}
+    f = RangedFile(store, ref, table)
+    start = len(data) - 200
+    for a, b in [(5, 40), (40, 41), (41, 90), (0, 200), (199, 200)]:
+        assert bytes(f.read(start + a, b - a)) == data[start + a:start + b]
+    g = RangedFile(store, ref, table)
+    assert bytes(g.read(start + 3, 20)) == data[start + 3:start + 23]
+    first = g.fetched
+    assert first == ((start + 22) // block - (start + 3) // block + 1) * block  # whole blocks
+    assert bytes(g.read(start + 22, 1)) == data[start + 22:start + 23] and g.fetched == first  # the kept block
+    damaged = bytearray(data)
+    damaged[start + 100] ^= 1
+    store.put(ref, bytes(damaged))
+    h = RangedFile(store, ref, table)
+    assert bytes(h.read(start, 50)) == data[start:start + 50]  # blocks before the damage still read
+    with pytest.raises(CorruptCheckpointError, match=r"x.safetensors: bytes \[\d+, \d+\) do not match the CRC-32"):
+        h.read(start + 90, 20)
+    assert bytes(RangedFile(store, ref).read(start + 100, 1)) == bytes([100 ^ 1])  # without a table: unchecked

@@ -26,11 +26,13 @@ _LOW_PRECISION = {"F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
 def verify_checkpoint(folder: str | os.PathLike, checksums: bool = True, show_progress: bool = False,
-                      placement: Placement | None = None) -> dict:
+                      placement: Placement | None = None, checked_on_read: bool = False) -> dict:
     """Check every file of the checkpoint (presence, size, checksum, headers, index names) before any tensor is
     read; each rank checks a share of the files and checksums a share of their byte ranges (`chunks_of`; with
     `placement`, files spread over machine-local folders: by ranks that see them), and every rank combines the
-    ranges' CRC-32s into each file's. Returns the manifest.
+    ranges' CRC-32s into each file's. With `checked_on_read` (a resume from object storage), files whose manifest
+    entry has a CRC-32 per block are not read here: each ranged read checks its blocks (`store.ranged`), so a
+    rank fetches only what it loads. Returns the manifest.
 
     Collective: all ranks must call it. Raises `CorruptCheckpointError` on every rank if any file is bad.
     """
@@ -44,7 +46,8 @@ def verify_checkpoint(folder: str | os.PathLike, checksums: bool = True, show_pr
                                        dist.world_size())
     sizes = {n: table[n]["size"] for n in sorted(table)}
     files = placement.verification_shares(sizes)[dist.rank()]
-    chunks = placement.verification_shares(chunks_of(sizes) if checksums else [])[dist.rank()]
+    summed = {n: size for n, size in sizes.items() if not (checked_on_read and "blocks" in table[n])}
+    chunks = placement.verification_shares(chunks_of(summed) if checksums else [])[dist.rank()]
     show = show_progress and dist.rank() == 0
     share = check_share(folder, table, files, chunks, show_progress=show) if manifest else ([], [])
     everyone = dist.all_gather_object(share)

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 from .. import dist
 from ..format.checksum import crc32
-from ..format.parts import PartPlan, file_runs, plan_parts
+from ..format.parts import VERIFY_BLOCK, PartPlan, block_pieces, file_runs, plan_parts
 from ..format.planning import FilePlan
 from ..store import join, store_for
 from ..store.s3 import PART_SIZE
 from ..store.s3_upload import PartUploads
-from .files import RangeRecord
+from .files import RangeRecord, crc32_combine
 from .writer import SharedFileWriter, rank_ranges
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class PartRecord(RangeRecord):
     part: int = 0
     etag: str = ""
     rank: int = 0
+    #: (offset, length, CRC-32) of the part cut at the multiples of `format.parts.VERIFY_BLOCK`.
+    blocks: tuple[tuple[int, int, int], ...] = ()
 
 
 class MultipartWriter(SharedFileWriter):
@@ -81,7 +83,7 @@ class MultipartWriter(SharedFileWriter):
         try:
             for part in plan.uploaded_by(self.rank):
                 data = _gather(pieces, part.start, part.end, ref)
-                records.append(PartRecord(file.name, part.start, len(data), crc32(data), part.number, rank=self.rank))
+                records.append(_part_record(file.name, part, data, self.rank))
                 uploads.submit(ref, self.uploads[file.name], part.number, data)
                 del data
             tags = {number: tag for _, number, tag in uploads.results()}
@@ -107,6 +109,16 @@ class MultipartWriter(SharedFileWriter):
         except KeyError:
             raise RuntimeError(f"{file.name}: a rank that hands bytes to rank {self.rank} failed before sending "
                                "them") from None
+
+
+def _part_record(name: str, part, data: bytes, rank: int) -> PartRecord:
+    """The record of `part` (its bytes `data`): CRC-32 per block piece, and of the whole part combined from them."""
+    view, blocks, crc = memoryview(data), [], 0
+    for offset, length in block_pieces(part.start, part.end):
+        piece = crc32(view[offset - part.start:offset - part.start + length])
+        blocks.append((offset, length, piece))
+        crc = crc32_combine(crc, piece, length)
+    return PartRecord(name, part.start, len(data), crc, part.number, rank=rank, blocks=tuple(blocks))
 
 
 def _gather(pieces: list[tuple[int, memoryview]], start: int, end: int, what: str) -> bytes:
@@ -158,9 +170,17 @@ def abort_uploads(staging: str) -> None:
 
 def record_uploads(manifest: dict, files: list[FilePlan], records: list, min_part: int) -> None:
     """Add to `manifest` what the ranks uploaded: per file, its parts in order as [offset, length, CRC-32 (hex),
-    uploading rank] (a reader checks what it reads against them), and in `saved_by.upload` the part sizes and the
-    bytes that crossed ranks (from the plan: the same on every rank)."""
+    uploading rank] and a CRC-32 per `VERIFY_BLOCK` bytes (`blocks`: a reader checks each range it fetches
+    against them), and in `saved_by.upload` the part sizes and the bytes that crossed ranks (from the plan: the
+    same on every rank)."""
+    blocks: dict[str, dict[int, int]] = {}
     for r in sorted((r for r in records if isinstance(r, PartRecord)), key=lambda r: (r.name, r.offset)):
         manifest["files"][r.name].setdefault("parts", []).append([r.offset, r.length, f"{r.crc32:08x}", r.rank])
+        table = blocks.setdefault(r.name, {})
+        for offset, length, crc in r.blocks:  # in offset order: a block cut by a part boundary is combined here
+            index = offset // VERIFY_BLOCK
+            table[index] = crc32_combine(table[index], crc, length) if index in table else crc
+    for name, table in blocks.items():
+        manifest["files"][name]["blocks"] = {"size": VERIFY_BLOCK, "crc32": [f"{table[i]:08x}" for i in sorted(table)]}
     crossed = sum(plan_parts(file_runs(f), min_part, PART_SIZE).hand_over_bytes for f in files)
     manifest["saved_by"]["upload"] = {"min_part_size": min_part, "part_size": PART_SIZE, "hand_over_bytes": crossed}

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..store import as_ref, join, name_of, store_for
+from .commit import COMMIT_FILE
 from .files import FileRecord, check_plain_name, crc32_combine, read_json, write_json
 from ..format.headers import tensor_specs
 from ..store.safetensors_header import read_safetensors_header
@@ -84,6 +85,7 @@ class LocalFiles(FileOpener):
     def __init__(self, folder: str | os.PathLike):
         self.folder = as_ref(folder)
         self.store = store_for(self.folder)
+        self._blocks: dict | None = None
 
     def exists(self, file: str) -> bool:
         return self.store.size(join(self.folder, file)) is not None
@@ -92,7 +94,20 @@ class LocalFiles(FileOpener):
         return read_safetensors_header(join(self.folder, file))
 
     def open(self, file: str) -> FileHandle:
-        return self.store.open_tensors(join(self.folder, file))
+        return self.store.open_tensors(join(self.folder, file), self.blocks(file))
+
+    def blocks(self, file: str) -> dict | None:
+        """The manifest's CRC-32 per block of `file` (files uploaded in parts to an object store), which a ranged
+        read checks; None where there are none (local folders are verified whole before loading)."""
+        if self.store.capabilities.local_paths:
+            return None
+        if self._blocks is None:
+            try:
+                table = read_json(join(self.folder, COMMIT_FILE), "manifest").get("files", {})
+            except FileNotFoundError:
+                table = {}
+            self._blocks = {name: entry["blocks"] for name, entry in table.items() if "blocks" in entry}
+        return self._blocks.get(file)
 
 
 class StoredFiles(TensorReader):

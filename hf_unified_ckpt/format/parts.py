@@ -15,6 +15,15 @@ from dataclasses import dataclass
 
 #: The most parts one multipart upload may have (S3).
 MAX_PARTS = 10_000
+#: Files uploaded in parts carry a CRC-32 per block of this many bytes (the manifest's `blocks`), so a reader of a
+#: byte range checks what it fetched without reading the rest of the file.
+VERIFY_BLOCK = 2**20
+
+
+def block_pieces(start: int, end: int, block: int = VERIFY_BLOCK) -> list[tuple[int, int]]:
+    """`[start, end)` cut at the multiples of `block`: (offset, length) pieces in order."""
+    cuts = [start] + list(range((start // block + 1) * block, end, block)) + [end]
+    return [(a, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,10 @@ class Store(Protocol):
         """Bytes `[offset, offset + length)` of file `ref` (to its end when `length` is None). FileNotFoundError
         when it is missing."""
 
-    def open_tensors(self, ref: str):
+    def open_tensors(self, ref: str, blocks: dict | None = None):
         """A lazy handle on safetensors file `ref` (`format.reader.FileHandle`): tensors or slices of them read
-        when asked for, only the bytes asked for where the store reads ranges."""
+        when asked for, only the bytes asked for where the store reads ranges. `blocks`: the manifest's CRC-32 per
+        block of the file ({"size", "crc32"}), checked on every ranged read where the store reads ranges."""
 
     def crc32(self, ref: str, offset: int, length: int) -> int | None:
         """The CRC-32 of bytes `[offset, offset + length)` of file `ref`; None when the file is missing."""

@@ -57,10 +57,10 @@ class FsspecStore(NoMultipart):
             raise FileNotFoundError(f"no such file: {as_ref(ref)}")
         return self.fs.cat_file(key, start=offset or None, end=None if length is None else offset + length)
 
-    def open_tensors(self, ref: str):
+    def open_tensors(self, ref: str, blocks: dict | None = None):
         from .ranged import RangedFile  # here: torch is imported only where tensors are read
 
-        return RangedFile(self, as_ref(ref))
+        return RangedFile(self, as_ref(ref), blocks)
 
     def crc32(self, ref: str, offset: int, length: int) -> int | None:
         size = self.size(ref)

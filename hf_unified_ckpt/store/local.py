@@ -69,7 +69,8 @@ class LocalStore(NoMultipart):
                 f.seek(offset)
             return f.read() if length is None else f.read(length)
 
-    def open_tensors(self, ref: str):
+    def open_tensors(self, ref: str, blocks: dict | None = None):
+        """`safe_open` (memory-mapped; a local checkpoint is verified whole before loading: `blocks` unused)."""
         from safetensors import safe_open
 
         return safe_open(self._path(ref), framework="pt")

@@ -147,10 +147,10 @@ class S3Store:
         finally:
             body.close()
 
-    def open_tensors(self, ref: str):
+    def open_tensors(self, ref: str, blocks: dict | None = None):
         from .ranged import RangedFile  # here: torch is imported only where tensors are read
 
-        return RangedFile(self, as_ref(ref))
+        return RangedFile(self, as_ref(ref), blocks)
 
     def crc32(self, ref: str, offset: int, length: int) -> int | None:
         size = self.size(ref)
@@ -206,22 +206,26 @@ class S3Store:
         with contextlib.suppress(FileNotFoundError):
             self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
 
-    def abort_uploads(self, prefix: str, keep: Iterable[str] = ()) -> list[str]:
-        """Abort the multipart uploads under `prefix` (left by a save that crashed), except upload IDs in `keep`;
-        the keys of those aborted."""
+    def uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """The unfinished multipart uploads under `prefix`: (object URL, upload ID)."""
         bucket, key = self._bucket_key(prefix)
-        keep, aborted, marker = set(keep), [], {}
+        found, marker = [], {}
         while True:
             listed = self._call("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/", **marker)
-            for upload in listed.get("Uploads") or []:
-                if upload["UploadId"] not in keep:
-                    with contextlib.suppress(FileNotFoundError):
-                        self._call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
-                                   UploadId=upload["UploadId"])
-                    aborted.append(f"{self.scheme}://{bucket}/{upload['Key']}")
+            found += [(f"{self.scheme}://{bucket}/{u['Key']}", u["UploadId"]) for u in listed.get("Uploads") or []]
             if not listed.get("IsTruncated"):
-                return aborted
+                return found
             marker = {"KeyMarker": listed["NextKeyMarker"], "UploadIdMarker": listed["NextUploadIdMarker"]}
+
+    def abort_uploads(self, prefix: str, keep: Iterable[str] = ()) -> list[str]:
+        """Abort the multipart uploads under `prefix` (left by a save that crashed), except upload IDs in `keep`;
+        the URLs of those aborted."""
+        aborted = []
+        for ref, upload in self.uploads(prefix):
+            if upload not in set(keep):
+                self.abort_upload(ref, upload)
+                aborted.append(ref)
+        return aborted
 
     def check_writable(self, probe: str) -> None:
         """Raise unless the bucket of `probe` exists and object `probe` can be put and deleted (some servers create
