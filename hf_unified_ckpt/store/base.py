@@ -143,6 +143,42 @@ class Store(Protocol):
         """`ref` as a path other libraries can open (`capabilities.local_paths`), else None."""
 
 
+class ManifestCommit:
+    """The commit of a store without atomic rename: a save is written in place and committed by its manifest,
+    written last; a checkpoint is removed manifest first; references are not local paths."""
+
+    def stage(self, final: str) -> str:
+        return as_ref(final).rstrip("/")
+
+    def publish(self, staging: str, final: str) -> None:
+        """The manifest, written last into `final`, committed it."""
+
+    def retire(self, ref: str, commit_file: str) -> None:
+        """The manifest first: a removal cut short leaves files no reader takes for a checkpoint."""
+        self.remove(posixpath.join(as_ref(ref).rstrip("/"), commit_file))
+        self.remove(ref)
+
+    def local_path(self, ref: str) -> str | None:
+        return None
+
+
+class RangedReads:
+    """`open_tensors` and `crc32` of a store without local paths, from its `size` and ranged `read`."""
+
+    def open_tensors(self, ref: str, blocks: dict | None = None):
+        from .ranged import RangedFile  # here: torch is imported only where tensors are read
+
+        return RangedFile(self, as_ref(ref), blocks)
+
+    def crc32(self, ref: str, offset: int, length: int) -> int | None:
+        from ..format.checksum import crc32
+
+        size = self.size(ref)
+        if size is None or size < offset + length:
+            return None
+        return crc32(self.read(ref, offset, length)) if length else 0
+
+
 class NoMultipart:
     """The multipart methods of a store without multipart uploads (`capabilities.multipart` False)."""
 

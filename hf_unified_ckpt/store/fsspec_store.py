@@ -11,10 +11,10 @@ import posixpath
 from collections.abc import Iterable
 
 from ..format.checksum import crc32
-from .base import Capabilities, NoMultipart, Range, Written, as_ref
+from .base import Capabilities, ManifestCommit, NoMultipart, RangedReads, Range, Written, as_ref
 
 
-class FsspecStore(NoMultipart):
+class FsspecStore(RangedReads, ManifestCommit, NoMultipart):
     """References are URLs of one fsspec protocol (see the module docstring)."""
 
     capabilities = Capabilities(positional_writes=False, atomic_rename=False, local_paths=False,
@@ -56,17 +56,6 @@ class FsspecStore(NoMultipart):
         if self.size(ref) is None:
             raise FileNotFoundError(f"no such file: {as_ref(ref)}")
         return self.fs.cat_file(key, start=offset or None, end=None if length is None else offset + length)
-
-    def open_tensors(self, ref: str, blocks: dict | None = None):
-        from .ranged import RangedFile  # here: torch is imported only where tensors are read
-
-        return RangedFile(self, as_ref(ref), blocks)
-
-    def crc32(self, ref: str, offset: int, length: int) -> int | None:
-        size = self.size(ref)
-        if size is None or size < offset + length:
-            return None
-        return crc32(self.read(ref, offset, length)) if length else 0
 
     # ---- writing ------------------------------------------------------------------------------------------------
     def put(self, ref: str, data: bytes, exclusive: bool = False) -> None:
@@ -115,18 +104,3 @@ class FsspecStore(NoMultipart):
         key = self._key(ref)
         if self.fs.exists(key):
             self.fs.rm(key, recursive=True)
-
-    # ---- commit -------------------------------------------------------------------------------------------------
-    def stage(self, final: str) -> str:
-        return as_ref(final)
-
-    def publish(self, staging: str, final: str) -> None:
-        """The manifest, written last into `final`, committed it."""
-
-    def retire(self, ref: str, commit_file: str) -> None:
-        """The manifest first: a removal cut short leaves files no reader takes for a checkpoint."""
-        self.remove(posixpath.join(as_ref(ref).rstrip("/"), commit_file))
-        self.remove(ref)
-
-    def local_path(self, ref: str) -> str | None:
-        return None

@@ -28,8 +28,7 @@ import os
 import posixpath
 from collections.abc import Iterable
 
-from ..format.checksum import crc32
-from .base import Capabilities, Range, Written, as_ref
+from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ PART_SIZE = 16 * 2**20
 UPLOAD_CONCURRENCY = 4
 
 
-class S3Store:
+class S3Store(RangedReads, ManifestCommit):
     """References are `s3://bucket/key...` URLs (see the module docstring)."""
 
     capabilities = Capabilities(positional_writes=False, atomic_rename=False, local_paths=False,
@@ -59,7 +58,7 @@ class S3Store:
         if self._fs is None or self._pid != os.getpid():
             try:
                 import fsspec
-                import s3fs  # noqa: F401  (fsspec finds it; imported to give the error below)
+                import s3fs  # noqa: F401  (fsspec finds it; imported here to give the error below)
             except ImportError as e:
                 raise ImportError("s3:// checkpoints need s3fs: pip install 'hf_unified_ckpt[s3]'") from e
             self._fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False,
@@ -146,17 +145,6 @@ class S3Store:
             return sync(self.fs.loop, body.read)
         finally:
             body.close()
-
-    def open_tensors(self, ref: str, blocks: dict | None = None):
-        from .ranged import RangedFile  # here: torch is imported only where tensors are read
-
-        return RangedFile(self, as_ref(ref), blocks)
-
-    def crc32(self, ref: str, offset: int, length: int) -> int | None:
-        size = self.size(ref)
-        if size is None or size < offset + length:
-            return None
-        return crc32(self.read(ref, offset, length)) if length else 0
 
     # ---- writing ------------------------------------------------------------------------------------------------
     def put(self, ref: str, data: bytes, exclusive: bool = False) -> None:
@@ -260,21 +248,6 @@ class S3Store:
         if prefix:  # servers with real directories (SeaweedFS) keep listing an emptied one until its marker goes
             with contextlib.suppress(FileNotFoundError):
                 self._call("delete_object", Bucket=bucket, Key=prefix.rstrip("/") + "/")
-
-    # ---- commit -------------------------------------------------------------------------------------------------
-    def stage(self, final: str) -> str:
-        return as_ref(final).rstrip("/")
-
-    def publish(self, staging: str, final: str) -> None:
-        """The manifest, put last into `final`, committed it."""
-
-    def retire(self, ref: str, commit_file: str) -> None:
-        """The manifest first: a removal cut short leaves objects no reader takes for a checkpoint."""
-        self.remove(posixpath.join(as_ref(ref).rstrip("/"), commit_file))
-        self.remove(ref)
-
-    def local_path(self, ref: str) -> str | None:
-        return None
 
 
 def _naming(error: OSError, what: str) -> OSError:
