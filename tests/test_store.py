@@ -635,3 +635,19 @@ def test_ranged_reads_check_block_crcs_and_keep_the_last_block(memory_run):
     with pytest.raises(CorruptCheckpointError, match=r"x.safetensors: bytes \[\d+, \d+\) do not match the CRC-32"):
         h.read(start + 90, 20)
     assert bytes(RangedFile(store, ref).read(start + 100, 1)) == bytes([100 ^ 1])  # without a table: unchecked
+
+
+def test_exclusive_put_without_hard_links(tmp_path, monkeypatch):
+    """A local filesystem without hard links (some network and FUSE mounts) still gets the manifest's
+    put-if-absent: checked, then renamed."""
+    from hf_unified_ckpt.store import local_io
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(local_io.os, "link", no_links)
+    ref = str(tmp_path / "m.json")
+    store_for(ref).put(ref, b"first", exclusive=True)
+    with pytest.raises(FileExistsError):
+        store_for(ref).put(ref, b"second", exclusive=True)
+    assert store_for(ref).read(ref) == b"first" and sorted(os.listdir(tmp_path)) == ["m.json"]

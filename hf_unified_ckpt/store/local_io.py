@@ -3,6 +3,7 @@ of one range (mapped, not read)."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -82,8 +83,16 @@ def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) 
         return
     try:
         os.link(tmp, path)
-    finally:
+    except FileExistsError:
         os.unlink(tmp)
+        raise
+    except OSError:  # a filesystem without hard links (some network and FUSE mounts): checked, then renamed
+        if os.path.exists(path):
+            os.unlink(tmp)
+            raise FileExistsError(errno.EEXIST, "exists", path) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
 def write_at(path: str | os.PathLike, ranges, size: int | None) -> None:
