@@ -21,20 +21,29 @@ contender once, the order rotated by one each repetition; medians over `--reps`:
     asyncio.gather). Target >= 0.9 (reported, never fails).
 (b) our save into the bucket / our save of the same state into a local temporary folder (fsync included). Reported.
 (c) bytes the S3 store fetched while loading (`S3Store.read` of the store instance wrapped, summing what it
-    returned; counted for `load_checkpoint` only, separately from `verify_checkpoint`, which reads every byte for
-    the checksums) / bytes of the tensors loaded (nbytes of the loaded model and optimizer state). Target <= 1.1.
-(d) verify + load straight from the bucket / download of the whole checkpoint folder (s3fs `get`, recursive,
-    `max_concurrency` = UPLOAD_CONCURRENCY, PART_SIZE chunks) then verify + load from the local copy. Reported
-    (expected < 1). Loads go into a fresh model + optimizer (allocated outside the timing).
+    returned; counted for `load_checkpoint` only, separately from `verify_checkpoint`) / bytes of the tensors
+    loaded (nbytes of the loaded model and optimizer state). Target <= 1.1. Also printed: the whole resume's
+    bytes (verify + load) with verify called as the Trainer calls it for a bucket (`checked_on_read=True` where
+    `verify_checkpoint` has it: files with per-block CRC-32s are checked as they are read, not read by verify),
+    and with a full verify (every byte read and checksummed first).
+(d) verify + load straight from the bucket (verify as the Trainer calls it) / download of the whole checkpoint
+    folder (s3fs `get`, recursive, `max_concurrency` = UPLOAD_CONCURRENCY, PART_SIZE chunks) then verify + load
+    from the local copy. Reported (expected < 1); also with a full verify from the bucket. Loads go into a fresh
+    model + optimizer (allocated outside the timing; the first load of each kind is checked bit-exact).
 (e) torch.distributed.checkpoint's `HuggingFaceStorageWriter`, weights only: `dcp.save(model.state_dict(), ...)`
     vs our save of the same model weights only (`include_optimizer=False`). The writer as shipped writes through
     DCP's local `FileSystem` (an `s3://` path would become a local folder `s3:/...`), so it is run, if at all, with
     DCP's fsspec `FileSystem` swapped in (what `FsspecWriter` uses; fsync off: a completed PUT is durable); any
     error is recorded in the JSON and the benchmark goes on.
 
-Also recorded: the peak RSS growth of each save (VmHWM of /proc/self/status after the save minus VmRSS before it,
-the high-water mark reset through /proc/self/clear_refs just before), the S3 requests of the warm-up save, verify and
-load by method, and the upload settings (PART_SIZE, UPLOAD_CONCURRENCY). MB = 10^6 bytes.
+Before every timed call: gc, malloc_trim and os.sync() (the server writes into this machine's page cache, so that
+the previous contender's write-back is not timed in the next one: a first 50m run without the sync had bucket saves
+of 3.9-8.4 s, with it 3.7-4.7 s). Ratios are of the medians; the median of the ratios within each repetition is
+printed beside them ("per repetition"). Also recorded: CPU seconds of this process and of the server process during
+every timed call (time.process_time; /proc/<pid>/stat), the peak RSS growth of each save (VmHWM of /proc/self/status
+after the save minus VmRSS before it, the high-water mark reset through /proc/self/clear_refs just before), the S3
+requests of the warm-up save, verify and load by method, and the upload settings (PART_SIZE, UPLOAD_CONCURRENCY).
+MB = 10^6 bytes.
 
 Prints the figures and, with --json, one JSON object as the last stdout line (also written to --out).
 """
@@ -112,24 +121,44 @@ def _status(field: str) -> int:
 
 
 def settle() -> None:
+    """Collect garbage, give free heap back (malloc_trim), and flush dirty pages (os.sync: the server's writes of
+    the previous contender are not written back during the next one's timing)."""
     gc.collect()
+    os.sync()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
 
+#: The S3 server's process id (its CPU seconds are read around every timed call) and the last call's CPU seconds.
+SERVER_PID: int | None = None
+LAST_CPU: dict[str, float] = {}
+
+
+def server_cpu() -> float:
+    """CPU seconds (user + system) the server process has used so far."""
+    if SERVER_PID is None:
+        return 0.0
+    with open(f"/proc/{SERVER_PID}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(fn, rss: bool = False) -> tuple[float, int | None]:
-    """Seconds of `fn()` and, with `rss`, its peak RSS growth (VmHWM after - VmRSS before, HWM reset first)."""
+    """Seconds of `fn()` and, with `rss`, its peak RSS growth (VmHWM after - VmRSS before, HWM reset first). The CPU
+    seconds of this process and of the server during the call are left in LAST_CPU."""
     settle()
     before = None
     if rss:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
         before = _status("VmRSS")
+    cpu, server = time.process_time(), server_cpu()
     start = time.perf_counter()
     fn()
     took = time.perf_counter() - start
+    LAST_CPU.update(client=time.process_time() - cpu, server=server_cpu() - server)
     return took, (_status("VmHWM") - before if rss else None)
 
 
@@ -199,6 +228,7 @@ class Bench:
         self.payload: list[tuple[str, bytes]] = []
         self.times: dict[str, list[float]] = collections.defaultdict(list)
         self.rss: dict[str, list[int]] = collections.defaultdict(list)
+        self.cpu: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
         self.extra: dict = {}
 
     # -- saves --
@@ -380,7 +410,8 @@ def one_rep(b: Bench, rep: int, warm: str, dcp: dict) -> None:
             t, _ = timed(lambda: b.save_dcp(path))
             b.times["weights_dcp"].append(t)
             if "bytes" not in dcp:
-                dcp["files"] = {p.rsplit("/", 1)[1]: s for p, s in b.fs.du(path.split("://", 1)[1], total=False).items()}
+                listed = b.fs.du(path.split("://", 1)[1], total=False)
+                dcp["files"] = {p.rsplit("/", 1)[1]: s for p, s in listed.items()}
                 dcp["bytes"] = sum(dcp["files"].values())
         except Exception as e:  # optional: recorded, and the benchmark goes on
             dcp["error"] = f"{type(e).__name__}: {e}"[:2000]
@@ -396,7 +427,12 @@ def one_rep(b: Bench, rep: int, warm: str, dcp: dict) -> None:
     k = rep % len(contenders)
     order = contenders[k:] + contenders[:k]
     for run in order:
+        LAST_CPU.clear()
+        before = {k: len(v) for k, v in b.times.items()}
         run()
+        for name, v in b.times.items():
+            if len(v) > before.get(name, 0) and LAST_CPU:
+                b.cpu[name].append((LAST_CPU["client"], LAST_CPU["server"]))
     last = {name: round(v[-1], 3) for name, v in b.times.items() if len(v) == rep + 1}
     print(f"rep {rep} ({', '.join(f.__name__ for f in order)}): {json.dumps(last)}", flush=True)
 
@@ -420,8 +456,11 @@ def main() -> None:
 
     from s3_server import SeaweedS3, weed_binary
 
+    global SERVER_PID
+    code = code_state()
     tmp = Path(tempfile.mkdtemp(prefix="bench-s3-"))
     server = SeaweedS3(tmp / "weed").start()
+    SERVER_PID = server.proc.pid
     os.environ.update(server.environment())
     try:
         weed = subprocess.run([weed_binary(), "version"], capture_output=True, text=True).stdout.strip()
@@ -464,6 +503,24 @@ def main() -> None:
         ratios["load_direct_full_verify_vs_download"] = {"value": round(med["load_s3_full"] / med["download_load"], 4)}
     if med.get("weights_dcp"):
         ratios["weights_ours_vs_dcp_hf"] = {"value": round(med["weights_ours"] / med["weights_dcp"], 4)}
+    pairs = {"save_vs_s3fs": ("s3fs_pipe", "ours_s3"), "save_s3_vs_local": ("ours_s3", "ours_local"),
+             "load_direct_vs_download": ("load_s3", "download_load"),
+             "load_direct_full_verify_vs_download": ("load_s3_full", "download_load"),
+             "weights_ours_vs_dcp_hf": ("weights_ours", "weights_dcp")}
+    for key, (num, den) in pairs.items():  # the ratio within each repetition (the server's noise is shared)
+        if key in ratios and len(b.times[num]) == len(b.times[den]):
+            each = [x / y for x, y in zip(b.times[num], b.times[den])]
+            ratios[key].update(paired_median=round(statistics.median(each), 4),
+                               paired=[round(x, 3) for x in each])
+
+    def paired(key):
+        c = ratios[key]
+        return (f"; per repetition: median {c['paired_median']:.2f}, {min(c['paired']):.2f}-{max(c['paired']):.2f}"
+                if "paired" in c else "")
+
+    cpu = {k: {"client": round(statistics.median([x for x, _ in v]), 3),
+               "server": round(statistics.median([y for _, y in v]), 3)}
+           for k, v in b.cpu.items() if v}
     rss = {k: int(statistics.median(v)) for k, v in b.rss.items()}
     bound = (b.concurrency + 1) * b.part_size
     bound_parts = (b.concurrency + 1) * info["largest_part"]
@@ -478,10 +535,11 @@ def main() -> None:
     c = ratios["save_vs_s3fs"]
     print(f"(a) throughput our bucket save / s3fs pipe_file of the same bytes = {c['value']:.2f}   "
           f"({med['ours_s3']:.2f} s, {mbs['ours_s3']:.0f} MB/s vs {med['s3fs_pipe']:.2f} s, "
-          f"{mbs['s3fs_pipe']:.0f} MB/s; {b.part_size // 2**20} MiB chunks, {b.concurrency} in flight)   {mark(c)}")
+          f"{mbs['s3fs_pipe']:.0f} MB/s; {b.part_size // 2**20} MiB chunks, {b.concurrency} in flight"
+          f"{paired('save_vs_s3fs')})   {mark(c)}")
     print(f"(b) time our bucket save / our local-disk save = {ratios['save_s3_vs_local']['value']:.2f}   "
           f"({med['ours_s3']:.2f} s, {mbs['ours_s3']:.0f} MB/s vs {med['ours_local']:.2f} s, "
-          f"{mbs['ours_local']:.0f} MB/s, fsync included)   reported")
+          f"{mbs['ours_local']:.0f} MB/s, fsync included{paired('save_s3_vs_local')})   reported")
     c = ratios["fetched_vs_loaded"]
     print(f"(c) bytes fetched / bytes loaded, load_checkpoint only = {c['value']:.4f}   ({tl['bytes'] / MB:.1f} MB in "
           f"{tl['reads']} reads vs {loaded / MB:.1f} MB of tensors loaded)   {mark(c)}")
@@ -491,17 +549,20 @@ def main() -> None:
           f"{fl['bytes'] / MB:.1f} MB = {(fv['bytes'] + fl['bytes']) / loaded:.4f}")
     print(f"(d) time verify+load from the bucket / download + verify+load locally = "
           f"{ratios['load_direct_vs_download']['value']:.2f}   ({med['load_s3']:.2f} s, {mbs['load_s3']:.0f} MB/s "
-          f"(verify {trainer_mode}) vs {med['download_load']:.2f} s, {mbs['download_load']:.0f} MB/s)   "
+          f"(verify {trainer_mode}) vs {med['download_load']:.2f} s, {mbs['download_load']:.0f} MB/s"
+          f"{paired('load_direct_vs_download')})   "
           f"reported (expected < 1)")
     if "load_s3_full" in med:
         print(f"    with a full verify from the bucket: {ratios['load_direct_full_verify_vs_download']['value']:.2f}   "
-              f"({med['load_s3_full']:.2f} s, {mbs['load_s3_full']:.0f} MB/s)")
+              f"({med['load_s3_full']:.2f} s, {mbs['load_s3_full']:.0f} MB/s"
+              f"{paired('load_direct_full_verify_vs_download')})")
     if "weights_ours_vs_dcp_hf" in ratios:
         wb = dcp.get("bytes", 0)
         print(f"(e) time our weights-only bucket save / DCP HuggingFaceStorageWriter (fsspec FileSystem swapped in) "
               f"= {ratios['weights_ours_vs_dcp_hf']['value']:.2f}   ({med['weights_ours']:.2f} s, "
               f"{wb / med['weights_ours'] / MB:.0f} MB/s vs {med['weights_dcp']:.2f} s, "
-              f"{wb / med['weights_dcp'] / MB:.0f} MB/s, {wb / MB:.1f} MB)   reported")
+              f"{wb / med['weights_dcp'] / MB:.0f} MB/s, {wb / MB:.1f} MB{paired('weights_ours_vs_dcp_hf')})   "
+              "reported")
     else:
         print(f"(e) DCP HuggingFaceStorageWriter: not timed: {dcp.get('error') or dcp.get('why')}")
     if dcp.get("why"):
@@ -512,6 +573,8 @@ def main() -> None:
           f"{rss['ours_s3'] / 2**20:.0f} MiB (documented bound (UPLOAD_CONCURRENCY + 1) x PART_SIZE = "
           f"{bound / 2**20:.0f} MiB; with this save's largest part {bound_parts / 2**20:.0f} MiB), s3fs pipe_file "
           f"{rss['s3fs_pipe'] / 2**20:.0f} MiB, our local save {rss['ours_local'] / 2**20:.0f} MiB")
+    print("CPU seconds (medians; this process / the server): "
+          + ", ".join(f"{k} {v['client']:.2f} / {v['server']:.2f}" for k, v in cpu.items()))
     print(f"S3 requests: save {b.extra['save_requests']}; verify ({trainer_mode}) {tv['requests']}; "
           f"load {tl['requests']}")
     print(f"raw figures: {json.dumps({k: [round(x, 3) for x in v] for k, v in b.times.items()})}")
@@ -521,7 +584,7 @@ def main() -> None:
         "note": "loopback figures against SeaweedFS on this machine, client and server sharing its CPU cores; "
                 "not a per-node S3 figure",
         "cpu_cores": os.cpu_count(), "size": size_label, "params": b.params, "layers": b.layers, "reps": args.reps,
-        "s3fs": s3fs.__version__, "torch": torch.__version__, "code": code_state(),
+        "s3fs": s3fs.__version__, "torch": torch.__version__, "code": code,
         "upload_settings": {"PART_SIZE": b.part_size, "UPLOAD_CONCURRENCY": b.concurrency,
                             "parts": info["parts"], "largest_part": info["largest_part"],
                             "smallest_part": info["smallest_part"],
@@ -536,7 +599,7 @@ def main() -> None:
         "files": {n: e["size"] for n, e in info["files"].items()},
         "medians_s": {k: round(v, 4) for k, v in med.items()},
         "mb_per_s": {k: round(v, 1) for k, v in mbs.items()},
-        "ratios": ratios,
+        "ratios": ratios, "cpu_s": cpu,
         "peak_rss_growth_bytes": rss, "peak_rss_method": "VmHWM after - VmRSS before (/proc/self/status), VmHWM "
                                                           "reset by writing 5 to /proc/self/clear_refs",
         "rss_bound_bytes": {"documented": bound, "with_largest_part": bound_parts},
