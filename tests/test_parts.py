@@ -11,7 +11,7 @@ MIB = 2**20
 
 def _check(runs, plan, min_part, part_size):
     """The invariants every plan keeps: parts tile the file in order, every part but the last is at least
-    `min_part` (and below twice `part_size` where cut from a long run), and the hand-overs are exactly the bytes of
+    `min_part` and at most `part_size` where cut from a long span, and the hand-overs are exactly the bytes of
     each part its uploader does not hold."""
     size = max(r.end for r in runs)
     assert [p.number for p in plan.parts] == list(range(1, len(plan.parts) + 1))
@@ -32,7 +32,8 @@ def _check(runs, plan, min_part, part_size):
 def test_big_runs_are_uploaded_by_their_own_rank_in_parts_of_about_part_size():
     runs = [Run(0, 64, 0), Run(64, 64 + 40 * MIB, 0), Run(64 + 40 * MIB, 64 + 52 * MIB, 1)]
     plan = plan_parts(runs, 5 * MIB, 16 * MIB)
-    assert [(p.uploader, (p.end - p.start) // MIB) for p in plan.parts] == [(0, 20), (0, 20), (1, 12)]
+    assert [(p.uploader, round((p.end - p.start) / MIB, 1)) for p in plan.parts] == \
+        [(0, 13.3), (0, 13.3), (0, 13.3), (1, 12.0)]
     assert plan.hand_overs == () and plan.hand_over_bytes == 0
     _check(runs, plan, 5 * MIB, 16 * MIB)
 
@@ -73,17 +74,17 @@ def test_random_layouts_keep_every_invariant(seed):
         length = rng.choice([rng.randrange(1, 64) * 4096, rng.randrange(1, 40) * MIB // 2])
         runs.append(Run(at, at + length, rng.randrange(3)))
         at += length
-    plan = plan_parts(runs, 5 * MIB, 8 * MIB)
-    _check(merged_runs(runs), plan, 5 * MIB, 8 * MIB)
-    assert all(p.end - p.start < 16 * MIB for p in plan.parts if p.end - p.start >= 5 * MIB and not plan.hand_overs)
+    plan = plan_parts(runs, 5 * MIB, 12 * MIB)
+    _check(merged_runs(runs), plan, 5 * MIB, 12 * MIB)
+    assert all(p.end - p.start <= 12 * MIB for p in plan.parts)
 
 
 def test_bad_runs_and_too_many_parts_are_refused():
     with pytest.raises(ValueError, match=r"bytes \[10, 20\) uncovered"):
-        plan_parts([Run(0, 10, 0), Run(20, 30, 1)], 5, 5)
+        plan_parts([Run(0, 10, 0), Run(20, 30, 1)], 5, 10)
     with pytest.raises(ValueError, match=r"covered twice"):
-        plan_parts([Run(0, 10, 0), Run(5, 30, 1)], 5, 5)
-    with pytest.raises(ValueError, match="below the store's smallest part"):
-        plan_parts([Run(0, 10, 0)], 5, 4)
+        plan_parts([Run(0, 10, 0), Run(5, 30, 1)], 5, 10)
+    with pytest.raises(ValueError, match="below twice the store's smallest part"):
+        plan_parts([Run(0, 10, 0)], 5, 9)
     with pytest.raises(ValueError, match=f"more than the {MAX_PARTS}"):
-        plan_parts([Run(0, (MAX_PARTS + 1) * 5, 0)], 5, 5)
+        plan_parts([Run(0, (MAX_PARTS + 1) * 10, 0)], 5, 10)

@@ -9,9 +9,9 @@ of its own, so it never meets training's collectives). Each rank reports one `Pa
 (offset, length, CRC-32, part number, tag); rank 0 completes every upload from them before it puts the manifest
 (`finish_uploads`), and a failed save aborts them (`abort_uploads`).
 
-Memory: a part's bytes are gathered into one buffer just before it is sent, and at most
-`store.s3.UPLOAD_CONCURRENCY` parts are in flight, so the extra host memory per rank is about
-(UPLOAD_CONCURRENCY + 1) x `store.s3.PART_SIZE`.
+Memory: a part's bytes are gathered into one buffer once a sending slot is free, and at most
+`store.s3.UPLOAD_CONCURRENCY` parts exist at once, so the extra host memory per rank is about
+2 x UPLOAD_CONCURRENCY x `store.s3.PART_SIZE` (each part, and the HTTP stack's copy of it while it is sent).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class MultipartWriter(SharedFileWriter):
         uploads, records = PartUploads(store_for(ref)), []
         try:
             for part in plan.uploaded_by(self.rank):
+                uploads.slot()  # before the part's bytes are gathered: at most `concurrency` parts exist
                 data = _gather(pieces, part.start, part.end, ref)
                 records.append(_part_record(file.name, part, data, self.rank))
                 uploads.submit(ref, self.uploads[file.name], part.number, data)
@@ -121,7 +122,7 @@ def _part_record(name: str, part, data: bytes, rank: int) -> PartRecord:
     return PartRecord(name, part.start, len(data), crc, part.number, rank=rank, blocks=tuple(blocks))
 
 
-def _gather(pieces: list[tuple[int, memoryview]], start: int, end: int, what: str) -> bytes:
+def _gather(pieces: list[tuple[int, memoryview]], start: int, end: int, what: str) -> bytearray:
     """Bytes `[start, end)` of a file from `pieces` ((offset, bytes), offset order, covering them)."""
     out, at = bytearray(), start
     for offset, data in pieces:
@@ -134,7 +135,7 @@ def _gather(pieces: list[tuple[int, memoryview]], start: int, end: int, what: st
         out += take
         at += len(take)
         if at == end:
-            return bytes(out)
+            return out
     raise RuntimeError(f"{what}: bytes [{at}, {end}) of a part are not held by this rank; the part plan and the "
                        "engine's shards disagree.")
 

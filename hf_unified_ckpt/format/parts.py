@@ -92,14 +92,16 @@ def merged_runs(runs: list[Run]) -> list[Run]:
 
 def plan_parts(runs: list[Run], min_part: int, part_size: int) -> PartPlan:
     """The parts and hand-overs of one file whose bytes `runs` hold (see the module docstring). Every part but the
-    last is at least `min_part` bytes and about `part_size` (at most twice it) where a run is that long."""
-    if part_size < min_part:
-        raise ValueError(f"part_size {part_size} is below the store's smallest part {min_part}")
+    last is at least `min_part` bytes; a span longer than `part_size` is cut into equal parts of at most
+    `part_size` (so at least half of it)."""
+    if part_size < 2 * min_part:
+        raise ValueError(f"part_size {part_size} is below twice the store's smallest part {min_part} (a span cut "
+                         "into parts of at most part_size must leave each at least the smallest part)")
     runs = merged_runs(runs)
     segments = _segments(runs, min_part)
     parts = []
     for start, end, uploader in segments:
-        count = max(1, (end - start) // part_size)
+        count = max(1, -(-(end - start) // part_size))
         bounds = [start + (end - start) * i // count for i in range(count + 1)]
         parts += [(a, b, uploader) for a, b in zip(bounds, bounds[1:])]
     if len(parts) > MAX_PARTS:

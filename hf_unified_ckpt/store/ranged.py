@@ -3,48 +3,68 @@ header is read once; a tensor, or the rows a step-1 slice of its first dimension
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from ..format.headers import TORCH_DTYPE_NAMES
 from .safetensors_header import header_and_data_start
 
 
+#: Blocks a `RangedFile` keeps after reading them (the first and last of each read: where neighbouring tensors meet).
+KEPT_BLOCKS = 16
+
+
 class RangedFile:
     """`safe_open(ref).get_tensor/get_slice` for a file of `store`, reading only the bytes asked for. With
     `blocks` (the manifest's CRC-32 per block of the file), each read is widened to whole blocks and every block
-    is checked before its bytes are used (the last block read is kept: neighbouring tensors share it)."""
+    is checked before its bytes are used; the first and last block of each read are kept (up to `KEPT_BLOCKS`),
+    since tensors stored side by side share them and are not loaded in file order."""
 
     def __init__(self, store, ref: str, blocks: dict | None = None):
         self.store, self.ref = store, ref
         self.header, self.data_start = header_and_data_start(ref)
         self.block = int(blocks["size"]) if blocks else None
         self.crcs = [int(c, 16) for c in blocks["crc32"]] if blocks else None
-        self._kept: tuple[int, bytes] | None = None  # (index, bytes) of the last verified block
+        self._kept: collections.OrderedDict[int, memoryview] = collections.OrderedDict()
         self.fetched = 0  # bytes read from the store
 
-    def read(self, offset: int, length: int) -> bytes | memoryview:
+    def read(self, offset: int, length: int) -> memoryview:
         """Bytes `[offset, offset + length)` of the file, checked against the block CRCs when there are some."""
+        buffer, begin = self._read(offset, length)
+        return memoryview(buffer)[begin:begin + length]
+
+    def _read(self, offset: int, length: int) -> tuple[bytearray, int]:
+        """A writable buffer holding bytes `[offset, offset + length)` of the file from its index `begin`."""
         if self.block is None:
             self.fetched += length
-            return self.store.read(self.ref, offset, length)
+            return bytearray(self.store.read(self.ref, offset, length)), 0
         first, last = offset // self.block, (offset + length - 1) // self.block
-        kept = self._kept if self._kept is not None and first <= self._kept[0] <= last else None
-        start = (first if kept is None or kept[0] != first else first + 1) * self.block
-        stop = (last if kept is not None and kept[0] == last and last > first else last + 1) * self.block
-        data = bytearray()
-        if kept is not None and kept[0] == first:
-            data += kept[1]
-        if stop > start:
-            fetched = self.store.read(self.ref, start, stop - start)  # the file's last block may be shorter
+        pieces, index = [], first
+        while index <= last:
+            if index in self._kept:
+                self._kept.move_to_end(index)
+                pieces.append(self._kept[index])
+                index += 1
+                continue
+            stop = index
+            while stop < last and stop + 1 not in self._kept:
+                stop += 1
+            fetched = memoryview(self.store.read(self.ref, index * self.block, (stop + 1 - index) * self.block))
             self.fetched += len(fetched)
-            self._check(start // self.block, fetched)
-            data += fetched
-        if kept is not None and kept[0] == last and last > first:
-            data += kept[1]
-        tail = last * self.block - first * self.block
-        self._kept = (last, bytes(data[tail:]))
-        begin = offset - first * self.block
-        return memoryview(data)[begin:begin + length]
+            self._check(index, fetched)
+            blocks = [fetched[i:i + self.block] for i in range(0, len(fetched), self.block)]
+            pieces += blocks
+            self._keep(index, blocks[0])  # copies: a view would keep the whole fetched range alive
+            self._keep(stop, blocks[-1])
+            index = stop + 1
+        return bytearray().join(pieces), offset - first * self.block
+
+    def _keep(self, index: int, block: memoryview) -> None:
+        self._kept[index] = memoryview(bytes(block))
+        self._kept.move_to_end(index)
+        while len(self._kept) > KEPT_BLOCKS:
+            self._kept.popitem(last=False)
 
     def _check(self, index: int, data: bytes) -> None:
         from ..format.checksum import crc32
@@ -78,8 +98,11 @@ class RangedFile:
     def _tensor(self, dtype: torch.dtype, shape: list[int], start: int, end: int) -> torch.Tensor:
         if end <= start:
             return torch.empty(shape, dtype=dtype)
-        data = bytearray(self.read(self.data_start + start, end - start))
-        return torch.frombuffer(data, dtype=dtype).reshape(shape)
+        buffer, begin = self._read(self.data_start + start, end - start)
+        if len(buffer) > (end - start) * 9 // 8:  # a small tensor: do not keep the blocks around it alive
+            buffer, begin = buffer[begin:begin + end - start], 0
+        count = (end - start) // dtype.itemsize
+        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=begin).reshape(shape)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         return self._tensor(*self._entry(name))

@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 MIN_PART_SIZE = 5 * 2**20
 #: The part size of whole files streamed by one writer, and the target size of the parts ranks upload.
 PART_SIZE = 16 * 2**20
-#: Parts one process uploads at once (extra host memory: at most PART_SIZE times this, per process).
+#: Parts one process uploads at once (extra host memory: about twice PART_SIZE times this, per process: the part
+#: and the HTTP stack's copy of it).
 UPLOAD_CONCURRENCY = 4
 
 
@@ -153,7 +154,8 @@ class S3Store(RangedReads, ManifestCommit):
         bucket, key = self._bucket_key(ref)
         kwargs = {"IfNoneMatch": "*"} if exclusive else {}
         try:
-            self._call("put_object", Bucket=bucket, Key=key, Body=bytes(data), **kwargs)
+            body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+            self._call("put_object", Bucket=bucket, Key=key, Body=body, **kwargs)
         except OSError as e:
             if exclusive and _code(e) in ("PreconditionFailed", "ConditionalRequestConflict"):
                 raise FileExistsError(f"{as_ref(ref)} already exists (a conditional put was refused: another "
@@ -179,8 +181,9 @@ class S3Store(RangedReads, ManifestCommit):
     def write_part(self, ref: str, upload: str, number: int, data) -> str:
         """Upload part `number` (1-based, in offset order) of `ref` in `upload`; its ETag."""
         bucket, key = self._bucket_key(ref)
+        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         return self._call("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number,
-                          Body=bytes(data))["ETag"]
+                          Body=body)["ETag"]
 
     def finish_upload(self, ref: str, upload: str, parts: list[tuple[int, str]]) -> None:
         """Complete `upload` from its (number, ETag) parts: the object appears whole, at once."""

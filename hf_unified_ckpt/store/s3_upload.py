@@ -13,9 +13,10 @@ from .s3 import PART_SIZE, UPLOAD_CONCURRENCY
 
 
 class PartUploads:
-    """Parts of one or more multipart uploads sent by a few threads; `submit` blocks while `concurrency` parts are
-    in flight, so the bytes held stay bounded. `results` waits for all and raises the first failure, naming the
-    object and the part."""
+    """Parts of one or more multipart uploads sent by a few threads, at most `concurrency` in flight. A caller
+    takes a slot (`slot()`) *before* it builds a part's bytes and hands them to `submit`, so at most `concurrency`
+    parts exist at once (and the HTTP stack's copy of each in flight: about 2 x concurrency x part size in all).
+    `results` waits for all and raises the first failure, naming the object and the part."""
 
     def __init__(self, store, concurrency: int = UPLOAD_CONCURRENCY):
         self.store = store
@@ -23,8 +24,12 @@ class PartUploads:
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="s3-part")
         self._futures: list[tuple[str, int, Future]] = []
 
-    def submit(self, ref: str, upload: str, number: int, data: bytes) -> None:
+    def slot(self) -> None:
+        """Wait for a free slot; the next `submit` uses it."""
         self._slots.acquire()
+
+    def submit(self, ref: str, upload: str, number: int, data: bytes | bytearray) -> None:
+        """Send part `number` in the slot taken by `slot()`."""
         future = self._pool.submit(self._send, ref, upload, number, data)
         self._futures.append((ref, number, future))
 
@@ -53,30 +58,37 @@ class PartUploads:
 
 def stream_upload(store, ref: str, ranges: Iterable[Range], size: int) -> list[Written]:
     """Create object `ref` from `ranges` (offset order, tiling [0, size)): one PUT below a part, else a multipart
-    upload of PART_SIZE parts, aborted on any failure (no object appears)."""
-    written, end, buffer = [], 0, bytearray()
+    upload of PART_SIZE parts, aborted on any failure (no object appears). Each part's bytes are copied once, from
+    the ranges into the part, whatever the ranges' sizes."""
+    written, end, pending = [], 0, bytearray()
     upload, parts, number = None, None, 0
     try:
         for offset, data in ranges:
             if offset != end:
                 raise ValueError(f"{ref}: a range starts at byte {offset}, expected {end} (gap or overlap)")
-            written.append((offset, len(data), crc32(data)))
-            end += len(data)
-            buffer += data
-            while len(buffer) >= PART_SIZE:  # every part but the last is PART_SIZE (>= MIN_PART_SIZE)
-                if upload is None:
-                    upload, parts = store.start_upload(ref), PartUploads(store)
-                number += 1
-                parts.submit(ref, upload, number, bytes(buffer[:PART_SIZE]))
-                del buffer[:PART_SIZE]
+            view = memoryview(data).cast("B")
+            written.append((offset, len(view), crc32(view)))
+            end += len(view)
+            while view:
+                take = min(PART_SIZE - len(pending), len(view))
+                pending += view[:take]
+                view = view[take:]
+                if len(pending) == PART_SIZE:  # every part but the last is PART_SIZE (>= MIN_PART_SIZE)
+                    if upload is None:
+                        upload, parts = store.start_upload(ref), PartUploads(store)
+                    parts.slot()
+                    number += 1
+                    parts.submit(ref, upload, number, pending)
+                    pending = bytearray()
         if end != size:
             raise ValueError(f"{ref}: the ranges end at {end}, the file is {size} bytes")
         if upload is None:
-            store.put(ref, bytes(buffer))
+            store.put(ref, pending)
             return written
-        if buffer:
+        if pending:
+            parts.slot()
             number += 1
-            parts.submit(ref, upload, number, bytes(buffer))
+            parts.submit(ref, upload, number, pending)
         store.finish_upload(ref, upload, [(n, etag) for _, n, etag in parts.results()])
     except BaseException:
         if parts is not None:
