@@ -522,8 +522,8 @@ def main() -> None:
                "server": round(statistics.median([y for _, y in v]), 3)}
            for k, v in b.cpu.items() if v}
     rss = {k: int(statistics.median(v)) for k, v in b.rss.items()}
-    bound = (b.concurrency + 1) * b.part_size
-    bound_parts = (b.concurrency + 1) * info["largest_part"]
+    bound = 2 * b.concurrency * b.part_size  # the parts in flight and the HTTP stack's copy of each (store.s3)
+    bound_parts = 2 * b.concurrency * info["largest_part"]
     trainer_mode = "checked_on_read=True" if b.checked_on_read else "this version has no checked_on_read: full"
 
     def mark(c):
@@ -570,7 +570,7 @@ def main() -> None:
     if dcp.get("error") and "weights_ours_vs_dcp_hf" in ratios:
         print(f"    error in a later repetition: {dcp['error']}")
     print(f"peak RSS growth (VmHWM after - VmRSS before, HWM reset via /proc/self/clear_refs): our bucket save "
-          f"{rss['ours_s3'] / 2**20:.0f} MiB (documented bound (UPLOAD_CONCURRENCY + 1) x PART_SIZE = "
+          f"{rss['ours_s3'] / 2**20:.0f} MiB (documented estimate 2 x UPLOAD_CONCURRENCY x PART_SIZE = "
           f"{bound / 2**20:.0f} MiB; with this save's largest part {bound_parts / 2**20:.0f} MiB), s3fs pipe_file "
           f"{rss['s3fs_pipe'] / 2**20:.0f} MiB, our local save {rss['ours_local'] / 2**20:.0f} MiB")
     print("CPU seconds (medians; this process / the server): "
