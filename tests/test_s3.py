@@ -17,6 +17,7 @@ import torch
 from _runs import BEST, assert_resumed_matches, loop_spec, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME
+from hf_unified_ckpt.format.parts import VERIFY_BLOCK
 from hf_unified_ckpt.store import join, listing, read_bytes, store_for
 
 LOSS_RTOL = STATE_ATOL = 1e-5
@@ -389,7 +390,7 @@ def test_killed_upload_is_never_picked_and_resume_is_exact(runs, tmp_path):
 
 
 def test_resume_reads_only_what_it_loads_and_checks_it(s3_bucket):
-    """A checkpoint uploaded in parts records a CRC-32 per MiB block; a resume from the bucket does not read the
+    """A checkpoint uploaded in parts records a CRC-32 per 256 KiB block; a resume from the bucket does not read the
     tensor files to verify them (`checked_on_read`): each ranged read checks its blocks, so a load fetches about
     what it loads, and a damaged block is refused by name. The `verify` command still reads everything."""
     from hf_unified_ckpt.checkpoint.load import verify_checkpoint
@@ -400,7 +401,8 @@ def test_resume_reads_only_what_it_loads_and_checks_it(s3_bucket):
     final = _save_to(join(s3_bucket, "checkpoint-1"), model, opt, 1)
     manifest = json.loads(read_bytes(join(final, MANIFEST_NAME)))
     tensor_files = {n: e for n, e in manifest["files"].items() if n.endswith(".safetensors")}
-    assert all(e["blocks"]["size"] == MIB and len(e["blocks"]["crc32"]) == -(-e["size"] // MIB)
+    block = VERIFY_BLOCK
+    assert all(e["blocks"]["size"] == block and len(e["blocks"]["crc32"]) == -(-e["size"] // block)
                for e in tensor_files.values())
     fetched, real = [], S3Store.read
 

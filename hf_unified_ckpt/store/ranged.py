@@ -12,7 +12,7 @@ from .safetensors_header import header_and_data_start
 
 
 #: Blocks a `RangedFile` keeps after reading them (the first and last of each read: where neighbouring tensors meet).
-KEPT_BLOCKS = 16
+KEPT_BLOCKS = 32
 
 
 class RangedFile:
