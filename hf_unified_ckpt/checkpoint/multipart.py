@@ -11,7 +11,7 @@ of its own, so it never meets training's collectives). Each rank reports one `Pa
 
 Memory: a part's bytes are gathered into one buffer once a sending slot is free, and at most
 `store.s3.UPLOAD_CONCURRENCY` parts exist at once: the extra host memory per rank is bounded by that many parts
-and the HTTP stack's copies of them (measured: 222 MiB at 4 x 16 MiB, `bench/bench_s3.py`).
+and the HTTP stack's copies of them (measured: 222-255 MiB at 4 x 16 MiB, `bench/bench_s3.py`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ MIN_PART_SIZE = 5 * 2**20
 #: The part size of whole files streamed by one writer, and the target size of the parts ranks upload.
 PART_SIZE = 16 * 2**20
 #: Parts one process uploads at once. Extra host memory per process: each part in flight and the HTTP stack's
-#: copies of it, measured 222 MiB at 16 MiB x 4 (bench/bench_s3.py; s3fs's own upload of the same bytes: 131 MiB).
+#: copies of it, measured 222-255 MiB at 16 MiB x 4 (bench/bench_s3.py; s3fs's own upload: 131-148 MiB).
 UPLOAD_CONCURRENCY = 4
 
 
