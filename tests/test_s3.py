@@ -46,14 +46,12 @@ def runs(tmp_path_factory, s3_session_bucket):
     savers = [_spec(tmp, bucket, e, e) for e in ENGINES]
     savers.append(_spec(tmp, bucket, "z3", "z3a", overrides={"unified_checkpoint_config": "async_save"}))
     resumed = [_spec(tmp, bucket, "z3", "z3-to-z3", resume="z3"), _spec(tmp, bucket, "f2", "z3-to-f2", resume="z3"),
-               _spec(tmp, bucket, "z3", "f2-to-z3", resume="f2"), _spec(tmp, bucket, "z3", "z3a-to-z3", resume="z3a")]
+               _spec(tmp, bucket, "z3", "z3a-to-z3", resume="z3a")]
     best = [loop_spec(_spec(tmp, bucket, "z3", "best-z3"), tmp / "best-z3-model")]
     torchrun(2, savers + resumed + best, tmp)
     out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False)
            for s in savers + resumed + best}
-    for saved_by in ("ddp", "f2"):  # on one process, in this one
-        tag = f"{saved_by}-to-single"
-        out[tag] = run_spec(_spec(tmp, bucket, "single", tag, resume=saved_by), 1)
+    out["f2-to-single"] = run_spec(_spec(tmp, bucket, "single", "f2-to-single", resume="f2"), 1)  # this process
     # resuming the loop run's last checkpoint from the bucket keeps its best checkpoint (a URL) and trains on
     again = _spec(tmp, bucket, "single", "best-again", eval=True, overrides={**BEST, "max_steps": 8})
     again["resume"] = join(bucket, "best-z3", "checkpoint-6")
@@ -62,8 +60,7 @@ def runs(tmp_path_factory, s3_session_bucket):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("saved_by,resumed_as", [("z3", "z3"), ("z3", "f2"), ("f2", "z3"), ("ddp", "single"),
-                                                 ("f2", "single"), ("z3a", "z3")])
+@pytest.mark.parametrize("saved_by,resumed_as", [("z3", "z3"), ("z3", "f2"), ("f2", "single"), ("z3a", "z3")])
 def test_bucket_checkpoints_resume_on_another_engine_and_world_size(runs, saved_by, resumed_as):
     """z3a: ZeRO-3 with async_save (the ranks' uploads and hand-overs run in the background): resumed, the same as
     the synchronous run, bit for bit."""
@@ -242,7 +239,7 @@ def faulty(s3_server, s3_session_bucket):
     from hf_unified_ckpt.store import S3Store, register_store
 
     proxy = FaultyProxy(s3_server.endpoint).start()
-    register_store("s3faulty", lambda scheme: S3Store(scheme, endpoint_url=proxy.endpoint))
+    register_store("s3faulty", lambda scheme: S3Store(scheme, endpoint_url=proxy.endpoint))  # default retries
     bucket = s3_session_bucket.split("://", 1)[1]
     try:
         yield f"s3faulty://{bucket}/faults-{uuid.uuid4().hex[:8]}", proxy

@@ -57,7 +57,6 @@ class MultipartWriter(SharedFileWriter):
     def __init__(self, rank: int, uploads: Mapping[str, str]):
         super().__init__(rank)
         self.uploads = dict(uploads)
-        self.hand_over_bytes = 0
 
     def writes(self, file: FilePlan, rank: int) -> bool:
         return True
@@ -104,7 +103,6 @@ class MultipartWriter(SharedFileWriter):
             sent = {(h.start, h.end): _gather(pieces, h.start, h.end, file.name) for h in plan.sent_by(self.rank)}
         everyone = dist.all_gather_object(sent, group=dist.gloo_group(GROUP))
         mine = [h for h in plan.hand_overs if h.receiver == self.rank]
-        self.hand_over_bytes += sum(h.end - h.start for h in mine)
         try:
             return [(h.start, memoryview(everyone[h.sender][(h.start, h.end)])) for h in mine]
         except KeyError:
