@@ -45,6 +45,8 @@ def runs(tmp_path_factory, s3_session_bucket):
     tmp = tmp_path_factory.mktemp("s3")
     savers = [_spec(tmp, bucket, e, e) for e in ENGINES]
     savers.append(_spec(tmp, bucket, "z3", "z3a", overrides={"unified_checkpoint_config": "async_save"}))
+    # a tiny tied-embedding GPT-2: every file below 5 MiB, so each is one part from one rank, the other handing over
+    savers.append({**_spec(tmp, bucket, "z3", "gpt2-z3"), "model": "gpt2"})
     resumed = [_spec(tmp, bucket, "z3", "z3-to-z3", resume="z3"), _spec(tmp, bucket, "f2", "z3-to-f2", resume="z3"),
                _spec(tmp, bucket, "z3", "z3a-to-z3", resume="z3a")]
     best = [loop_spec(_spec(tmp, bucket, "z3", "best-z3"), tmp / "best-z3-model")]
@@ -52,6 +54,8 @@ def runs(tmp_path_factory, s3_session_bucket):
     out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False)
            for s in savers + resumed + best}
     out["f2-to-single"] = run_spec(_spec(tmp, bucket, "single", "f2-to-single", resume="f2"), 1)  # this process
+    out["gpt2-z3-to-single"] = run_spec({**_spec(tmp, bucket, "single", "gpt2-z3-to-single", resume="gpt2-z3"),
+                                         "model": "gpt2"}, 1)
     # resuming the loop run's last checkpoint from the bucket keeps its best checkpoint (a URL) and trains on
     again = _spec(tmp, bucket, "single", "best-again", eval=True, overrides={**BEST, "max_steps": 8})
     again["resume"] = join(bucket, "best-z3", "checkpoint-6")
@@ -60,7 +64,8 @@ def runs(tmp_path_factory, s3_session_bucket):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("saved_by,resumed_as", [("z3", "z3"), ("z3", "f2"), ("f2", "single"), ("z3a", "z3")])
+@pytest.mark.parametrize("saved_by,resumed_as", [("z3", "z3"), ("z3", "f2"), ("f2", "single"), ("z3a", "z3"),
+                                                 ("gpt2-z3", "single")])
 def test_bucket_checkpoints_resume_on_another_engine_and_world_size(runs, saved_by, resumed_as):
     """z3a: ZeRO-3 with async_save (the ranks' uploads and hand-overs run in the background): resumed, the same as
     the synchronous run, bit for bit."""
@@ -427,3 +432,22 @@ def test_resume_reads_only_what_it_loads_and_checks_it(s3_bucket):
         _load_from(final, checked_on_read=True)
     with pytest.raises(CorruptCheckpointError, match=victim):
         verify_checkpoint(final)
+
+
+@pytest.mark.dist
+def test_tied_model_files_below_a_part_go_up_whole(runs):
+    """GPT-2 (tied embeddings) under ZeRO-3 x 2: every file is smaller than S3's smallest part, so each is one part
+    uploaded by the rank holding most of it, the other rank's bytes handed over; the model file holds the tied
+    weight once (no lm_head), as save_pretrained writes it."""
+    _, bucket, out = runs
+    folder = join(bucket, "gpt2-z3", "checkpoint-6")
+    manifest = json.loads(read_bytes(join(folder, MANIFEST_NAME)))
+    tensor_files = {n: e for n, e in manifest["files"].items() if n.endswith(".safetensors")}
+    assert all(len(e["parts"]) == 1 and e["size"] < 5 * MIB for e in tensor_files.values())
+    assert manifest["saved_by"]["upload"]["hand_over_bytes"] > 0
+    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+
+    with ComponentReader(folder, "model") as reader:
+        assert "lm_head.weight" not in reader.keys() and "transformer.wte.weight" in reader.keys()
+        state = out["gpt2-z3"]["state"]
+        assert all(torch.equal(reader.get(k), state[k]) for k in reader.keys())
