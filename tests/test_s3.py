@@ -451,3 +451,21 @@ def test_tied_model_files_below_a_part_go_up_whole(runs):
         assert "lm_head.weight" not in reader.keys() and "transformer.wte.weight" in reader.keys()
         state = out["gpt2-z3"]["state"]
         assert all(torch.equal(reader.get(k), state[k]) for k in reader.keys())
+
+
+def test_the_clients_event_loop_thread_ends_with_the_run(s3_bucket, tmp_path):
+    """A run saving into the bucket uses an S3 client on an event loop of the store's own (a thread named
+    hf_unified_ckpt-s3, not fsspec's shared loop); it ends when train() returns, and the next use starts a new one."""
+    import threading
+
+    def loops():
+        return [t for t in threading.enumerate() if t.name == "hf_unified_ckpt-s3"]
+
+    store = store_for(s3_bucket)
+    store.close()
+    trainer = _single_trainer(tmp_path, join(s3_bucket, "run"))
+    trainer.train()
+    assert trainer.state.global_step == 6 and not loops()
+    assert sorted(store.list(join(s3_bucket, "run"))) == ["checkpoint-3", "checkpoint-6"] and len(loops()) == 1
+    store.close()
+    assert not loops()

@@ -17,15 +17,18 @@ variables (`AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` for an on-premises server)
 files). None of them is ever copied into the training arguments, a checkpoint or a log line.
 
 The client is made per process on first use (a forked DataLoader worker or persister builds its own: an
-inherited aiohttp session would be broken) and its session is closed by `close()` (end of `train()`).
+inherited aiohttp session would be broken), on an event loop of its own in a thread named `hf_unified_ckpt-s3`
+(not fsspec's shared loop); `close()` (end of `train()`) closes the session and ends that thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import posixpath
+import threading
 from collections.abc import Iterable
 
 from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref
@@ -51,33 +54,39 @@ class S3Store(RangedReads, ManifestCommit):
         self.scheme = scheme
         self.storage_options = storage_options
         self._fs = None
+        self._loop: _LoopThread | None = None
         self._pid = None
 
     @property
     def fs(self):
-        """This process's s3fs file system (rebuilt after a fork; listings never cached: other ranks write)."""
+        """This process's s3fs file system, on an event loop of its own (a thread named `hf_unified_ckpt-s3`, not
+        fsspec's shared one), so that `close` ends both; rebuilt after a fork; listings never cached (other ranks
+        write)."""
         if self._fs is None or self._pid != os.getpid():
             try:
                 import fsspec
                 import s3fs  # noqa: F401  (fsspec finds it; imported here to give the error below)
             except ImportError as e:
                 raise ImportError("s3:// checkpoints need s3fs: pip install 'hf_unified_ckpt[s3]'") from e
+            self._loop = _LoopThread()  # after a fork the parent's loop thread does not exist here
             self._fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False,
-                                         **self.storage_options)
+                                         loop=self._loop.loop, **self.storage_options)
             self._pid = os.getpid()
         return self._fs
 
     def close(self) -> None:
-        """Close this process's client session (made again on next use)."""
-        fs, self._fs = self._fs, None
-        if fs is not None and self._pid == os.getpid():
-            with contextlib.suppress(Exception):
-                s3 = getattr(fs, "_s3", None)
-                if s3 is not None:
-                    from fsspec.asyn import sync
+        """Close this process's client session and end its event-loop thread (both made again on next use)."""
+        fs, loop, self._fs, self._loop = self._fs, self._loop, None, None
+        if fs is None or self._pid != os.getpid():
+            return
+        with contextlib.suppress(Exception):
+            s3 = getattr(fs, "_s3", None)
+            if s3 is not None:
+                from fsspec.asyn import sync
 
-                    sync(fs.loop, s3.__aexit__, None, None, None)
-                    fs._s3 = None
+                sync(loop.loop, s3.__aexit__, None, None, None)
+                fs._s3 = None
+        loop.stop()
 
     @staticmethod
     def _key(ref) -> str:
@@ -251,6 +260,21 @@ class S3Store(RangedReads, ManifestCommit):
         if prefix:  # servers with real directories (SeaweedFS) keep listing an emptied one until its marker goes
             with contextlib.suppress(FileNotFoundError):
                 self._call("delete_object", Bucket=bucket, Key=prefix.rstrip("/") + "/")
+
+
+class _LoopThread:
+    """An asyncio event loop running in a daemon thread of its own, until `stop`."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="hf_unified_ckpt-s3", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 def _naming(error: OSError, what: str) -> OSError:
