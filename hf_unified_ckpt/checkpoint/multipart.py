@@ -7,7 +7,7 @@ same on every rank: a rank holding a run of at least the store's smallest part u
 sent to the neighbour that uploads them (`_exchange`: one all-gather per file that has hand-overs, on a gloo group
 of its own, so it never meets training's collectives). Each rank reports one `PartRecord` per part it uploaded
 (offset, length, CRC-32, part number, tag); rank 0 completes every upload from them before it puts the manifest
-(`finish_uploads`), and a failed save aborts them (`abort_uploads`).
+(`finish_uploads`), and a failed save aborts them (`save.discard`).
 
 Memory: a part's bytes are gathered into one buffer once a sending slot is free, and at most
 `store.s3.UPLOAD_CONCURRENCY` parts exist at once: the extra host memory per rank is bounded by that many parts
@@ -160,11 +160,6 @@ def finish_uploads(staging: str, uploads: Mapping[str, str], records: list) -> N
             parts[r.name].append((r.part, r.etag))
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda name: store.finish_upload(join(staging, name), uploads[name], parts[name]), uploads))
-
-
-def abort_uploads(staging: str) -> None:
-    """Drop every unfinished upload under `staging` (a failed save)."""
-    store_for(staging).abort_uploads(staging)
 
 
 def record_uploads(manifest: dict, files: list[FilePlan], records: list, min_part: int) -> None:

@@ -46,8 +46,7 @@ from .files import FileRecord, RangeRecord, combine_ranges, put_file
 from ..store import as_ref, join, name_of, parent_of, store_for
 from .manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .safetensors_io import index_name, write_index
-from .multipart import (GROUP as MULTIPART_GROUP, MultipartWriter, abort_uploads, begin_uploads, finish_uploads,
-                        record_uploads)
+from .multipart import GROUP as MULTIPART_GROUP, MultipartWriter, begin_uploads, finish_uploads, record_uploads
 from .writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
 logger = logging.getLogger(__name__)
@@ -378,8 +377,7 @@ def discard(staging: str) -> None:
     store = store_for(staging)
     if store.is_folder(staging):
         store.retire(staging, MANIFEST_NAME)
-    if store.capabilities.multipart:
-        abort_uploads(staging)
+    store.abort_uploads(staging)  # its unfinished multipart uploads (nothing where the store has none)
 
 
 def save_model_weights(engine: EngineAdapter, folder: str | os.PathLike, max_shard_size: int, small_files: SmallFiles,

@@ -16,10 +16,10 @@ from ..checkpoint.load import fetch_small_files, verify_checkpoint
 from ..checkpoint.placement import Placement, judge_path, newest_across_machines, placement_of
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from ..legacy import check_readable, open_legacy
-from ..store import as_ref, canonical, join, parent_of, store_for
+from ..store import as_ref, canonical, join, parent_of
 from .capture import TRAINER_STATE_FILE
 from .engines import engine_of
-from .storage import checkpoint_root
+from .storage import checkpoint_root, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ def check_unified(path: str, verdict, show_progress: bool = True) -> Resume:
     if not verdict.complete:
         raise CorruptCheckpointError(verdict.refusal(path))
     placement = fetch_small_files(path, verdict.manifest, placement_of(verdict))
-    remote = not store_for(path).capabilities.local_paths  # object storage: blocks are checked as they are read
-    manifest = verify_checkpoint(path, show_progress=show_progress, placement=placement, checked_on_read=remote)
+    manifest = verify_checkpoint(path, show_progress=show_progress, placement=placement,
+                                 checked_on_read=is_remote(path))  # object storage: blocks checked as read
     if not placement.everywhere and dist.rank() == 0:
         logger.info("Resuming from %s, whose files are spread over the machines' folders: ranks read the "
                     "tensors they lack from ranks that hold them.", path)
