@@ -12,8 +12,9 @@ from dataclasses import dataclass, field, is_dataclass
 
 from transformers import TrainingArguments
 
-from .options import (CONFIG_WORDS, DEFAULT_GRACE_PERIOD, DEFAULT_MAX_SHARD_SIZE, PREEMPTION_SIGNALS,
-                      UnifiedCheckpointOptions, parse_options, parse_preemption)
+from .options import (CONFIG_WORDS, DEFAULT_GRACE_PERIOD, DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_SHARD_SIZE,
+                      DEFAULT_MEMORY_DIR, DEFAULT_MEMORY_KEEP, DEFAULT_PERSIST_EVERY, PREEMPTION_SIGNALS,
+                      UnifiedCheckpointOptions, parse_flash, parse_options, parse_preemption)
 
 _CONFIG_HELP = "Space- or comma-separated words: " + "; ".join(f"{w}: {d}" for w, d in CONFIG_WORDS.items()) + "."
 
@@ -55,6 +56,27 @@ class UnifiedCheckpointFields:
                           "output_dir."},
     )
 
+    unified_checkpoint_memory_dir: str = field(
+        default=DEFAULT_MEMORY_DIR,
+        metadata={"help": "With the word 'flash': the node-local memory folder (a tmpfs) checkpoints are saved into "
+                          "first; the run's go in <dir>/hf_unified_ckpt/<run id>/."},
+    )
+    unified_checkpoint_persist_every: int = field(
+        default=DEFAULT_PERSIST_EVERY,
+        metadata={"help": "With 'flash': a persister process makes every this-many-th save durable (output_dir or "
+                          "unified_checkpoint_storage); the last and the best are made durable when training ends."},
+    )
+    unified_checkpoint_memory_keep: int = field(
+        default=DEFAULT_MEMORY_KEEP,
+        metadata={"help": "With 'flash': memory checkpoints kept, besides those not durable yet and the best."},
+    )
+    unified_checkpoint_memory_lease: float = field(
+        default=DEFAULT_LEASE_TIMEOUT,
+        metadata={"help": "With 'flash': seconds without a heartbeat after which the persister takes the trainer "
+                          "for gone; it then makes the newest memory checkpoint durable and keeps the memory this "
+                          "long for a restarted job, then frees it."},
+    )
+
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "With unified_checkpoint: on a preemption signal (preemption_signals) the ranks agree at the "
@@ -90,6 +112,8 @@ class UnifiedCheckpointFields:
             preemption=parse_preemption(self.save_on_preemption, self.preemption_signals,
                                         self.preemption_grace_period, self.slurm_requeue),
             storage=self.unified_checkpoint_storage,
+            flash=parse_flash(True, self.unified_checkpoint_memory_dir, self.unified_checkpoint_persist_every,
+                              self.unified_checkpoint_memory_keep, self.unified_checkpoint_memory_lease),
         )
 
     @property
@@ -124,6 +148,8 @@ UnifiedCheckpointArguments = with_unified_checkpoint(
 UnifiedCheckpointArguments.__doc__ = (
     "`transformers.TrainingArguments` plus the unified-checkpoint fields "
     "(unified_checkpoint, unified_checkpoint_config, ckpt_quant_stage, disable_ckpt_quant, ema_decay, ema_interval, "
-    "unified_checkpoint_max_shard_size, unified_checkpoint_storage, save_on_preemption, preemption_signals, "
+    "unified_checkpoint_max_shard_size, unified_checkpoint_storage, unified_checkpoint_memory_dir, "
+    "unified_checkpoint_persist_every, unified_checkpoint_memory_keep, unified_checkpoint_memory_lease, "
+    "save_on_preemption, preemption_signals, "
     "preemption_grace_period, slurm_requeue)."
 )

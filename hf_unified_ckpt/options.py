@@ -6,7 +6,9 @@ No other module looks at option strings; everything reads the frozen dataclass.
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import dataclasses
 from dataclasses import dataclass
 
 from .errors import UnsupportedOptionError
@@ -22,6 +24,9 @@ CONFIG_WORDS: dict[str, str] = {
            "checkpoint as ema*.safetensors",
     "residual_master_weight": "store the fp32 master weights as a 16-bit residual over their bf16 rounding in the "
                               "model files (exact, 2 bytes per parameter instead of 4)",
+    "flash": "save into node-local memory (unified_checkpoint_memory_dir, /dev/shm by default) at memory speed, "
+             "snapshot as async_save does; a persister process that outlives the trainer makes every "
+             "unified_checkpoint_persist_every-th save durable; resume picks the newest checkpoint across tiers",
 }
 
 #: Words whose implementation has not landed yet: accepted by the parser, refused by `validate_supported`.
@@ -32,6 +37,10 @@ QUANT_STAGES = ("O0", "O1", "O2")
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGXCPU")
 DEFAULT_GRACE_PERIOD = 30.0
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+DEFAULT_MEMORY_DIR = "/dev/shm"
+DEFAULT_PERSIST_EVERY = 4
+DEFAULT_MEMORY_KEEP = 2
+DEFAULT_LEASE_TIMEOUT = 600.0
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -57,6 +66,50 @@ class PreemptionOptions:
     @property
     def agree_timeout(self) -> float:
         return self.grace_period / 2
+
+
+@dataclass(frozen=True)
+class FlashOptions:
+    """The memory tier (`flash`; `flash/`, `trainer/flash.py`).
+
+    Attributes:
+        enabled: saves go into node-local memory first; a persister process makes some durable.
+        memory_dir: the memory folder (`unified_checkpoint_memory_dir`); the run's checkpoints go in
+            `<memory_dir>/hf_unified_ckpt/<run id>/`.
+        persist_every: make every this-many-th flash save durable (`unified_checkpoint_persist_every`); the last one
+            and the best one are always made durable when training ends.
+        keep: memory checkpoints kept (`unified_checkpoint_memory_keep`), besides those not durable yet and the best.
+        lease_timeout: seconds without a heartbeat after which the persister takes the trainer for gone
+            (`unified_checkpoint_memory_lease`); a trainer whose processes died is seen at once. After the trainer
+            is gone, the persister makes the newest memory checkpoint durable and keeps the memory this long for a
+            restarted job to resume from, then frees it.
+    """
+
+    enabled: bool = False
+    memory_dir: str = DEFAULT_MEMORY_DIR
+    persist_every: int = DEFAULT_PERSIST_EVERY
+    keep: int = DEFAULT_MEMORY_KEEP
+    lease_timeout: float = DEFAULT_LEASE_TIMEOUT
+
+
+def parse_flash(enabled: bool, memory_dir: str = DEFAULT_MEMORY_DIR, persist_every: int = DEFAULT_PERSIST_EVERY,
+                keep: int = DEFAULT_MEMORY_KEEP, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> FlashOptions:
+    """The memory-tier fields parsed and checked (checked whether or not `flash` is on)."""
+    from .store import scheme_of
+
+    memory_dir = str(memory_dir or DEFAULT_MEMORY_DIR)
+    if scheme_of(memory_dir):
+        raise ValueError(f"unified_checkpoint_memory_dir={memory_dir!r} is a URL; it takes a node-local folder in "
+                         "memory such as '/dev/shm' (a tmpfs). Durable storage is output_dir or "
+                         "unified_checkpoint_storage.")
+    for name, value in (("unified_checkpoint_persist_every", persist_every), ("unified_checkpoint_memory_keep", keep)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{name}={value!r}: expected a whole number >= 1.")
+    if not float(lease_timeout) > 0:
+        raise ValueError(f"unified_checkpoint_memory_lease={lease_timeout!r}: expected seconds > 0 (how long the "
+                         "persister waits for a silent trainer, and keeps its memory for a restart).")
+    return FlashOptions(bool(enabled), os.path.abspath(memory_dir), int(persist_every), int(keep),
+                        float(lease_timeout))
 
 
 def parse_signals(value: str | list[str] | tuple) -> tuple[int, ...]:
@@ -114,6 +167,7 @@ class UnifiedCheckpointOptions:
         preemption: what a preemption signal does (`PreemptionOptions`).
         storage: where the run's checkpoints go (`unified_checkpoint_storage`): an object-store URL prefix such as
             `s3://bucket/run1`, or None for `output_dir`.
+        flash: the memory tier (`FlashOptions`; on with the word `flash`).
     """
 
     enabled: bool = False
@@ -129,6 +183,7 @@ class UnifiedCheckpointOptions:
     max_shard_size: int = 5 * 10**9
     preemption: PreemptionOptions = PreemptionOptions()
     storage: str | None = None
+    flash: FlashOptions = FlashOptions()
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
     #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
     quant_stage_requested: str | None = None
@@ -217,6 +272,7 @@ def parse_options(
     ema_interval: int = 1,
     preemption: PreemptionOptions | None = None,
     storage: str | None = None,
+    flash: FlashOptions | None = None,
 ) -> UnifiedCheckpointOptions:
     """Parse the raw argument values into `UnifiedCheckpointOptions`.
 
@@ -270,6 +326,7 @@ def parse_options(
         max_shard_size=parse_size(max_shard_size),
         preemption=preemption if preemption is not None else PreemptionOptions(),
         storage=parse_storage(storage),
+        flash=dataclasses.replace(flash or FlashOptions(), enabled="flash" in chosen),
     )
     validate_supported(options, words)
     return options

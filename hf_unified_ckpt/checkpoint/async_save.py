@@ -10,24 +10,47 @@ optimizer step changes: `wait_for_snapshot` (called from the `on_pre_optimizer_s
 until the copy is done, so the copy overlaps the next forward and backward passes. DeepSpeed steps inside
 `backward`, where no callback runs: there its optimizer's own `step` waits (`engines.deepspeed.wait_before_steps`).
 
+A save may name a `Fallback` (the memory tier's saves do): when a rank runs out of space (ENOSPC, EDQUOT) the
+background thread writes the same snapshot to the fallback folder instead, so nothing is lost.
+
 One save is in flight at a time: the next save, the end of training and `wait()` wait for it, and its error is
 raised there, on every rank (the outcome is shared by a collective). A failed save is never committed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .. import dist
 from ..engines.base import EngineAdapter
 from ..errors import UnifiedCheckpointError
 from .persist import Background, HostBuffers, PersistJob
 from ..format.planning import FilePlan
-from .save import (SaveRequest, SmallFiles, Staging, assembled_files, begin_multipart, conclude, guarded,
+from .save import (SaveRequest, SmallFiles, Staging, assembled_files, begin_multipart, conclude, discard, guarded,
                    open_staging, plan_save, raise_if_failed)
 from ..store import as_ref, name_of
 
 logger = logging.getLogger(__name__)
+
+#: What an out-of-space failure reads like in a rank's report (`save.guarded`): ENOSPC, EDQUOT.
+OUT_OF_SPACE = ("[Errno 28]", "[Errno 122]")
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Where a save goes when its folder's filesystem is full: `final_dir`, then `after_commit` there (rotation);
+    `said` runs once on every rank when it is used (the caller stops aiming at the full folder)."""
+
+    final_dir: str
+    after_commit: Callable[[], None] | None = None
+    said: Callable[[str], None] | None = None
+
+
+def out_of_space(reports) -> bool:
+    return any(not ok and any(mark in str(payload) for mark in OUT_OF_SPACE) for ok, payload in reports)
 
 
 class AsyncSaver:
@@ -45,7 +68,8 @@ class AsyncSaver:
         """Host memory held by the reused snapshot buffers (the extra memory async_save costs)."""
         return self._buffers.nbytes()
 
-    def start(self, engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, after_commit=None) -> str:
+    def start(self, engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, after_commit=None,
+              fallback: Fallback | None = None) -> str:
         """Begin a save and return once the rest can run in the background. Waits for (and raises the error
         of) the previous save first. Collective: all ranks must call it."""
         self.wait()
@@ -57,7 +81,8 @@ class AsyncSaver:
                                     request.show_progress and dist.rank() == 0))
         job = PersistJob(staging.path, plan.writer, small_files=dict(small_files))
         self._background.start(lambda: guarded(lambda: self.stage(engine, job, mine)),
-                               lambda staged: self._finish(staged, plan, staging, request, after_commit, group),
+                               lambda staged: self._finish(staged, plan, staging, request, after_commit, group,
+                                                           fallback),
                                label=name_of(final))
         return final
 
@@ -69,15 +94,36 @@ class AsyncSaver:
             job.files.append((file, tensors))
         return job
 
-    def _finish(self, staged, plan, staging: Staging, request: SaveRequest, after_commit,
-                group) -> tuple[list, Staging]:
-        """Run the staged job, then conclude the save on the save's own group (collectives)."""
+    def _finish(self, staged, plan, staging: Staging, request: SaveRequest, after_commit, group,
+                fallback: Fallback | None = None) -> tuple[list, Staging]:
+        """Run the staged job, then conclude the save on the save's own group (collectives); out of space with a
+        `fallback`: the same job again, into the fallback folder."""
         outcome = staged if not staged[0] else guarded(staged[1].run)
         try:
             reports = conclude(plan, staging, request, outcome, group=group, after_commit=after_commit)
+            if fallback is not None and staged[0] and out_of_space(reports):
+                return self._save_elsewhere(staged[1], plan, staging, request, fallback, group, reports)
         except Exception as e:  # a collective failed (another rank died): report it as this save's failure
             reports = [(False, f"rank {dist.rank()}: {type(e).__name__}: {e}")]
         return reports, staging
+
+    def _save_elsewhere(self, job: PersistJob, plan, full: Staging, request: SaveRequest, fallback: Fallback, group,
+                        reports) -> tuple[list, Staging]:
+        """Write `job` (this rank's snapshot, still in the host buffers) into `fallback.final_dir`, where the
+        folder that ran out of space is written the same way (in place, or whole files). Collective on `group`."""
+        if full.is_leader:
+            discard(full.path)
+        staging = open_staging(fallback.final_dir, group=group)
+        if staging.in_place != full.in_place or staging.multipart:
+            return reports + [(False, f"{fallback.final_dir} is written another way than {full.final}; the "
+                                      "snapshot could not be saved there instead.")], staging
+        why = next(str(p).splitlines()[0] for ok, p in reports if not ok)
+        if fallback.said is not None:
+            fallback.said(why)
+        job.folder = staging.path
+        outcome = guarded(job.run)
+        elsewhere = dataclasses.replace(request, final_dir=fallback.final_dir)
+        return conclude(plan, staging, elsewhere, outcome, group=group, after_commit=fallback.after_commit), staging
 
     def wait_for_snapshot(self) -> None:
         """Block until the in-flight save has copied what it writes (call before the optimizer changes it)."""

@@ -228,24 +228,25 @@ class Staging:
         return self.shared and capabilities.multipart and not capabilities.positional_writes
 
 
-def open_staging(final: str) -> Staging:
+def open_staging(final: str, group=None) -> Staging:
     """Create the staging folder of `final`: rank 0 creates it (and removes what interrupted saves left); every
     rank that does not see it (its machine has a local folder) creates and joins its own. A failure (read-only or
-    full disk) is raised on every rank before anything is written. Collective: all ranks must call it."""
+    full disk) is raised on every rank before anything is written. Collective (on `group`): all its ranks must call
+    it."""
     path = staging_dir(final)
     attempt = status = None
     if dist.rank() == 0:
         attempt = uuid.uuid4().hex
         status = guarded(lambda: (remove_stale(parent_of(final), keep=path), prepare_staging(path),
                                   mark_writer(path, 0, attempt)))
-    status, attempt = dist.broadcast_object((status, attempt))
+    status, attempt = dist.broadcast_object((status, attempt), group=group)
     creator = Staging(path, final, 0, True)
     raise_if_failed([status], creator)
     sees_rank0 = sees_writer(path, 0, attempt)
     joined = (True, None) if sees_rank0 else guarded(lambda: (remove_stale(parent_of(final), keep=path),
                                                               join_staging(path, attempt),
                                                               mark_writer(path, dist.rank(), attempt)))
-    reports = dist.all_gather_object((joined, sees_rank0))
+    reports = dist.all_gather_object((joined, sees_rank0), group=group)
     raise_if_failed([j for j, _ in reports], creator if sees_rank0 else Staging(path, final, dist.rank(), False))
     creators = [r for r, (_, seen) in enumerate(reports) if r == 0 or not seen]
     leader = next(r for r in creators if sees_writer(path, r, attempt))

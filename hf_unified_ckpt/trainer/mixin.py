@@ -18,6 +18,7 @@ each delegating to the engine- and store-agnostic algorithms of `checkpoint/`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -27,6 +28,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist
+from ..checkpoint.async_save import Fallback
 from ..checkpoint.ema import BackgroundUpdates, ExponentialAverage, WithEma
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.placement import judge_path
@@ -44,6 +46,7 @@ from ..store import as_ref, is_file, is_folder, join, read_bytes
 from ..store.capture import torch_bytes
 from .capture import ARGS_FILE, SCHEDULER_FILE, processing_class_files, small_files
 from .engines import engine_of
+from .flash import FlashTier, checkpoint_bytes
 from .preempt_mixin import PreemptionMixin
 from .resume import Resume, check_unified, resolve, same_ref
 from .storage import LocalAlias, check_writable, checkpoint_root, close_store, is_remote
@@ -80,6 +83,8 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         self._uc_saved_step = self._uc_save_seconds = None
         self._uc_preempting = False
         self._uc_alias = None
+        self._uc_flash = FlashTier(options.flash, checkpoint_root(self, trial)) if (
+            options.enabled and options.flash.enabled) else None
         self._uc_refuse_unsupported()
         if options.enabled and options.storage is not None:
             check_writable(checkpoint_root(self, trial))
@@ -92,6 +97,7 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             output = super().train(resume_from_checkpoint=path, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             self._uc_after_training(trial)
+            self._uc_flash_finish()
             return output
         finally:
             self._uc_leave_train()
@@ -105,6 +111,8 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         alias, self._uc_alias = getattr(self, "_uc_alias", None), None
         if alias is not None:
             alias.close()
+        if getattr(self, "_uc_flash", None) is not None:
+            self._uc_flash.close()
         if not self._uc_saver.in_flight:
             dist.release_groups()
             storage = self.args.unified_checkpoint_options.storage
@@ -115,9 +123,10 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         """Refuse here, before anything trains, what a save would refuse later; warn once (rank 0) when FSDP was
         asked for but the engine is another (accelerate falls back to DDP on CPU without a word)."""
         options = self.args.unified_checkpoint_options
-        if options.async_save and self.args.push_to_hub:
-            raise UnsupportedCheckpointError("async_save with push_to_hub is not supported yet: the upload would run "
-                                             "before the background save commits. Drop one of them.")
+        if (options.async_save or options.flash.enabled) and self.args.push_to_hub:
+            raise UnsupportedCheckpointError(f"{'flash' if options.flash.enabled else 'async_save'} with push_to_hub "
+                                             "is not supported yet: the upload would run before the background save "
+                                             "commits. Drop one of them.")
         if options.storage is not None and self.args.push_to_hub:
             raise UnsupportedCheckpointError("unified_checkpoint_storage with push_to_hub is not supported yet: the "
                                              "Hub upload reads checkpoints from output_dir. Drop one of them.")
@@ -193,6 +202,8 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         if options.enabled:
             engine = self._uc_engine()
             engine.specs(MODEL.name)
+            if self._uc_flash is not None:
+                self._uc_flash.start(checkpoint_bytes(engine, include_optimizer=not self.args.save_only_model))
             if options.ema:
                 engine.parameter_fragments()  # refuses an engine the EMA cannot follow (FSDP1)
                 engine_of(self).step_barrier(self, self._uc_wait_for_copies)
@@ -265,6 +276,10 @@ class UnifiedCheckpointMixin(PreemptionMixin):
 
         small = small_files(self, engine)
         self._uc_saved_step = self.state.global_step
+        flash = getattr(self, "_uc_flash", None)
+        if flash is not None and flash.active and not getattr(self, "_uc_preempting", False):
+            self._uc_flash_save(flash, engine, request, small, rotate)
+            return
         if options.async_save and not getattr(self, "_uc_preempting", False):
             engine_of(self).step_barrier(self, self._uc_wait_for_copies)
             saver.start(engine, request, small, after_commit=rotate)
@@ -274,6 +289,35 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         self._uc_save_seconds = time.monotonic() - started
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
+
+    def _uc_flash_save(self, flash, engine, request: SaveRequest, small, rotate) -> None:
+        """A save into the memory tier: snapshot as `async_save` does, written to memory in the background; the
+        persister makes it durable at `request.final_dir` if it is due; a full memory folder saves it there
+        directly. Collective."""
+        durable, best, limit = request.final_dir, self.state.best_model_checkpoint, self.args.save_total_limit
+        step = request.global_step
+
+        def said(why: str) -> None:
+            flash.active = False
+            if dist.rank() == 0:
+                logger.warning("flash: the memory folder %s is full (%s); checkpoint-%d was saved to %s instead, and "
+                               "so are the next saves of this run.", flash.run, why, step, durable)
+
+        memory = dataclasses.replace(request, final_dir=flash.final_dir(step))
+        engine_of(self).step_barrier(self, self._uc_wait_for_copies)
+        self._uc_saver.start(engine, memory, small, after_commit=lambda: flash.after_commit(step, durable, best, limit),
+                             fallback=Fallback(durable, rotate, said))
+
+    def _uc_flash_finish(self) -> None:
+        """Training ended: its last checkpoint and the best are made durable before `train()` returns (waited for),
+        then the persister frees the memory. Collective."""
+        flash = getattr(self, "_uc_flash", None)
+        if flash is None or not flash.active:
+            return
+        self._uc_saver.wait()
+        best = self.state.best_model_checkpoint
+        steps = [s for s in (self._uc_saved_step, self.state.best_global_step if best else None) if s]
+        flash.finish(sorted(set(steps)))
 
     def _uc_save_options(self, options):
         """The options of this save: the lineage guard may write it at O0 (lineage.py), said once per run."""
@@ -321,12 +365,16 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             self._uc_updates.wait_for_copy()
 
     def _uc_track_best(self, run_dir: str) -> None:
-        """Same bookkeeping as the native `_save_checkpoint` for `best_model_checkpoint`."""
+        """Same bookkeeping as the native `_save_checkpoint` for `best_model_checkpoint` (with `flash`, a best
+        checkpoint not durable yet is the memory one)."""
         if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:
             dist.barrier()
-            best = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if is_folder(best):
-                self.state.best_model_checkpoint = best
+            flash = getattr(self, "_uc_flash", None)
+            for root in [run_dir] + ([flash.root] if flash is not None else []):
+                best = join(root, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if is_folder(best):
+                    self.state.best_model_checkpoint = best
+                    break
 
     def _uc_export_callback_states(self) -> None:
         """Same as the native `_save_checkpoint`: store `ExportableState` callbacks in the trainer state."""

@@ -19,7 +19,7 @@ from ..legacy import check_readable, open_legacy
 from ..store import as_ref, canonical, join, parent_of
 from .capture import TRAINER_STATE_FILE
 from .engines import engine_of
-from .storage import checkpoint_root, is_remote
+from .storage import checkpoint_root, is_remote, memory_root
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,7 @@ def resolve(trainer, value) -> tuple[str | None, Resume | None]:
     if value is None or value is False:
         return None, None
     if value is True or value == RESUME_AUTO:
-        run_dir = checkpoint_root(trainer)
-        step, verdict, skipped = newest_across_machines(run_dir)
+        run_dir, step, verdict, skipped = newest_across_tiers(trainer)
         for newer, why in skipped:
             if dist.rank() == 0:
                 logger.warning("Skipping %s when resuming: %s", join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{newer}"),
@@ -94,6 +93,24 @@ def resolve(trainer, value) -> tuple[str | None, Resume | None]:
                 logger.info("%s was written by DeepSpeed %s; this run differs, so it is read offline and "
                             "resharded (the next save is unified).", layout.path, legacy.topology())
     return layout.path, resume
+
+
+def newest_across_tiers(trainer) -> tuple[str, int | None, object, list]:
+    """The run folder, step, verdict and skipped newer steps of the newest checkpoint the ranks together hold
+    completely, in durable storage or (with `flash`) in the machines' memory; memory wins a tie (it is faster to
+    read). Collective: all ranks must call it."""
+    durable = checkpoint_root(trainer)
+    step, verdict, skipped = newest_across_machines(durable)
+    memory = memory_root(trainer)
+    if memory is None:
+        return durable, step, verdict, skipped
+    in_memory = newest_across_machines(memory)
+    if in_memory[1] is not None and (verdict is None or in_memory[0] >= step):
+        if dist.rank() == 0:
+            logger.info("Resuming from memory: %s holds checkpoint-%d (durable storage: %s).", memory, in_memory[0],
+                        f"checkpoint-{step}" if verdict is not None else "none")
+        return memory, *in_memory
+    return durable, step, verdict, skipped
 
 
 def check_unified(path: str, verdict, show_progress: bool = True) -> Resume:

@@ -37,6 +37,16 @@ def checkpoint_root(trainer, trial=None) -> str:
     return storage if relative == "." else join(storage, *relative.split(os.sep))
 
 
+def memory_root(trainer, trial=None) -> str | None:
+    """With `flash`: the folder of this machine's memory checkpoints of the run (else None)."""
+    from ..flash.layout import CHECKPOINTS, run_folder
+
+    options = trainer.args.unified_checkpoint_options
+    if not (options.enabled and options.flash.enabled):
+        return None
+    return join(run_folder(options.flash.memory_dir, checkpoint_root(trainer, trial)), CHECKPOINTS)
+
+
 def is_remote(ref: str) -> bool:
     """Whether `ref` lies in a store other libraries cannot open by path (object storage)."""
     return not store_for(ref).capabilities.local_paths

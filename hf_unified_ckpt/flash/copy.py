@@ -1,0 +1,101 @@
+"""Make one committed memory checkpoint durable: copy its files into the durable store, each file's CRC-32
+checked against the memory manifest as it is written, and commit with the manifest last, so the durable
+`checkpoint-N` is either complete or absent (a persister killed mid-copy leaves a staging folder the next save
+removes, or an uncommitted prefix in object storage that nothing picks).
+
+Several machines: each machine's memory folder holds the small files and its share of the tensor files. The
+machine of rank 0 (the leader) prepares the durable staging folder and leaves a start mark; every other
+machine's persister waits for it, copies its tensor files and leaves a done mark; the leader copies everything it
+holds, waits for every done mark, then writes the manifest and commits. The durable storage must be one that
+every machine sees (a shared filesystem or a bucket).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from ..checkpoint.commit import commit, prepare_staging, staging_dir
+from ..checkpoint.files import crc32_combine
+from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.retention import rotate_checkpoints
+from ..errors import CorruptCheckpointError
+from ..format.checksum import crc32
+from ..store import join, parent_of, read_bytes, store_for
+from .layout import SaveInfo
+
+logger = logging.getLogger(__name__)
+
+#: Bytes read from memory and written per range.
+CHUNK = 64 * 2**20
+START_MARK = ".persist-start-"
+DONE_MARK = ".persist-done-"
+POLL = 0.2
+
+
+def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[[], bool] = lambda: True,
+                       timeout: float = 600.0) -> None:
+    """Copy `memory_ckpt` to `info.durable_final` (see the module docstring); raise on a damaged file, or when
+    another machine's share did not arrive within `timeout` seconds. Local I/O only (no collective)."""
+    manifest_bytes = read_bytes(join(memory_ckpt, MANIFEST_NAME))
+    attempt = f"{crc32(manifest_bytes):08x}"
+    table = json.loads(manifest_bytes)["files"]
+    staging = staging_dir(info.durable_final)
+    store = store_for(staging)
+    here = store_for(memory_ckpt).list(memory_ckpt)
+    if info.leader:
+        prepare_staging(staging)
+        store.put(join(staging, f"{START_MARK}{attempt}"), b"")
+        mine = [n for n in table if n in here]
+    else:
+        _wait_for(lambda: store.size(join(staging, f"{START_MARK}{attempt}")) is not None, timeout, still_wanted,
+                  f"the leader's start of {info.durable_final}")
+        mine = [n for n in table if n in here and n.endswith(".safetensors")]
+    for name in sorted(mine):
+        _copy_file(join(memory_ckpt, name), join(staging, name), table[name])
+    if not info.leader:
+        store.put(join(staging, f"{DONE_MARK}{info.node}-{attempt}"), b"")
+        return
+    others = [n for n in info.nodes if n != info.node]
+    _wait_for(lambda: all(store.size(join(staging, f"{DONE_MARK}{n}-{attempt}")) is not None for n in others),
+              timeout, still_wanted, f"the other machines' shares of {info.durable_final}")
+    missing = sorted(set(table) - set(store.list(staging)))
+    if missing:
+        raise CorruptCheckpointError(f"persisting {memory_ckpt}: no machine holds {missing}.")
+    for mark in [n for n in store.list(staging) if n.startswith((START_MARK, DONE_MARK))]:
+        store.remove(join(staging, mark))
+    store.put(join(staging, MANIFEST_NAME), manifest_bytes)
+    commit(staging, info.durable_final)
+    rotate_checkpoints(parent_of(info.durable_final), info.save_total_limit, protect=info.protect)
+
+
+def _copy_file(src: str, dst: str, record: dict) -> None:
+    """Stream `src` into `dst` durably; its CRC-32, computed as written, must equal the manifest's."""
+    size = record["size"]
+    source = store_for(src)
+
+    def ranges():
+        for offset in range(0, size, CHUNK) if size else [0]:
+            data = source.read(src, offset, min(CHUNK, size - offset))
+            yield offset, memoryview(data)
+
+    target = store_for(dst)
+    written = target.write_whole(dst, ranges(), size)
+    crc = 0
+    for _, length, part in written:
+        crc = crc32_combine(crc, part, length)
+    if f"{crc:08x}" != record["crc32"]:
+        target.remove(dst)
+        raise CorruptCheckpointError(f"{src} does not match its manifest (CRC-32 {crc:08x}, expected "
+                                     f"{record['crc32']}): the memory copy is damaged; it is not made durable.")
+    target.sync(dst)
+
+
+def _wait_for(ready: Callable[[], bool], timeout: float, still_wanted: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline or not still_wanted():
+            raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f} s.")
+        time.sleep(POLL)

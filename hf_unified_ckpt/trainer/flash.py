@@ -1,0 +1,242 @@
+"""The memory tier of one `train()` call (`flash`): where saves go, the persister, the lease, eviction, and what
+training's end waits for. The persister itself is `flash/persister.py`; the records both sides read are
+`flash/layout.py`.
+
+- `start` (before the first step): finds which ranks share a memory folder (one per machine), writes the run's
+  record and the lease, starts the machine's persister unless one serves the run already (a restarted job), and
+  keeps the lease's heartbeat in a thread;
+- `fits` (before the first step): memory must hold one checkpoint's share of this machine and the snapshot of it
+  (MemAvailable, the cgroup's room and the folder's free bytes, whichever is least); else saves go to durable
+  storage as without `flash`, said once with the numbers;
+- every save: `final_dir` in memory, `after_commit` (on each machine's lowest rank): the save's `SaveInfo` for
+  the persister, then eviction beyond `keep` (never one not durable yet, nor the best);
+- `finish` (training ended): the last and the best checkpoints made durable, waited for; the lease ended, so the
+  persister frees the memory and exits; `close` stops the heartbeat however `train()` ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from .. import dist
+from ..checkpoint.commit import COMMIT_FILE, list_checkpoints
+from ..checkpoint.layout import detect_layout
+from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, RUN_FILE, SAVES, SaveInfo,
+                            checkpoint_name, run_folder, save_info, write_record)
+from ..options import FlashOptions
+from ..store import is_file, join, name_of, read_bytes, remove, store_for
+from ..store.node import is_locked, memory_room, open_log, touch
+
+logger = logging.getLogger(__name__)
+
+MEMBERS = "members"
+#: How often `finish` says what it still waits for.
+REPORT_EVERY = 30.0
+
+
+class FlashTier:
+    """See the module docstring. `active` is False once saves fell back to durable storage."""
+
+    def __init__(self, options: FlashOptions, durable_root: str):
+        self.options = options
+        self.durable_root = durable_root
+        self.run = run_folder(options.memory_dir, durable_root)
+        self.root = join(self.run, CHECKPOINTS)
+        self.active = True
+        self.saves = 0
+        self.job = uuid.uuid4().hex
+        self.node, self.nodes, self.local_pids = 0, (0,), (os.getpid(),)
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def is_machine_leader(self) -> bool:
+        return dist.rank() == self.node
+
+    # ---- start ---------------------------------------------------------------------------------------------------
+    def start(self, checkpoint_bytes: int) -> bool:
+        """Find the machines; if their memory holds a checkpoint of `checkpoint_bytes` (`fits`), write the run's
+        records and start or reuse each machine's persister. Returns `active`. Collective."""
+        self._find_machines()
+        if not self.fits(checkpoint_bytes):
+            return False
+        if self.is_machine_leader:
+            for folder in (CHECKPOINTS, SAVES, DURABLE, FAILED):
+                store_for(self.run).make_folder(join(self.run, folder))
+            write_record(join(self.run, RUN_FILE), {"durable_root": self.durable_root,
+                                                    "lease_timeout": self.options.lease_timeout})
+            self._write_lease(ended=False)
+            self._ensure_persister()
+            self._heartbeat = threading.Thread(target=self._beat, name="hf_unified_ckpt-lease", daemon=True)
+            self._heartbeat.start()
+        return True
+
+    def _find_machines(self) -> None:
+        """Which ranks share this rank's memory folder (its machine): each rank leaves a mark, then reads the
+        others'. Collective."""
+        store_for(self.run).make_folder(join(self.run, MEMBERS))
+        store_for(self.run).put(join(self.run, MEMBERS, str(dist.rank())), self.job.encode())
+        dist.barrier()
+        sharing = [r for r in range(dist.world_size()) if _read(join(self.run, MEMBERS, str(r))) == self.job]
+        pids = dist.all_gather_object(os.getpid())
+        self.node, self.local_pids = min(sharing), tuple(pids[r] for r in sharing)
+        self.nodes = tuple(sorted(set(dist.all_gather_object(self.node))))
+        dist.barrier()
+        remove(join(self.run, MEMBERS, str(dist.rank())))
+
+    def _write_lease(self, ended: bool) -> None:
+        write_record(join(self.run, LEASE_FILE), {"job": self.job, "pids": list(self.local_pids), "ended": ended})
+
+    def _ensure_persister(self) -> None:
+        if is_locked(join(self.run, LOCK_FILE)):
+            return  # a persister serves this run already (a restarted job): it reads the new lease
+        with open_log(join(self.run, LOG_FILE)) as log:
+            self._process = subprocess.Popen([sys.executable, "-m", "hf_unified_ckpt.flash.persister", self.run],
+                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True, close_fds=True)
+        deadline = time.monotonic() + 30
+        while not is_locked(join(self.run, LOCK_FILE)) and self._process.poll() is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+
+    def _beat(self) -> None:
+        interval = max(0.5, min(5.0, self.options.lease_timeout / 4))
+        while not self._stop.wait(interval):
+            touch(join(self.run, LEASE_FILE))
+
+    def fits(self, checkpoint_bytes: int) -> bool:
+        """Whether every machine's memory holds its share of a checkpoint of `checkpoint_bytes` and the snapshot of
+        it; if one does not, saves go to durable storage from now on (said once, with the numbers). Collective."""
+        share = checkpoint_bytes * len(self.local_pids) // max(1, dist.world_size())
+        room = memory_room(self.options.memory_dir) if self.is_machine_leader else {}
+        limit = min([v for v in room.values() if v is not None], default=None)
+        short = dist.all_gather_object((self.node, 2 * share, room) if limit is not None and limit < 2 * share
+                                       else None)
+        short = [s for s in short if s is not None]
+        if short:
+            self.active = False
+            if dist.rank() == 0:
+                node, needed, room = short[0]
+                logger.warning("flash: the memory of the machine of rank %d cannot hold a checkpoint and its snapshot "
+                               "(%s needed; %s). Saves go to durable storage (%s) as without flash.", node,
+                               _gb(needed), ", ".join(f"{k} {_gb(v)}" for k, v in room.items() if v is not None),
+                               self.durable_root)
+        return self.active
+
+    # ---- saves ---------------------------------------------------------------------------------------------------
+    def final_dir(self, step: int) -> str:
+        return join(self.root, checkpoint_name(step))
+
+    def after_commit(self, step: int, durable_final: str, best: str | None, save_total_limit: int | None) -> None:
+        """On each machine's lowest rank, once the memory save committed: the save's record for the persister (made
+        durable every `persist_every`-th save), then eviction. Local."""
+        self.saves += 1
+        protect = (join(self.durable_root, name_of(best)),) if best else ()
+        info = SaveInfo(step, self.saves % self.options.persist_every == 0, durable_final, self.node, self.nodes,
+                        save_total_limit, protect)
+        write_record(join(self.run, SAVES, f"{checkpoint_name(step)}.json"), info.to_bytes())
+        self.evict(best)
+
+    def evict(self, best: str | None) -> list[int]:
+        """Remove memory checkpoints beyond the newest `keep`, except the best and those not durable yet. Local."""
+        committed = [step for step, path in list_checkpoints(self.root) if detect_layout(path).committed]
+        best_name = name_of(best) if best else None
+        evicted = []
+        for step in committed[:-self.options.keep]:
+            name = checkpoint_name(step)
+            info = save_info(self.run, step)
+            pending = info is not None and info.persist and not is_file(join(self.run, DURABLE, name))
+            if name == best_name or pending or is_file(join(self.run, FAILED, name)):
+                continue
+            store_for(self.root).retire(join(self.root, name), COMMIT_FILE)
+            for record in (join(self.run, SAVES, f"{name}.json"), join(self.run, DURABLE, name)):
+                remove(record)
+            evicted.append(step)
+        return evicted
+
+    # ---- the end -------------------------------------------------------------------------------------------------
+    def finish(self, steps: list[int]) -> None:
+        """Training ended: the memory checkpoints of `steps` (the last, the best) are made durable and waited for;
+        then the lease ends and the persister frees the memory and exits. Collective."""
+        if self.is_machine_leader:
+            waiting = [s for s in steps if self._request(s)]
+            self._wait_durable(waiting)
+        dist.barrier()
+        self.close(ended=True)
+
+    def _request(self, step: int) -> bool:
+        info = save_info(self.run, step)
+        if info is None:
+            return False
+        if not info.persist:
+            write_record(join(self.run, SAVES, f"{checkpoint_name(step)}.json"),
+                         SaveInfo(**{**info.__dict__, "persist": True}).to_bytes())
+        return True
+
+    def _wait_durable(self, steps: list[int]) -> None:
+        started = reported = time.monotonic()
+        while True:
+            left = [s for s in steps if not is_file(join(self.run, DURABLE, checkpoint_name(s)))
+                    and not is_file(join(self.run, FAILED, checkpoint_name(s)))]
+            if not left:
+                break
+            if not is_locked(join(self.run, LOCK_FILE)):
+                self._ensure_persister()  # the persister died (killed): a new one takes over
+            if time.monotonic() - reported > REPORT_EVERY:
+                reported = time.monotonic()
+                logger.info("flash: waiting for %s to be made durable (%.0f s).", left, reported - started)
+            time.sleep(0.1)
+        for s in steps:
+            failed = join(self.run, FAILED, checkpoint_name(s))
+            if is_file(failed):
+                logger.error("flash: checkpoint-%d could not be made durable (%s); its memory copy stays at %s.", s,
+                             _read(failed), join(self.root, checkpoint_name(s)))
+
+    def close(self, ended: bool = False) -> None:
+        """Stop the heartbeat; with `ended`, end the lease and wait (up to a minute) for the persister to exit.
+        Local."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        if not (ended and self.is_machine_leader):
+            return
+        self._write_lease(ended=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and is_locked(join(self.run, LOCK_FILE)):
+            time.sleep(0.05)
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("flash: the persister (pid %d) is still running after training ended; see %s.",
+                               self._process.pid, join(self.run, LOG_FILE))
+
+
+def checkpoint_bytes(engine, include_optimizer: bool = True) -> int:
+    """The bytes of one checkpoint of `engine`'s state, from the shapes and dtypes it would save (an estimate: a
+    codec makes the optimizer's smaller)."""
+    from ..format.components import Role
+
+    return sum(spec.nbytes for c in engine.components() if include_optimizer or c.role is not Role.OPTIMIZER
+               for spec in engine.specs(c.name))
+
+
+def _read(ref: str) -> str | None:
+    try:
+        return read_bytes(ref).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
