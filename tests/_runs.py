@@ -400,6 +400,9 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("die_mid_write"):
         with die_mid_write(*run["die_mid_write"]):
             return run_spec({k: v for k, v in run.items() if k != "die_mid_write"}, world_size)
+    if run.get("memory_full_from"):
+        with memory_full_from(run["memory_full_from"]):
+            return run_spec({k: v for k, v in run.items() if k != "memory_full_from"}, world_size)
     overrides = dict(run.get("overrides", {}))
     model = run.get("model", "llama")
     if run.get("zero"):
@@ -430,6 +433,8 @@ def run_spec(run: dict, world_size: int) -> dict:
         at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None
         every = RecordWeights(trainer) if run.get("record_weights") else None
         scaler = RecordLossScaler(trainer) if run.get("fp16") else None
+        if run.get("stop_after_save"):
+            trainer.add_callback(StopAfterSave(trainer, *run["stop_after_save"]))
         trainer.train(resume_from_checkpoint=run.get("resume"))
     if shim:
         assert_sharded(trainer)
@@ -439,7 +444,9 @@ def run_spec(run: dict, world_size: int) -> dict:
         assert_autotp(trainer, run["autotp"])
     if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
         trainer.save_model(run["save_model"])
+    resumed = getattr(trainer, "_uc_resume", None)
     return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {}),
+            "resumed_from": resumed.layout.path if resumed is not None else None,
             **(scaler.result() if scaler else {}),
             **({"weights": every.record} if every else {})}
 
@@ -605,6 +612,62 @@ def die_at_commit(when: str, nth: int):
         yield
     finally:
         save_module.commit = original
+
+
+@contextlib.contextmanager
+def memory_full_from(step: int):
+    """Writes into the memory tier's checkpoints of `step` and later fail with ENOSPC (a full tmpfs), on every
+    rank: what a full `/dev/shm` does, without filling the real one (it is RAM)."""
+    import errno
+    import re
+
+    from hf_unified_ckpt.store.local import LocalStore
+
+    originals = LocalStore.write_whole, LocalStore.write_at
+
+    def full(ref) -> bool:
+        match = re.search(r"/hf_unified_ckpt/.*checkpoint-(\d+)", str(ref))
+        return match is not None and int(match.group(1)) >= step
+
+    def wrap(original):
+        def write(self, ref, *args, **kwargs):
+            if full(ref):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ref))
+            return original(self, ref, *args, **kwargs)
+        return write
+
+    LocalStore.write_whole, LocalStore.write_at = wrap(originals[0]), wrap(originals[1])
+    try:
+        yield
+    finally:
+        LocalStore.write_whole, LocalStore.write_at = originals
+
+
+class StopAfterSave:
+    """Once the save of `step` has committed (its background write waited for, on every rank), rank 0 writes
+    `marker`, then every rank either holds (sleeps until killed: "hold") or dies as under kill -9 ("exit"; only in
+    the first attempt of a torchrun with --max-restarts, so the restarted workers train on)."""
+
+    def __new__(cls, trainer, step: int, marker: str, mode: str):
+        from transformers import TrainerCallback
+
+        class _Stop(TrainerCallback):
+            def on_save(self, args, state, control, **kwargs):
+                if state.global_step != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+                    return
+                trainer._uc_saver.wait()
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.barrier()
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    with open(marker, "w") as f:
+                        f.write(str(step))
+                if mode == "hold":
+                    time.sleep(3600)
+                os._exit(9)
+
+        return _Stop()
 
 
 @contextlib.contextmanager

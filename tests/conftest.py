@@ -12,14 +12,16 @@ sys.path.insert(0, str(TESTS))
 from _runs import THREADS  # noqa: E402  (every run pins its own threads; launches start with the same count)
 
 
-def torchrun(nproc: int, runs: list[dict], workdir: Path, timeout: int = 900, expect_failure: bool = False):
+def torchrun(nproc: int, runs: list[dict], workdir: Path, timeout: int = 900, expect_failure: bool = False,
+             launcher_args: tuple[str, ...] = (), env: dict | None = None):
     """Launch `nproc` real processes (gloo, CPU) running `runs` in one launch; fail with their output.
-    With `expect_failure`, return the completed process of a launch that must fail."""
+    With `expect_failure`, return the completed process of a launch that must fail; `launcher_args` go to torchrun
+    (e.g. --max-restarts=1), `env` to its environment."""
     spec = workdir / f"spec-{nproc}-{len(list(workdir.glob('spec-*')))}.json"
     spec.write_text(json.dumps({"runs": runs}))
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(TESTS / "dist_worker.py"), str(spec)]
+           *launcher_args, str(TESTS / "dist_worker.py"), str(spec)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if expect_failure:
         assert proc.returncode != 0, "the launch was expected to fail"

@@ -3,10 +3,10 @@ checked against the memory manifest as it is written, and commit with the manife
 `checkpoint-N` is either complete or absent (a persister killed mid-copy leaves a staging folder the next save
 removes, or an uncommitted prefix in object storage that nothing picks).
 
-Several machines: each machine's memory folder holds the small files and its share of the tensor files. The
-machine of rank 0 (the leader) prepares the durable staging folder and leaves a start mark; every other
-machine's persister waits for it, copies its tensor files and leaves a done mark; the leader copies everything it
-holds, waits for every done mark, then writes the manifest and commits. The durable storage must be one that
+Several machines: each machine's memory folder holds the small files rank 0 wrote, its ranks' own small files
+(RNG state) and its share of the tensor files. The machine of rank 0 (the leader) prepares the durable staging
+folder and leaves a start mark; every other machine's persister waits for it, copies what it holds and leaves a
+done mark; the leader copies what it holds, waits for every done mark, then writes the manifest and commits. The durable storage must be one that
 every machine sees (a shared filesystem or a bucket).
 """
 
@@ -52,7 +52,7 @@ def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[
     else:
         _wait_for(lambda: store.size(join(staging, f"{START_MARK}{attempt}")) is not None, timeout, still_wanted,
                   f"the leader's start of {info.durable_final}")
-        mine = [n for n in table if n in here and n.endswith(".safetensors")]
+        mine = [n for n in table if n in here]
     for name in sorted(mine):
         _copy_file(join(memory_ckpt, name), join(staging, name), table[name])
     if not info.leader:
@@ -72,9 +72,18 @@ def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[
 
 
 def _copy_file(src: str, dst: str, record: dict) -> None:
-    """Stream `src` into `dst` durably; its CRC-32, computed as written, must equal the manifest's."""
+    """Copy `src` to `dst` durably; its CRC-32 must equal the manifest's. A file up to `CHUNK` bytes is put
+    atomically (the small files rank 0 wrote are in every machine's folder, and machines may copy them at once), a
+    larger one streamed (a tensor file lies in one machine's folder only)."""
     size = record["size"]
     source = store_for(src)
+    if size <= CHUNK:
+        data = source.read(src)
+        if f"{crc32(data):08x}" != record["crc32"] or len(data) != size:
+            raise CorruptCheckpointError(f"{src} does not match its manifest (CRC-32 {crc32(data):08x}, expected "
+                                         f"{record['crc32']}): the memory copy is damaged; it is not made durable.")
+        store_for(dst).put(dst, data)
+        return
 
     def ranges():
         for offset in range(0, size, CHUNK) if size else [0]:

@@ -95,7 +95,10 @@ class Persister:
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """One round; False once the run's memory is freed (the process then exits)."""
+        """One round; False once the run's memory is freed (the process then exits), or removed by someone else."""
+        if not is_file(join(self.run, RUN_FILE)):
+            logger.warning("%s was removed by another process; exiting.", self.run)
+            return False
         for info in self.pending():
             self.persist(info, still_wanted=lambda: True)
         lease, alive = self.lease()

@@ -30,8 +30,8 @@ from ..checkpoint.layout import detect_layout
 from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, RUN_FILE, SAVES, SaveInfo,
                             checkpoint_name, run_folder, save_info, write_record)
 from ..options import FlashOptions
-from ..store import is_file, join, name_of, read_bytes, remove, store_for
-from ..store.node import is_locked, memory_room, open_log, touch
+from ..store import is_file, join, name_of, parent_of, read_bytes, remove, store_for
+from ..store.node import is_locked, memory_room, open_log, remove_if_empty, touch
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class FlashTier:
         self.run = run_folder(options.memory_dir, durable_root)
         self.root = join(self.run, CHECKPOINTS)
         self.active = True
+        self.started = False
         self.saves = 0
         self.job = uuid.uuid4().hex
         self.node, self.nodes, self.local_pids = 0, (0,), (os.getpid(),)
@@ -66,7 +67,11 @@ class FlashTier:
         records and start or reuse each machine's persister. Returns `active`. Collective."""
         self._find_machines()
         if not self.fits(checkpoint_bytes):
+            if self.is_machine_leader:
+                remove_if_empty(self.run)
+                remove_if_empty(parent_of(self.run))
             return False
+        self.started = True
         if self.is_machine_leader:
             for folder in (CHECKPOINTS, SAVES, DURABLE, FAILED):
                 store_for(self.run).make_folder(join(self.run, folder))
@@ -81,6 +86,7 @@ class FlashTier:
     def _find_machines(self) -> None:
         """Which ranks share this rank's memory folder (its machine): each rank leaves a mark, then reads the
         others'. Collective."""
+        self.job = dist.broadcast_object(self.job)
         store_for(self.run).make_folder(join(self.run, MEMBERS))
         store_for(self.run).put(join(self.run, MEMBERS, str(dist.rank())), self.job.encode())
         dist.barrier()
@@ -88,8 +94,10 @@ class FlashTier:
         pids = dist.all_gather_object(os.getpid())
         self.node, self.local_pids = min(sharing), tuple(pids[r] for r in sharing)
         self.nodes = tuple(sorted(set(dist.all_gather_object(self.node))))
-        dist.barrier()
         remove(join(self.run, MEMBERS, str(dist.rank())))
+        dist.barrier()
+        if self.is_machine_leader:
+            remove(join(self.run, MEMBERS))
 
     def _write_lease(self, ended: bool) -> None:
         write_record(join(self.run, LEASE_FILE), {"job": self.job, "pids": list(self.local_pids), "ended": ended})
@@ -166,6 +174,8 @@ class FlashTier:
     def finish(self, steps: list[int]) -> None:
         """Training ended: the memory checkpoints of `steps` (the last, the best) are made durable and waited for;
         then the lease ends and the persister frees the memory and exits. Collective."""
+        if not self.started:
+            return
         if self.is_machine_leader:
             waiting = [s for s in steps if self._request(s)]
             self._wait_durable(waiting)

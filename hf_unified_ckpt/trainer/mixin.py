@@ -42,7 +42,7 @@ from ..format.components import MASTER, MODEL, OPTIMIZER
 from ..format.lineage import error_half_life, options_for_save, restored_step
 from ..format.optim_state import fit_scheduler_state, group_param_names, match_groups
 from ..legacy import legacy_components
-from ..store import as_ref, is_file, is_folder, join, read_bytes
+from ..store import as_ref, is_file, is_folder, join, name_of, parent_of, read_bytes
 from ..store.capture import torch_bytes
 from .capture import ARGS_FILE, SCHEDULER_FILE, processing_class_files, small_files
 from .engines import engine_of
@@ -312,12 +312,15 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         """Training ended: its last checkpoint and the best are made durable before `train()` returns (waited for),
         then the persister frees the memory. Collective."""
         flash = getattr(self, "_uc_flash", None)
-        if flash is None or not flash.active:
+        if flash is None:
             return
         self._uc_saver.wait()
         best = self.state.best_model_checkpoint
         steps = [s for s in (self._uc_saved_step, self.state.best_global_step if best else None) if s]
-        flash.finish(sorted(set(steps)))
+        flash.finish(sorted(set(steps)) if flash.active else [])
+        if best and same_ref(parent_of(best), flash.root):  # the memory copy is gone: point at the durable one
+            durable = join(flash.durable_root, name_of(best))
+            self.state.best_model_checkpoint = durable if is_folder(durable) else None
 
     def _uc_save_options(self, options):
         """The options of this save: the lineage guard may write it at O0 (lineage.py), said once per run."""

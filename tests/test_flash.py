@@ -1,0 +1,324 @@
+"""The memory tier (`flash`) with real processes: DDP x 2 on gloo, the persister as the separate process it is,
+torchrun launches killed with SIGKILL, torchrun --max-restarts, two machines simulated by two torchruns.
+
+The memory folder is a fresh folder in /dev/shm (a tmpfs, as users have it); these runs hold a few MB there.
+Nothing fills /dev/shm (it is RAM): a full memory folder is an ENOSPC injected into the writes of memory
+checkpoints (`_runs.memory_full_from`). Tolerance when the world size changes: fp32 reduction order, as in
+test_resume_equivalence.py (LOSS_RTOL = STATE_ATOL = 1e-5); the same engine and world size must be bit-exact.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from _runs import assert_loop_options, assert_resumed_matches, loop_spec, run_spec
+from conftest import torchrun, torchrun_machines, torchrun_popen
+from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.load import verify_checkpoint
+from hf_unified_ckpt.flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, RUN_FILE, SAVES,
+                                          SaveInfo, run_folder, run_id, write_record)
+from hf_unified_ckpt.store.node import is_locked, memory_room
+
+LOSS_RTOL = STATE_ATOL = 1e-5
+FLASH = {"unified_checkpoint_config": "flash", "save_steps": 2, "max_steps": 6}
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory):
+    """A memory folder of this module's own in /dev/shm; nothing may be left in it when the module ends."""
+    folder = f"/dev/shm/hf_unified_ckpt-tests-{uuid.uuid4().hex[:8]}"
+    os.makedirs(folder)
+    yield folder
+    subprocess.run(["pkill", "-9", "-f", f"hf_unified_ckpt.flash.persister {folder}"])  # after a failed test only
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _spec(tmp, memory, tag, output=None, **overrides):
+    return {"output_dir": str(output or tmp / tag), "result": str(tmp / f"{tag}.pt"),
+            "overrides": {**FLASH, "unified_checkpoint_memory_dir": memory, **overrides}}
+
+
+def _persisters(run: str) -> list[int]:
+    """Processes whose command line names `run` (its persisters)."""
+    out = subprocess.run(["pgrep", "-f", f"hf_unified_ckpt.flash.persister {run}"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _wait(predicate, timeout=60.0, what=""):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _durable(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.startswith("checkpoint-") and detect_layout(
+        os.path.join(folder, n)).committed)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, memory):
+    """One launch of DDP x 2: a plain flash run (the baseline every resume is compared with), the same with
+    evaluation, load_best_model_at_end, rotation and save_model, and one whose memory folder is full from the
+    save of step 4 on."""
+    tmp = tmp_path_factory.mktemp("flash")
+    specs = [_spec(tmp, memory, "ddp", unified_checkpoint_persist_every=2),
+             loop_spec(_spec(tmp, memory, "loop", unified_checkpoint_persist_every=2), tmp / "loop-model"),
+             {**_spec(tmp, memory, "full"), "memory_full_from": 4}]
+    proc = torchrun(2, specs, tmp)
+    out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False) for s in specs}
+    return tmp, out, proc
+
+
+def test_every_mth_save_and_the_last_are_durable_and_memory_is_freed(runs, memory):
+    tmp, out, _ = runs
+    # saves at 2, 4, 6 in memory; persist_every=2: the 2nd save (step 4), and the last (6) when training ended
+    assert _durable(tmp / "ddp") == ["checkpoint-4", "checkpoint-6"]
+    for name in ("checkpoint-4", "checkpoint-6"):
+        verify_checkpoint(str(tmp / "ddp" / name))
+    final = torch.load(tmp / "ddp.pt", weights_only=False)["state"]
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp / "ddp" / "checkpoint-6").state_dict()
+    assert all(torch.equal(loaded[k], final[k]) for k in loaded)
+    # nothing left in memory nor running once train() returned
+    assert os.listdir(memory) == []
+    assert _persisters(run_folder(memory, str(tmp / "ddp"))) == []
+
+
+def test_best_model_rotation_and_save_model_with_flash(runs):
+    """The best checkpoint lived in memory until the end (never evicted), was loaded from there, and was made
+    durable; rotation in output_dir keeps it and the last."""
+    tmp, out, _ = runs
+    result = out["loop"]
+    assert result["best"] == str(tmp / "loop" / os.path.basename(result["best"]))
+    assert_loop_options(tmp / "loop", result, tmp / "loop-model")
+
+
+def test_a_full_memory_folder_saves_to_durable_storage_instead(runs, memory):
+    """ENOSPC while writing the memory checkpoint of step 4: that save goes to output_dir with the same snapshot,
+    and so do the later ones; said once; the training is the same as the baseline's (nothing lost), bit for bit."""
+    tmp, out, proc = runs
+    assert _durable(tmp / "full") == ["checkpoint-4", "checkpoint-6"]
+    verify_checkpoint(str(tmp / "full" / "checkpoint-4"))
+    assert proc.stderr.count("flash: the memory folder") + proc.stdout.count("flash: the memory folder") == 1
+    assert_resumed_matches(out["full"], out["ddp"], range(1, 7), exact=True, loss_rtol=0, state_atol=0)
+    from transformers import AutoModelForCausalLM
+
+    # the durable checkpoint-4 written from the snapshot is the same as the one the persister made of the baseline
+    a = AutoModelForCausalLM.from_pretrained(tmp / "full" / "checkpoint-4").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp / "ddp" / "checkpoint-4").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _kill_launcher_and_workers(launcher: int) -> list[int]:
+    """SIGKILL torchrun and its workers (its children), not their children: the persister outlives them."""
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True,
+                                              text=True).stdout.split()]
+    for pid in [launcher] + workers:
+        os.kill(pid, signal.SIGKILL)
+    return workers
+
+
+def test_killed_job_resumes_from_memory_on_another_world_size_and_the_persister_makes_it_durable(runs, memory,
+                                                                                                tmp_path):
+    """kill -9 of torchrun and both workers right after the save of step 4 committed in memory (persist_every is
+    large: nothing was durable yet): the persister, alive, makes checkpoint-4 durable; a new job on one process
+    resumes from memory (memory wins the tie), trains on to the baseline's result, and ends with nothing left."""
+    _, out, _ = runs
+    marker = tmp_path / "saved-4"
+    spec = {**_spec(tmp_path, memory, "killed", unified_checkpoint_persist_every=100),
+            "stop_after_save": [4, str(marker), "hold"]}
+    proc = torchrun_popen(2, [spec], tmp_path)
+    try:
+        _wait(marker.exists, 300, "the save of step 4")
+    finally:
+        workers = _kill_launcher_and_workers(proc.pid)
+    assert len(workers) >= 2
+    run = run_folder(memory, str(tmp_path / "killed"))
+    assert len(_persisters(run)) == 1, "the persister must outlive the trainer"
+    _wait(lambda: (tmp_path / "killed" / "checkpoint-4" / "unified_checkpoint.json").exists(), 60,
+          "the persister to make checkpoint-4 durable")
+    verify_checkpoint(str(tmp_path / "killed" / "checkpoint-4"))
+    assert os.path.isdir(os.path.join(run, CHECKPOINTS, "checkpoint-4")), "memory is kept for a restart"
+    resumed = run_spec({**_spec(tmp_path, memory, "killed", unified_checkpoint_persist_every=100),
+                        "resume": True}, 1)
+    assert resumed["resumed_from"] == os.path.join(run, CHECKPOINTS, "checkpoint-4")
+    assert_resumed_matches(resumed, out["ddp"], [5, 6], exact=False, loss_rtol=LOSS_RTOL, state_atol=STATE_ATOL)
+    assert _durable(tmp_path / "killed") == ["checkpoint-4", "checkpoint-6"]
+    assert not os.path.exists(run) and _persisters(run) == []
+
+
+def test_torchrun_max_restarts_resumes_from_memory(runs, memory, tmp_path):
+    """torchrun --max-restarts=1: both workers die (as under kill -9) right after the save of step 4 committed in
+    memory; the restarted workers resume from memory (resume_from_checkpoint='auto') with the same persister, at
+    the same world size, bit for bit; the persister made checkpoint-4 durable when the first workers died."""
+    _, out, _ = runs
+    spec = {**_spec(tmp_path, memory, "restarted", unified_checkpoint_persist_every=100), "resume": "auto",
+            "stop_after_save": [4, str(tmp_path / "saved-4"), "exit"]}
+    # pytorch#135712: workers sharing torchrun's rendezvous store may read the killed attempt's addresses when they
+    # restart (gloo "Connection refused" at init); the README tells users of --max-restarts to set this
+    torchrun(2, [spec], tmp_path, launcher_args=("--max-restarts=1",), env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    result = torch.load(tmp_path / "restarted.pt", weights_only=False)
+    run = run_folder(memory, str(tmp_path / "restarted"))
+    assert (tmp_path / "saved-4").exists()
+    assert result["resumed_from"] == os.path.join(run, CHECKPOINTS, "checkpoint-4")
+    assert_resumed_matches(result, out["ddp"], [5, 6], exact=True, loss_rtol=0, state_atol=0)
+    assert _durable(tmp_path / "restarted") == ["checkpoint-4", "checkpoint-6"]
+    assert not os.path.exists(run) and _persisters(run) == []
+
+
+def test_two_machines_each_persist_their_share(memory, tmp_path):
+    """Two machines (two torchruns, one process each) with memory folders of their own and one durable folder:
+    each machine's memory holds its share; each persister copies its machine's files, the leader writes the
+    manifest once both are there."""
+    def spec(k, tag, **extra):
+        return {**_spec(tmp_path, f"{memory}/machine{k}", f"{tag}-m{k}", output=tmp_path / tag,
+                        unified_checkpoint_persist_every=1, unified_checkpoint_memory_keep=3), **extra}
+
+    for k in (0, 1):
+        os.makedirs(f"{memory}/machine{k}", exist_ok=True)
+    torchrun_machines([(1, [spec(0, "two")]), (1, [spec(1, "two")])], tmp_path)
+    result = torch.load(tmp_path / "two-m0.pt", weights_only=False)
+    assert _durable(tmp_path / "two") == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    for name in _durable(tmp_path / "two"):
+        verify_checkpoint(str(tmp_path / "two" / name))
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "checkpoint-6").state_dict()
+    assert all(torch.equal(loaded[k], result["state"][k]) for k in loaded)
+    for k in (0, 1):
+        assert os.listdir(f"{memory}/machine{k}") == []
+
+
+# ---- the persister on its own ----------------------------------------------------------------------------------
+@pytest.fixture
+def staged_run(runs, memory, tmp_path):
+    """A run's memory folder as a trainer leaves it after a kill: one committed memory checkpoint (a copy of the
+    baseline's durable checkpoint-6) whose SaveInfo asks for it to be made durable, and a lease of a dead
+    process (lease timeout 1 s)."""
+    tmp, _, _ = runs
+    durable_root = str(tmp_path / "durable")
+    run = run_folder(memory, durable_root)
+    shutil.copytree(tmp / "ddp" / "checkpoint-6", os.path.join(run, CHECKPOINTS, "checkpoint-6"))
+    for folder in (SAVES, DURABLE, FAILED):
+        os.makedirs(os.path.join(run, folder), exist_ok=True)
+    write_record(os.path.join(run, RUN_FILE), {"durable_root": durable_root, "lease_timeout": 1.0})
+    write_record(os.path.join(run, LEASE_FILE), {"job": "x", "pids": [_dead_pid()], "ended": False})
+    info = SaveInfo(6, True, os.path.join(durable_root, "checkpoint-6"))
+    write_record(os.path.join(run, SAVES, "checkpoint-6.json"), info.to_bytes())
+    return run, durable_root
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _persister(run, slow: float = 0.0) -> subprocess.Popen:
+    """A real persister process; with `slow`, each file's copy starts `slow` seconds late (a window to kill it
+    mid-copy)."""
+    code = ("import sys, time\nimport hf_unified_ckpt.flash.copy as c\noriginal = c._copy_file\n"
+            f"c._copy_file = lambda *a: (time.sleep({slow}), original(*a))[1]\n"
+            "from hf_unified_ckpt.flash.persister import main\nsys.exit(main(sys.argv[1:]))")
+    return subprocess.Popen([sys.executable, "-c", code, run], start_new_session=True)
+
+
+def test_persister_killed_mid_copy_leaves_no_torn_checkpoint_and_the_next_completes_it(staged_run):
+    run, durable_root = staged_run
+    staging = os.path.join(durable_root, ".checkpoint-6.incomplete")
+    first = _persister(run, slow=0.3)
+    _wait(lambda: os.path.isdir(staging) and any(n.endswith(".safetensors") for n in os.listdir(staging)), 60,
+          "the first copied file")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert not os.path.exists(os.path.join(durable_root, "checkpoint-6")), "a torn durable checkpoint"
+    assert not is_locked(os.path.join(run, LOCK_FILE)), "the kernel releases a dead persister's lock"
+    second = _persister(run)
+    assert second.wait(timeout=60) == 0
+    verify_checkpoint(os.path.join(durable_root, "checkpoint-6"))
+    assert not os.path.exists(os.path.join(durable_root, ".checkpoint-6.incomplete"))
+    assert not os.path.exists(run), "the trainer stayed gone for the lease: the memory is freed"
+
+
+def test_a_damaged_memory_copy_is_never_made_durable_and_its_memory_is_kept(staged_run):
+    run, durable_root = staged_run
+    ckpt = os.path.join(run, CHECKPOINTS, "checkpoint-6")
+    victim = sorted(n for n in os.listdir(ckpt) if n.startswith("optimizer") and n.endswith(".safetensors"))[0]
+    with open(os.path.join(ckpt, victim), "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert _persister(run).wait(timeout=60) == 0
+    assert not os.path.exists(os.path.join(durable_root, "checkpoint-6"))
+    failed = open(os.path.join(run, FAILED, "checkpoint-6")).read()
+    assert victim in failed and "CRC-32" in failed
+    assert os.path.isdir(ckpt), "the only copy stays in memory"
+    shutil.rmtree(run)
+
+
+def test_a_second_persister_of_a_run_exits_at_once(staged_run):
+    run, _ = staged_run
+    first = _persister(run, slow=5)
+    _wait(lambda: is_locked(os.path.join(run, LOCK_FILE)), 30, "the first persister's lock")
+    second = _persister(run)
+    assert second.wait(timeout=30) == 0
+    assert first.poll() is None
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    shutil.rmtree(run)
+
+
+# ---- before the first step -------------------------------------------------------------------------------------
+def test_memory_too_small_for_a_snapshot_falls_back_to_durable_saves_said_with_the_numbers(memory, tmp_path,
+                                                                                            caplog):
+    from hf_unified_ckpt.options import FlashOptions
+    from hf_unified_ckpt.trainer.flash import FlashTier
+
+    room = memory_room(memory)
+    assert room["MemAvailable"] > 0 and room["free in folder"] > 0
+    tier = FlashTier(FlashOptions(True, memory), str(tmp_path / "durable"))
+    with caplog.at_level("WARNING"):
+        assert not tier.start(10**15)  # a PB checkpoint
+    assert "MemAvailable" in caplog.text and "Saves go to durable storage" in caplog.text
+    assert not os.path.exists(tier.run), "nothing is left in memory by a tier that never started"
+    tier = FlashTier(FlashOptions(True, memory), str(tmp_path / "durable"))
+    assert tier.start(10**6) and tier.active
+    tier.close(ended=True)
+    _wait(lambda: not os.path.exists(tier.run), 30, "the persister to free the memory")
+
+
+def test_two_runs_never_share_memory(tmp_path):
+    a, b = run_id(str(tmp_path / "a" / "out")), run_id(str(tmp_path / "b" / "out"))
+    assert a != b and a.startswith("out-") and b.startswith("out-")
+    assert run_id("s3://bucket/run1") != run_id("s3://bucket/run2")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("unified_checkpoint_memory_dir", "s3://b/x", "node-local folder"),
+    ("unified_checkpoint_persist_every", 0, "whole number >= 1"),
+    ("unified_checkpoint_memory_keep", 1.5, "whole number >= 1"),
+    ("unified_checkpoint_memory_lease", 0, "seconds > 0"),
+])
+def test_bad_memory_tier_fields_are_refused_when_the_arguments_are_built(field, value, message, tmp_path):
+    from hf_unified_ckpt import UnifiedCheckpointArguments
+
+    with pytest.raises(ValueError, match=message):
+        UnifiedCheckpointArguments(output_dir=str(tmp_path), use_cpu=True, unified_checkpoint=True,
+                                   unified_checkpoint_config="flash", **{field: value})
+
+
+def test_nothing_is_left_in_the_memory_folder(runs, memory):
+    """Runs last in this module: every run that ended normally, or was resumed and ended, freed its memory."""
+    left = [os.path.join(d, n) for d, _, names in os.walk(memory) for n in names]
+    assert left == [], left
+
