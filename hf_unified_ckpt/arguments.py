@@ -112,7 +112,7 @@ class UnifiedCheckpointFields:
             preemption=parse_preemption(self.save_on_preemption, self.preemption_signals,
                                         self.preemption_grace_period, self.slurm_requeue),
             storage=self.unified_checkpoint_storage,
-            flash=parse_flash(True, self.unified_checkpoint_memory_dir, self.unified_checkpoint_persist_every,
+            flash=parse_flash(self.unified_checkpoint_memory_dir, self.unified_checkpoint_persist_every,
                               self.unified_checkpoint_memory_keep, self.unified_checkpoint_memory_lease),
         )
 

@@ -92,9 +92,10 @@ class FlashOptions:
     lease_timeout: float = DEFAULT_LEASE_TIMEOUT
 
 
-def parse_flash(enabled: bool, memory_dir: str = DEFAULT_MEMORY_DIR, persist_every: int = DEFAULT_PERSIST_EVERY,
+def parse_flash(memory_dir: str = DEFAULT_MEMORY_DIR, persist_every: int = DEFAULT_PERSIST_EVERY,
                 keep: int = DEFAULT_MEMORY_KEEP, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> FlashOptions:
-    """The memory-tier fields parsed and checked (checked whether or not `flash` is on)."""
+    """The memory-tier fields parsed and checked, whether or not `flash` is on (`parse_options` sets `enabled`
+    from the word)."""
     from .store import scheme_of
 
     memory_dir = str(memory_dir or DEFAULT_MEMORY_DIR)
@@ -108,8 +109,7 @@ def parse_flash(enabled: bool, memory_dir: str = DEFAULT_MEMORY_DIR, persist_eve
     if not float(lease_timeout) > 0:
         raise ValueError(f"unified_checkpoint_memory_lease={lease_timeout!r}: expected seconds > 0 (how long the "
                          "persister waits for a silent trainer, and keeps its memory for a restart).")
-    return FlashOptions(bool(enabled), os.path.abspath(memory_dir), int(persist_every), int(keep),
-                        float(lease_timeout))
+    return FlashOptions(False, os.path.abspath(memory_dir), int(persist_every), int(keep), float(lease_timeout))
 
 
 def parse_signals(value: str | list[str] | tuple) -> tuple[int, ...]:

@@ -278,6 +278,28 @@ def test_a_second_persister_of_a_run_exits_at_once(staged_run):
     shutil.rmtree(run)
 
 
+def test_memory_keeps_the_newest_k_and_never_evicts_one_not_durable_yet_nor_the_best(runs, memory, tmp_path):
+    from hf_unified_ckpt.options import FlashOptions
+    from hf_unified_ckpt.trainer.flash import FlashTier
+
+    tmp, _, _ = runs
+    tier = FlashTier(FlashOptions(True, memory, keep=2), str(tmp_path / "durable"))
+    for step in (2, 4, 6, 8):
+        shutil.copytree(tmp / "ddp" / "checkpoint-6", os.path.join(tier.root, f"checkpoint-{step}"))
+    for folder in (SAVES, DURABLE):
+        os.makedirs(os.path.join(tier.run, folder))
+    for step, persist in ((2, True), (4, True), (6, False), (8, False)):
+        info = SaveInfo(step, persist, str(tmp_path / "durable" / f"checkpoint-{step}"))
+        write_record(os.path.join(tier.run, SAVES, f"checkpoint-{step}.json"), info.to_bytes())
+    write_record(os.path.join(tier.run, DURABLE, "checkpoint-2"), b"durable")
+    assert tier.evict(best=os.path.join(tier.root, "checkpoint-2")) == []  # 2: the best; 4: not durable yet
+    assert tier.evict(best=None) == [2]
+    write_record(os.path.join(tier.run, DURABLE, "checkpoint-4"), b"durable")
+    assert tier.evict(best=None) == [4]
+    assert sorted(os.listdir(tier.root)) == ["checkpoint-6", "checkpoint-8"]
+    shutil.rmtree(tier.run)
+
+
 # ---- before the first step -------------------------------------------------------------------------------------
 def test_memory_too_small_for_a_snapshot_falls_back_to_durable_saves_said_with_the_numbers(memory, tmp_path,
                                                                                             caplog):

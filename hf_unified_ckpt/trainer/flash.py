@@ -27,11 +27,12 @@ import uuid
 from .. import dist
 from ..checkpoint.commit import COMMIT_FILE, list_checkpoints
 from ..checkpoint.layout import detect_layout
-from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, RUN_FILE, SAVES, SaveInfo,
-                            checkpoint_name, run_folder, save_info, write_record)
+from ..format.components import Role
+from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE, SAVES,
+                            SaveInfo, checkpoint_name, run_folder, save_info, write_record)
 from ..options import FlashOptions
 from ..store import is_file, join, name_of, parent_of, read_bytes, remove, store_for
-from ..store.node import is_locked, memory_room, open_log, remove_if_empty, touch
+from ..store.node import is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
 
 logger = logging.getLogger(__name__)
 
@@ -212,30 +213,31 @@ class FlashTier:
 
     def close(self, ended: bool = False) -> None:
         """Stop the heartbeat; with `ended`, end the lease and wait (up to a minute) for the persister to exit.
-        Local."""
+        Local. The tier takes no save after this (a save after `train()` goes to durable storage)."""
+        self.active = False
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
         if not (ended and self.is_machine_leader):
             return
+        pid = _read(join(self.run, PID_FILE))
         self._write_lease(ended=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and is_locked(join(self.run, LOCK_FILE)):
-            time.sleep(0.05)
         if self._process is not None:
             try:
-                self._process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                self._process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 logger.warning("flash: the persister (pid %d) is still running after training ended; see %s.",
                                self._process.pid, join(self.run, LOG_FILE))
+            return
+        deadline = time.monotonic() + 60  # a persister an earlier job started (not this process's child)
+        while pid and pid.isdigit() and pid_alive(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def checkpoint_bytes(engine, include_optimizer: bool = True) -> int:
     """The bytes of one checkpoint of `engine`'s state, from the shapes and dtypes it would save (an estimate: a
     codec makes the optimizer's smaller)."""
-    from ..format.components import Role
-
     return sum(spec.nbytes for c in engine.components() if include_optimizer or c.role is not Role.OPTIMIZER
                for spec in engine.specs(c.name))
 
