@@ -17,8 +17,8 @@ contenders, and each time is the slowest rank's, started after a barrier (and an
 printed with the absolute figures beside every ratio:
 
 (1) blocked time per flash save / memcpy of the rank's bytes              target <= 1.5
-    A trainer trained one step; then a flash tier is opened by hand on it (`FlashTier(...).start(...)`, what
-    `train()` does before its first step: the persister is started and the lease's heartbeat runs) and saves are
+    A trainer trained one step; then a flash tier is opened by hand on it (`FlashTier(...).open()` and `.start(...)`,
+    what `train()` does before its first step: the persister is started and the lease's heartbeat runs) and saves are
     made with `trainer._save_checkpoint(trainer.model, None)` at increasing `global_step`s. Blocked = that call +
     `trainer._uc_saver.wait_for_snapshot()` (the snapshot copy into the reused host buffers, which the next optimizer
     step waits for), per rank after a barrier, slowest rank. Memcpy = one `torch.Tensor.copy_` of
@@ -146,6 +146,7 @@ def open_flash(trainer):
 
     flash = FlashTier(trainer.args.unified_checkpoint_options.flash, checkpoint_root(trainer))
     trainer._uc_flash = flash
+    flash.open()
     if not flash.start(checkpoint_bytes(trainer._uc_engine(), include_optimizer=not trainer.args.save_only_model)):
         raise SystemExit("flash: the memory folder cannot hold a checkpoint (see the warning above); nothing to "
                          "measure.")

@@ -198,6 +198,18 @@ def test_two_machines_each_persist_their_share(memory, tmp_path):
         assert os.listdir(f"{memory}/machine{k}") == []
 
 
+def test_the_persister_writes_through_the_bucket_store(s3_bucket, memory, tmp_path):
+    """With unified_checkpoint_storage (a real S3 server), the persister process makes the memory checkpoints
+    durable in the bucket, through the same store: complete and verified there."""
+    from hf_unified_ckpt.store import join
+
+    run_spec(_spec(tmp_path, memory, "s3", unified_checkpoint_storage=s3_bucket, unified_checkpoint_persist_every=1,
+                   max_steps=4), 1)
+    for step in (2, 4):
+        verify_checkpoint(join(s3_bucket, f"checkpoint-{step}"))
+    assert not os.listdir(memory) and not os.path.exists(tmp_path / "s3" / "checkpoint-2")
+
+
 # ---- the persister on its own ----------------------------------------------------------------------------------
 @pytest.fixture
 def staged_run(runs, memory, tmp_path):
@@ -309,11 +321,13 @@ def test_memory_too_small_for_a_snapshot_falls_back_to_durable_saves_said_with_t
     room = memory_room(memory)
     assert room["MemAvailable"] > 0 and room["free in folder"] > 0
     tier = FlashTier(FlashOptions(True, memory), str(tmp_path / "durable"))
+    tier.open()
     with caplog.at_level("WARNING"):
         assert not tier.start(10**15)  # a PB checkpoint
     assert "MemAvailable" in caplog.text and "Saves go to durable storage" in caplog.text
     assert not os.path.exists(tier.run), "nothing is left in memory by a tier that never started"
     tier = FlashTier(FlashOptions(True, memory), str(tmp_path / "durable"))
+    tier.open()
     assert tier.start(10**6) and tier.active
     tier.close(ended=True)
     _wait(lambda: not os.path.exists(tier.run), 30, "the persister to free the memory")

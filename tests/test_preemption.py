@@ -111,6 +111,9 @@ PHASES = {  # tag: (run fields, expected step (None: any from the first save), s
     "async_save": ({"phase": "async_save", "signal_ranks": [0],
                     "overrides": {"unified_checkpoint_config": "async_save"}}, None, True),
     # SIGUSR1 (SLURM's --signal) then SIGTERM, on rank 0 during the evaluation of step 4
+    # the memory tier: the preemption save goes to durable storage, not to memory
+    "flash": ({"phase": "mid_step", "at": 4, "signal_ranks": [1], "overrides": {"unified_checkpoint_config": "flash"}},
+              4, True),
     "eval": ({"phase": "eval", "signals": ["SIGUSR1", "SIGTERM"], "signal_ranks": [0], "eval": True,
               "overrides": {"eval_strategy": "steps", "eval_steps": 4, "preemption_signals": "SIGTERM,SIGUSR1"}},
              4, True),
@@ -188,6 +191,17 @@ def test_nothing_of_the_plugin_outlives_train(caught, tag):
     ended and the signal handlers are the ones found before."""
     left = result(caught, tag)["left"]
     assert left == {"plugin_groups": 0, "new_groups": 0, "threads": [], "handlers_restored": True}, left
+
+
+def test_a_preempted_flash_run_leaves_nothing_in_memory(caught):
+    """The memory tier's run ends with the preemption (its save went to durable storage): the persister freed the
+    memory of both the preempted run and its resume, and exited."""
+    from hf_unified_ckpt.flash.layout import run_folder
+
+    run = run_folder("/dev/shm", str(caught / "flash"))
+    assert not os.path.exists(run)
+    out = subprocess.run(["pgrep", "-f", f"hf_unified_ckpt.flash.persister {run}"], capture_output=True, text=True)
+    assert out.stdout.split() == []
 
 
 @pytest.fixture(scope="module")

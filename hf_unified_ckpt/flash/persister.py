@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("Another persister serves %s; exiting.", run)
         return 0
     put_bytes(join(run, PID_FILE), str(os.getpid()).encode())
+    try:  # the copies take idle CPU cycles, not training's (the trainer waits for them only at its end)
+        os.nice(19)
+    except OSError:
+        pass
     persister = Persister(run)
     logger.info("Serving %s (durable: %s).", run, persister.durable_root)
     try:

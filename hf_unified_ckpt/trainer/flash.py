@@ -2,9 +2,9 @@
 training's end waits for. The persister itself is `flash/persister.py`; the records both sides read are
 `flash/layout.py`.
 
-- `start` (before the first step): finds which ranks share a memory folder (one per machine), writes the run's
-  record and the lease, starts the machine's persister unless one serves the run already (a restarted job), and
-  keeps the lease's heartbeat in a thread;
+- `open` (when `train()` starts): finds which ranks share a memory folder (one per machine) and takes the lease;
+- `start` (before the first step): writes the run's record, starts the machine's persister unless one serves the
+  run already (a restarted job), and keeps the lease's heartbeat in a thread;
 - `fits` (before the first step): memory must hold one checkpoint's share of this machine and the snapshot of it
   (MemAvailable, the cgroup's room and the folder's free bytes, whichever is least); else saves go to durable
   storage as without `flash`, said once with the numbers;
@@ -63,14 +63,20 @@ class FlashTier:
         return dist.rank() == self.node
 
     # ---- start ---------------------------------------------------------------------------------------------------
-    def start(self, checkpoint_bytes: int) -> bool:
-        """Find the machines; if their memory holds a checkpoint of `checkpoint_bytes` (`fits`), write the run's
-        records and start or reuse each machine's persister. Returns `active`. Collective."""
+    def open(self) -> None:
+        """When `train()` starts, before it looks for a checkpoint to resume: find the machines and take the lease
+        (a persister waiting for a restarted job keeps the memory from then on). Collective."""
         self._find_machines()
+        if self.is_machine_leader:
+            self._write_lease(ended=False)
+
+    def start(self, checkpoint_bytes: int) -> bool:
+        """Before the first step: if every machine's memory holds a checkpoint of `checkpoint_bytes` (`fits`), write
+        the run's records and start or reuse each machine's persister; else give the lease up. Returns `active`.
+        Collective."""
         if not self.fits(checkpoint_bytes):
             if self.is_machine_leader:
-                remove_if_empty(self.run)
-                remove_if_empty(parent_of(self.run))
+                self._give_up()
             return False
         self.started = True
         if self.is_machine_leader:
@@ -99,6 +105,16 @@ class FlashTier:
         dist.barrier()
         if self.is_machine_leader:
             remove(join(self.run, MEMBERS))
+
+    def _give_up(self) -> None:
+        """This run saves to durable storage: a persister serving the run's memory (an earlier job's) finishes and
+        frees it; memory nobody serves is left as it is, an empty run folder removed."""
+        if is_locked(join(self.run, LOCK_FILE)):
+            self._write_lease(ended=True)
+            return
+        remove(join(self.run, LEASE_FILE))
+        remove_if_empty(self.run)
+        remove_if_empty(parent_of(self.run))
 
     def _write_lease(self, ended: bool) -> None:
         write_record(join(self.run, LEASE_FILE), {"job": self.job, "pids": list(self.local_pids), "ended": ended})
@@ -211,9 +227,9 @@ class FlashTier:
                 logger.error("flash: checkpoint-%d could not be made durable (%s); its memory copy stays at %s.", s,
                              _read(failed), join(self.root, checkpoint_name(s)))
 
-    def close(self, ended: bool = False) -> None:
-        """Stop the heartbeat; with `ended`, end the lease and wait (up to a minute) for the persister to exit.
-        Local. The tier takes no save after this (a save after `train()` goes to durable storage)."""
+    def close(self, ended: bool = False, wait: bool = True) -> None:
+        """Stop the heartbeat; with `ended`, end the lease and (with `wait`) wait up to a minute for the persister
+        to exit. Local. The tier takes no save after this (a save after `train()` goes to durable storage)."""
         self.active = False
         self._stop.set()
         if self._heartbeat is not None:
@@ -223,6 +239,8 @@ class FlashTier:
             return
         pid = _read(join(self.run, PID_FILE))
         self._write_lease(ended=True)
+        if not wait:
+            return
         if self._process is not None:
             try:
                 self._process.wait(timeout=60)

@@ -37,7 +37,7 @@ from ..checkpoint.rng import restore_rng_state
 from ..checkpoint.save import SaveRequest, save_checkpoint, save_model_weights
 from ..checkpoint.layout import UNIFIED
 from ..engines.base import LoadSources
-from ..errors import UnsupportedCheckpointError
+from ..errors import TrainingPreempted, UnsupportedCheckpointError
 from ..format.components import MASTER, MODEL, OPTIMIZER
 from ..format.lineage import error_half_life, options_for_save, restored_step
 from ..format.optim_state import fit_scheduler_state, group_param_names, match_groups
@@ -88,6 +88,8 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         self._uc_refuse_unsupported()
         if options.enabled and options.storage is not None:
             check_writable(checkpoint_root(self, trial))
+        if self._uc_flash is not None:
+            self._uc_flash.open()
         path, self._uc_resume = resolve(self, resume_from_checkpoint)
         if self._uc_resume is not None and is_remote(path):  # the Trainer's own code opens its small files by path
             self._uc_alias = LocalAlias(path)
@@ -99,6 +101,10 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             self._uc_after_training(trial)
             self._uc_flash_finish()
             return output
+        except TrainingPreempted:  # its save went to durable storage: the persister ends what is pending and frees
+            if getattr(self, "_uc_flash", None) is not None:  # the memory (a spot VM's RAM goes with the VM anyway)
+                self._uc_flash.close(ended=True, wait=False)
+            raise
         finally:
             self._uc_leave_train()
 
