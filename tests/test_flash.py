@@ -207,7 +207,7 @@ def test_the_persister_writes_through_the_bucket_store(s3_bucket, memory, tmp_pa
                    max_steps=4), 1)
     for step in (2, 4):
         verify_checkpoint(join(s3_bucket, f"checkpoint-{step}"))
-    assert not os.listdir(memory) and not os.path.exists(tmp_path / "s3" / "checkpoint-2")
+    assert not os.path.exists(run_folder(memory, s3_bucket)) and not os.path.exists(tmp_path / "s3" / "checkpoint-2")
 
 
 # ---- the persister on its own ----------------------------------------------------------------------------------
