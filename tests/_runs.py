@@ -434,7 +434,7 @@ def run_spec(run: dict, world_size: int) -> dict:
         every = RecordWeights(trainer) if run.get("record_weights") else None
         scaler = RecordLossScaler(trainer) if run.get("fp16") else None
         if run.get("stop_after_save"):
-            trainer.add_callback(StopAfterSave(trainer, *run["stop_after_save"]))
+            trainer.add_callback(stop_after_save(trainer, *run["stop_after_save"]))
         trainer.train(resume_from_checkpoint=run.get("resume"))
     if shim:
         assert_sharded(trainer)
@@ -643,31 +643,28 @@ def memory_full_from(step: int):
         LocalStore.write_whole, LocalStore.write_at = originals
 
 
-class StopAfterSave:
-    """Once the save of `step` has committed (its background write waited for, on every rank), rank 0 writes
-    `marker`, then every rank either holds (sleeps until killed: "hold") or dies as under kill -9 ("exit"; only in
-    the first attempt of a torchrun with --max-restarts, so the restarted workers train on)."""
+def stop_after_save(trainer, step: int, marker: str, mode: str):
+    """A callback: once the save of `step` has committed (its background write waited for, on every rank), rank 0
+    writes `marker`, then every rank either holds (sleeps until killed: "hold") or dies as under kill -9 ("exit";
+    only in the first attempt of a torchrun with --max-restarts, so the restarted workers train on)."""
+    import torch.distributed as dist
+    from transformers import TrainerCallback
 
-    def __new__(cls, trainer, step: int, marker: str, mode: str):
-        from transformers import TrainerCallback
+    class StopAfterSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+                return
+            trainer._uc_saver.wait()
+            if dist.is_initialized():
+                dist.barrier()
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                with open(marker, "w") as f:
+                    f.write(str(step))
+            if mode == "hold":
+                time.sleep(3600)
+            os._exit(9)
 
-        class _Stop(TrainerCallback):
-            def on_save(self, args, state, control, **kwargs):
-                if state.global_step != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-                    return
-                trainer._uc_saver.wait()
-                import torch.distributed as dist
-
-                if dist.is_initialized():
-                    dist.barrier()
-                if not dist.is_initialized() or dist.get_rank() == 0:
-                    with open(marker, "w") as f:
-                        f.write(str(step))
-                if mode == "hold":
-                    time.sleep(3600)
-                os._exit(9)
-
-        return _Stop()
+    return StopAfterSave()
 
 
 @contextlib.contextmanager
