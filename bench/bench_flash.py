@@ -85,7 +85,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_save import SIZES, cpu_cores, folder_bytes, max_over_ranks, settle  # noqa: E402
+from bench_save import SIZES, bench_model, cpu_cores, folder_bytes, max_over_ranks, settle  # noqa: E402
 
 #: bench_save.py's sizes, and a tiny one for smoke tests (~4.5M parameters, mostly embeddings).
 FLASH_SIZES = {**SIZES, "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -102,19 +102,11 @@ def build_ddp_trainer(out: Path, world: int, size: str, memory_dir: str, flash: 
                       save_steps: int | None = None, persist_every: int = 4, keep: int = 2):
     """A plain Trainer (DDP on gloo when world > 1; fp32; AdamW) on bench_save.py's Llama, with unified
     checkpoints attached; `flash` adds the memory tier. `trainer._bench_params` is the parameter count."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+    from transformers import Trainer
 
     import hf_unified_ckpt
 
-    torch.manual_seed(0)
-    shape = FLASH_SIZES[size]
-    config = LlamaConfig(vocab_size=16000, **shape, num_key_value_heads=shape["num_attention_heads"],
-                         max_position_embeddings=64, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    params = sum(p.numel() for p in model.parameters())
-    data = torch.randint(0, 16000, (64, 16))
-    dataset = [{"input_ids": x, "labels": x} for x in data]
+    model, params, dataset = bench_model(FLASH_SIZES[size])
     args = hf_unified_ckpt.UnifiedCheckpointArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4 // world,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, optim="adamw_torch",

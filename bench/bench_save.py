@@ -179,6 +179,21 @@ def raw_write(path: Path, nbytes: int, block: bytes | None = None) -> None:
         os.fsync(f.fileno())
 
 
+def bench_model(shape: dict):
+    """The bench Llama of `shape` (vocab 16000, untied embeddings; seeded), its parameter count (taken before any
+    engine partitions it) and 64 random sequences of 16 tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16000, **shape, num_key_value_heads=shape["num_attention_heads"],
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    data = torch.randint(0, 16000, (64, 16))
+    return model, params, [{"input_ids": x, "labels": x} for x in data]
+
+
 def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt_config: str = "",
                   max_steps: int = 1, save_steps: int | None = None, train: bool = True, size: str = "103m"):
     """A Trainer with unified checkpoints attached, on the --size Llama, after `max_steps` steps (`train`).
@@ -186,8 +201,7 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt
     import contextlib
 
     import deepspeed
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+    from transformers import Trainer
 
     import hf_unified_ckpt
 
@@ -195,14 +209,7 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt
     from _runs import fsdp_args, fsdp_on_cpu
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    torch.manual_seed(0)
-    shape = SIZES[size]
-    config = LlamaConfig(vocab_size=16000, **shape, num_key_value_heads=shape["num_attention_heads"],
-                         max_position_embeddings=64, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    params = sum(p.numel() for p in model.parameters())
-    data = torch.randint(0, 16000, (64, 16))
-    dataset = [{"input_ids": x, "labels": x} for x in data]
+    model, params, dataset = bench_model(SIZES[size])
     zero = {"stage": 2} if engine == "zero2" else {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
     ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
                  "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}
