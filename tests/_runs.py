@@ -62,12 +62,44 @@ def build_model(kind: str = "llama", seed: int = 0):
                                             max_position_embeddings=64, tie_word_embeddings=False))
     if kind in TP_LLAMA:  # heads tensor parallelism can split, widths it cannot split evenly
         return LlamaForCausalLM(LlamaConfig(**TP_LLAMA[kind]))
+    if kind in MOE:
+        return _moe_model(kind)
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
 
         base = build_model("llama", seed)
         return get_peft_model(base, LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     raise ValueError(kind)
+
+
+#: Mixture-of-Experts models (transformers 5 fuses their experts at run time; save_pretrained writes them per expert):
+#: hidden and expert widths that are multiples of 4 (the grouped expert kernels need 16-byte strides, DESIGN.md
+#: section 5; hidden 28), 5 experts (3 + 2 rows at 2 ranks; every ZeRO partition boundary cuts an expert), vocab 97. `qwen3_moe_square`: experts of
+#: intermediate size = hidden size (conversions that decide a transposition by comparing shapes; transformers
+#: #47031). `deepseek_v3`: a dense first layer, routed + shared experts, MLA attention, a persistent bias buffer.
+MOE = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        intermediate_size=46, moe_intermediate_size=12, num_experts=5, num_experts_per_tok=2, head_dim=10)),
+    "qwen3_moe_square": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        intermediate_size=46, moe_intermediate_size=32, hidden_size=32, num_experts=5, num_experts_per_tok=2,
+        head_dim=8)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        intermediate_size=12, num_local_experts=5, num_experts_per_tok=2, head_dim=10)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        intermediate_size=46, moe_intermediate_size=12, n_routed_experts=5, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=12,
+        qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=10, rope_interleave=False)),
+}
+
+
+def _moe_model(kind: str):
+    import transformers
+
+    config_cls, model_cls, fields = MOE[kind]
+    base = dict(vocab_size=VOCAB, hidden_size=28, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                max_position_embeddings=64, tie_word_embeddings=False)
+    config = getattr(transformers, config_cls)(**{**base, **fields})
+    return getattr(transformers, model_cls)(config)
 
 
 #: Llamas that transformers' tensor-parallel plan can shard at 2 ranks (it splits attention by heads: 4 heads, 2 KV

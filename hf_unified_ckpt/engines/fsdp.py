@@ -134,6 +134,7 @@ class FSDPEngine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         self.model = model
+        self.module = _unwrap(model)
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
         self.version = 2 if any(type(p).__name__ == "DTensor" for p in model.parameters()) else 1
         self.kind = kind

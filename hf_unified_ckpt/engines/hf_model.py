@@ -55,30 +55,27 @@ def _adapter_map(module: nn.Module) -> dict[str, str]:
     return {name_of[id(t)]: key for key, t in saved.items()}
 
 
-def model_state_for_save(module: nn.Module, naming: NamingPolicy | None = None) -> dict[str, torch.Tensor]:
-    """The tensors `save_pretrained(module)` would write, by the names it would use (references, no copies)."""
+def live_model_state(module: nn.Module, naming: NamingPolicy | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors that are saved, by the names its checkpoints key them before any weight conversion
+    (`engines.conversion`): tied names once, a PEFT model's adapter keys (references, no copies)."""
     if is_peft_model(module):
         from peft import get_peft_model_state_dict
 
         return get_peft_model_state_dict(module)
-    state = (naming or naming_policy(module)).saved(module.state_dict())
-    _refuse_weight_conversions(module, state)
-    return state
+    return (naming or naming_policy(module)).saved(module.state_dict())
 
 
-def _refuse_weight_conversions(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    if not hasattr(module, "all_tied_weights_keys"):  # not a transformers model
-        return
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return
-    reverted = revert_weight_conversion(module, dict(state))
-    if set(reverted) != set(state):
-        raise UnsupportedCheckpointError(
-            f"{type(module).__name__} renames or fuses weights when loaded (transformers weight conversions); "
-            "unified checkpoints do not support such models yet. Set unified_checkpoint=False for this model."
-        )
+def model_state_for_save(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors `save_pretrained(module)` would write, by the names it would use (views where the model's
+    weight conversion allows, else copies)."""
+    from .conversion import weight_conversion
+    from ..format.planning import TensorSpec
+
+    state = live_model_state(module)
+    conversion = weight_conversion(module, [TensorSpec.of(n, t) for n, t in state.items()])
+    if conversion is None:
+        return state
+    return conversion.tensors(state, [saved for live in state for saved in conversion.saved_names(live)])
 
 
 def parameter_names(module: nn.Module, naming: NamingPolicy) -> dict[int, str]:

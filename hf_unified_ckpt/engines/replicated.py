@@ -12,7 +12,7 @@ from torch import nn
 from .. import dist
 from ..format.components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first, missing_and_unexpected
-from .hf_model import is_peft_model, model_state_for_save, naming_policy, parameter_names, model_config_files
+from .hf_model import is_peft_model, live_model_state, naming_policy, parameter_names, model_config_files
 from ..format.optim_state import flatten_optimizer_state, unflatten_optimizer_state
 from ..format.planning import TensorSpec
 from ..checkpoint.safetensors_io import ComponentReader
@@ -27,7 +27,7 @@ class ReplicatedEngine:
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         self.engine = "ddp" if dist.world_size() > 1 else "single"
         self.naming = naming_policy(self.module)
-        self._model_state = model_state_for_save(self.module, self.naming)
+        self._model_state = live_model_state(self.module, self.naming)
         self._names = parameter_names(self.module, self.naming)
         self._optim: tuple[dict, dict] | None = None
         self._sources = {MODEL.name: lambda: self._model_state, OPTIMIZER.name: lambda: self._optimizer_flat()[0]}

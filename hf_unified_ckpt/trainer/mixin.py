@@ -37,6 +37,7 @@ from ..checkpoint.rng import restore_rng_state
 from ..checkpoint.save import SaveRequest, save_checkpoint, save_model_weights
 from ..checkpoint.layout import UNIFIED
 from ..engines.base import LoadSources
+from ..engines.conversion import WithConversion, weight_conversion
 from ..errors import TrainingPreempted, UnsupportedCheckpointError
 from ..format.components import MASTER, MODEL, OPTIMIZER
 from ..format.lineage import error_half_life, options_for_save, restored_step
@@ -345,7 +346,16 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         the EMA is on."""
         engine = engine_of(self).build(self)
         average = getattr(self, "_uc_average", None)
-        return engine if average is None else WithEma(engine, average)
+        engine = engine if average is None else WithEma(engine, average)
+        conversion = self._uc_weight_conversion(engine)
+        return engine if conversion is None else WithConversion(engine, conversion)
+
+    def _uc_weight_conversion(self, engine):
+        """The model's weight conversion (`engines.conversion`: fused Mixture-of-Experts tensors saved per expert,
+        as save_pretrained writes them), worked out once per run; None when it has none."""
+        if not hasattr(self, "_uc_conversion"):
+            self._uc_conversion = weight_conversion(engine.module, engine.specs(MODEL.name))
+        return self._uc_conversion
 
     def _uc_ema_step(self, step: int) -> None:
         """Start folding this rank's weights into the EMA, in the background, when an update is due after

@@ -1,0 +1,174 @@
+"""Models whose run-time tensors are not the ones `save_pretrained` writes (transformers 5 weight conversions:
+Mixture-of-Experts layers fuse their experts into 3-D tensors at load time and `save_pretrained` writes them back
+per expert): the `WeightConversion` worked out from transformers' own rules, and `WithConversion`, the engine
+adapter that saves and loads every component under the saved names.
+
+The rules (`transformers.core_model_loading.revert_weight_conversion` with the model's conversion mapping) work
+on whole tensors. To learn which elements of which live tensor each saved tensor holds, they are run once on index
+tensors (`arange`, one layer at a time so the memory is one layer's converted tensors), and each result is checked
+to be a strided view of one live tensor (`format.conversion.View`); anything else is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedCheckpointError
+from ..format.conversion import View, WeightConversion
+from ..format.planning import TensorSpec
+from .hf_model import is_peft_model
+
+
+def weight_conversion(module: nn.Module, specs: Sequence[TensorSpec]) -> WeightConversion | None:
+    """The conversion between `module`'s live tensors (`specs`: the weights component's specs, live names, full
+    shapes) and what `save_pretrained` writes; None when they are the same. Raises `UnsupportedCheckpointError`
+    naming a saved tensor that is not a rearrangement of one live tensor. Local only (no collective)."""
+    revert = _reverter(module)
+    if revert is None:
+        return None
+    meta = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
+    reverted = revert(dict(meta))
+    by_tensor = {id(t): name for name, t in meta.items()}
+    renamed = {by_tensor[id(t)]: key for key, t in reverted.items() if id(t) in by_tensor}
+    views = {live: (_whole(key, meta[live].shape),) for live, key in renamed.items() if live != key}
+    converted = [name for name in meta if name not in renamed]
+    for group in _layer_groups(converted):
+        views.update(_index_pass(module, revert, {n: tuple(meta[n].shape) for n in group}))
+    if not views:
+        return None
+    return WeightConversion(views, {n: tuple(meta[n].shape) for n in views},
+                            getattr(getattr(module, "config", None), "model_type", "") or "")
+
+
+def _reverter(module: nn.Module):
+    if is_peft_model(module) or not hasattr(module, "all_tied_weights_keys"):
+        return None  # PEFT saves its adapter keys as they are; a plain module has no conversions
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: models hold what they save
+        return None
+    return lambda state: revert_weight_conversion(module, state)
+
+
+def _whole(key: str, shape) -> View:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.insert(0, step)
+        step *= size
+    return View(key, tuple(shape), tuple(stride), 0)
+
+
+def _layer_groups(names: Sequence[str]) -> list[list[str]]:
+    """The converted live names grouped by the numbers in them (one layer's tensors are converted together)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name in names:
+        groups.setdefault(tuple(re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)), []).append(name)
+    return list(groups.values())
+
+
+def _index_pass(module: nn.Module, revert, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[View, ...]]:
+    """Run the reverse conversion on index tensors (live tensor k holds `bases[k] + arange`) and read each saved
+    tensor back as a view of one live tensor."""
+    bases, at = {}, 0
+    for name, shape in shapes.items():
+        bases[name] = at
+        at += max(1, _numel(shape))
+    index = {n: torch.arange(bases[n], bases[n] + _numel(s), dtype=torch.int64).reshape(s) for n, s in shapes.items()}
+    views: dict[str, list[View]] = {n: [] for n in shapes}
+    for key, values in revert(index).items():
+        source, view = _as_view(module, key, values, bases, shapes)
+        views[source].append(view)
+    return {n: tuple(v) for n, v in views.items() if v}
+
+
+def _as_view(module, key: str, values: torch.Tensor, bases: dict[str, int], shapes) -> tuple[str, View]:
+    if values.numel() == 0:
+        raise _refusal(module, key, "it is empty")
+    first = int(values.reshape(-1)[0])
+    source = max((n for n, b in bases.items() if b <= first), key=lambda n: bases[n])
+    local = values - bases[source]
+    stride = tuple(int(local[tuple(1 if d == dim else 0 for d in range(values.dim()))]) - int(local.reshape(-1)[0])
+                   if size > 1 else 0 for dim, size in enumerate(values.shape))
+    view = View(key, tuple(values.shape), stride, int(local.reshape(-1)[0]))
+    inside = bool(((local >= 0) & (local < _numel(shapes[source]))).all())
+    if not inside or not torch.equal(view.positions(), local):
+        raise _refusal(module, key, "its elements are not a slice or transposition of one tensor the model holds")
+    return source, view
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _refusal(module: nn.Module, key: str, why: str) -> UnsupportedCheckpointError:
+    model_type = getattr(getattr(module, "config", None), "model_type", "?")
+    return UnsupportedCheckpointError(
+        f"{type(module).__name__} (model type {model_type!r}) converts its weights when loaded (transformers "
+        f"weight conversions), and the tensor save_pretrained writes as {key!r} cannot be saved from the model's "
+        f"own tensors: {why}. Unified checkpoints support conversions that cut each saved tensor out of one tensor "
+        "of the model (the fused experts of Mixture-of-Experts models). Set unified_checkpoint=False for this model.")
+
+
+class WithConversion:
+    """An engine adapter seen under the names `save_pretrained` writes: every component (weights, master weights,
+    EMA, optimizer state) keyed by the saved names, each rank's pieces of a fused live tensor handed out as pieces of
+    the saved tensors they cover (`WeightConversion.fragments`), and on load every reader seen by live names
+    (`LiveReader`). Everything else is the wrapped adapter's."""
+
+    def __init__(self, inner, conversion: WeightConversion):
+        self.inner, self.conversion = inner, conversion
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def specs(self, component: str) -> list[TensorSpec]:
+        return self.conversion.specs(self.inner.specs(component))
+
+    def preferred_owners(self, component: str) -> dict[str, int]:
+        """Collective where the wrapped adapter's is."""
+        return self.conversion.owners(self.inner.preferred_owners(component))
+
+    def exchange(self, component: str, names, owner: int) -> None:
+        """Assemble the live tensors the saved `names` come from on `owner`. Collective on sharded engines."""
+        self.inner.exchange(component, self.conversion.live_names(names), owner)
+
+    def tensors(self, component: str, names) -> dict[str, torch.Tensor]:
+        return self.conversion.tensors(self.inner.tensors(component, self.conversion.live_names(names)), names)
+
+    def fragments(self, component: str, names=None) -> dict:
+        live = self.inner.fragments(component, None if names is None else self.conversion.live_names(names))
+        return self.conversion.fragments(live, names)
+
+    def optimizer_metadata(self) -> dict:
+        return self.conversion.metadata(self.inner.optimizer_metadata())
+
+    def param_group_names(self) -> list[list[str]]:
+        """The saved names of each param group's parameters (as a checkpoint's metadata lists them)."""
+        return [list(dict.fromkeys(n for p in group for n in self.conversion.saved_names(p)))
+                for group in self.inner.param_group_names()]
+
+    def master_fragments(self):
+        """`master_fragments` of the wrapped adapter, by saved name (a piece of each saved tensor it covers)."""
+        inner = getattr(self.inner, "master_fragments", None)
+        if inner is None:
+            return
+        pieces = self.inner.parameter_fragments()
+        for name, hp, lp in inner():
+            frag = pieces[name]
+            high = self.conversion.fragments({name: dataclasses.replace(frag, values=hp)})
+            low = self.conversion.fragments({name: dataclasses.replace(frag, values=lp)})
+            for saved, piece in high.items():
+                yield saved, piece.values, low[saved].values
+
+    def load(self, sources) -> None:
+        readers = {name: self.conversion.reader(r) for name, r in sources.readers.items()}
+        self.inner.load(dataclasses.replace(sources, readers=readers))
+
