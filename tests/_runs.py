@@ -64,6 +64,13 @@ def build_model(kind: str = "llama", seed: int = 0):
         return LlamaForCausalLM(LlamaConfig(**TP_LLAMA[kind]))
     if kind in MOE:
         return _moe_model(kind)
+    if kind == "lora_moe":  # adapters on attention and on the fused experts (PEFT's target_parameters)
+        from peft import LoraConfig, get_peft_model
+
+        base = build_model("qwen3_moe", seed)
+        return get_peft_model(base, LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"],
+                                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                                               lora_dropout=0.0))
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -73,30 +80,46 @@ def build_model(kind: str = "llama", seed: int = 0):
 
 
 #: Mixture-of-Experts models (transformers 5 fuses their experts at run time; save_pretrained writes them per expert):
-#: hidden and expert widths that are multiples of 4 (the grouped expert kernels need 16-byte strides, DESIGN.md
-#: section 5; hidden 28), 5 experts (3 + 2 rows at 2 ranks; every ZeRO partition boundary cuts an expert), vocab 97. `qwen3_moe_square`: experts of
+#: hidden and expert widths that are multiples of 8 (the grouped expert kernels need 16-byte strides, in bf16 too;
+#: DESIGN.md section 5), 5 experts (3 + 2 rows at 2 ranks; every ZeRO partition boundary cuts an expert), vocab 97. `qwen3_moe_square`: experts of
 #: intermediate size = hidden size (conversions that decide a transposition by comparing shapes; transformers
 #: #47031). `deepseek_v3`: a dense first layer, routed + shared experts, MLA attention, a persistent bias buffer.
 MOE = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        intermediate_size=46, moe_intermediate_size=12, num_experts=5, num_experts_per_tok=2, head_dim=10)),
+        intermediate_size=46, moe_intermediate_size=8, num_experts=5, num_experts_per_tok=2, head_dim=10)),
     "qwen3_moe_square": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         intermediate_size=46, moe_intermediate_size=32, hidden_size=32, num_experts=5, num_experts_per_tok=2,
         head_dim=8)),
+    "qwen3_moe_ep": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(  # 4 experts: expert parallelism splits evenly
+        intermediate_size=46, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, head_dim=10)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        intermediate_size=12, num_local_experts=5, num_experts_per_tok=2, head_dim=10)),
+        intermediate_size=8, num_local_experts=5, num_experts_per_tok=2, head_dim=10)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        intermediate_size=46, moe_intermediate_size=12, n_routed_experts=5, num_experts_per_tok=2,
+        intermediate_size=46, moe_intermediate_size=8, n_routed_experts=5, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=12,
         qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=10, rope_interleave=False)),
 }
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _moe_model(kind: str):
     import transformers
 
     config_cls, model_cls, fields = MOE[kind]
-    base = dict(vocab_size=VOCAB, hidden_size=28, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+    base = dict(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                 max_position_embeddings=64, tie_word_embeddings=False)
     config = getattr(transformers, config_cls)(**{**base, **fields})
     return getattr(transformers, model_cls)(config)
@@ -124,9 +147,31 @@ def tp_model(kind: str, tp_size: int, fsdp_size: int, workdir, dtype: str | None
     if dist.get_rank() == 0 and not os.path.isfile(os.path.join(folder, "config.json")):
         build_model(kind).save_pretrained(folder)
     dist.barrier()
+    config = DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size) if tp_size else \
+        DistributedConfig(ep_size=fsdp_size, fsdp_size=fsdp_size)  # tp_size 0: expert parallelism over fsdp_size
     return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype or "float32"),
-                                                distributed_config=DistributedConfig(tp_size=tp_size,
-                                                                                     fsdp_size=fsdp_size))
+                                                distributed_config=config)
+
+
+def pretrained_model(kind: str, workdir):
+    """The `kind` model loaded as users load one: `from_pretrained` of the files `save_pretrained` wrote (rank 0
+    writes them once; for a Mixture-of-Experts model, per expert), under whatever DeepSpeed config is active."""
+    from transformers import AutoModelForCausalLM
+
+    import torch.distributed as dist
+
+    folder = os.path.join(str(workdir), f"pretrained-{kind}")
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.isfile(os.path.join(folder, "config.json")):
+        build_model(kind).save_pretrained(folder)
+    if dist.is_initialized():
+        dist.barrier()
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():  # zero.Init partitions at load: DeepSpeed's process group first (DESIGN.md 5)
+        import deepspeed
+
+        deepspeed.init_distributed("gloo")
+    return AutoModelForCausalLM.from_pretrained(folder)
 
 
 _TP_TRAINERS: dict = {}
@@ -230,10 +275,12 @@ def make_trainer(output_dir, model_kind: str = "llama", world_size: int = 1, opt
     reset_accelerate_state()
     model_dtype = overrides.pop("model_dtype", None)
     if tp:
-        world_size //= tp[0]
+        world_size //= max(tp[0], 1)  # tp_size 0: expert parallelism (tp_model)
     args = make_args(output_dir, world_size=world_size, optim=optim, **overrides)
     if tp:
         model = tp_model(model_kind, *tp, os.path.dirname(os.path.abspath(str(output_dir))), model_dtype)
+    elif model_kind.endswith("_pretrained"):
+        model = pretrained_model(model_kind.removesuffix("_pretrained"), os.path.dirname(os.path.abspath(str(output_dir))))
     else:
         model = build_model(model_kind)
         if model_dtype:
@@ -435,6 +482,9 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("memory_full_from"):
         with memory_full_from(run["memory_full_from"]):
             return run_spec({k: v for k, v in run.items() if k != "memory_full_from"}, world_size)
+    if run.get("env"):  # environment variables of this run only (e.g. accelerate's MoE leaf-module classes)
+        with _environ(run["env"]):
+            return run_spec({k: v for k, v in run.items() if k != "env"}, world_size)
     overrides = dict(run.get("overrides", {}))
     model = run.get("model", "llama")
     if run.get("zero"):
@@ -460,6 +510,8 @@ def run_spec(run: dict, world_size: int) -> dict:
                                tp=tp, **overrides)
         if run.get("expect_error"):
             return _refused(trainer, run.get("resume"), run["expect_error"])
+        if run.get("fused_keys"):  # what the plugin wrote before conversions were handled: the run-time names
+            trainer._uc_conversion = None
         if run.get("plant_ties"):  # before RecordAt: what is recorded (and saved) at that step holds the ties
             PlantTies(trainer, run["plant_ties"])
         at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None
@@ -726,7 +778,10 @@ def die_mid_write(rank: int, step: int):
 
 #: The decoder layer class of each test model: one FSDP unit each.
 LAYER_CLASS = {"llama": "LlamaDecoderLayer", "lora": "LlamaDecoderLayer", "gpt2": "GPT2Block",
-               "llama_tp": "LlamaDecoderLayer", "llama_tp_tied": "LlamaDecoderLayer", "llama_s3": "LlamaDecoderLayer"}
+               "llama_tp": "LlamaDecoderLayer", "llama_tp_tied": "LlamaDecoderLayer", "llama_s3": "LlamaDecoderLayer",
+               "qwen3_moe": "Qwen3MoeDecoderLayer", "qwen3_moe_square": "Qwen3MoeDecoderLayer",
+               "mixtral": "MixtralDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer",
+               "lora_moe": "Qwen3MoeDecoderLayer", "qwen3_moe_pretrained": "Qwen3MoeDecoderLayer"}
 
 
 def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT", model: str = "llama") -> dict:

@@ -150,11 +150,6 @@ class WithConversion:
     def optimizer_metadata(self) -> dict:
         return self.conversion.metadata(self.inner.optimizer_metadata())
 
-    def param_group_names(self) -> list[list[str]]:
-        """The saved names of each param group's parameters (as a checkpoint's metadata lists them)."""
-        return [list(dict.fromkeys(n for p in group for n in self.conversion.saved_names(p)))
-                for group in self.inner.param_group_names()]
-
     def master_fragments(self):
         """`master_fragments` of the wrapped adapter, by saved name (a piece of each saved tensor it covers)."""
         inner = getattr(self.inner, "master_fragments", None)
@@ -172,3 +167,10 @@ class WithConversion:
         readers = {name: self.conversion.reader(r) for name, r in sources.readers.items()}
         self.inner.load(dataclasses.replace(sources, readers=readers))
 
+
+
+def live_groups(engine, groups: list[list[str]]) -> list[list[str]]:
+    """A checkpoint's param groups (saved names, or the live names of a checkpoint written before conversions were
+    handled) by the live names `engine.param_group_names()` lists."""
+    conversion = getattr(engine, "conversion", None)
+    return groups if conversion is None else [conversion.live_names(g) for g in groups]

@@ -224,14 +224,20 @@ class LiveReader(TensorReader):
     def __contains__(self, name: str) -> bool:
         return name in self.specs()
 
+    def _assembled(self, name: str) -> bool:
+        """Whether live tensor `name` is put together from saved ones (else read as the reader holds it: not
+        converted, or a checkpoint that holds the live tensor itself, as legacy folders and checkpoints written
+        before conversions were handled do)."""
+        return self.conversion.converts(name) and name not in self.saved
+
     def get(self, name: str) -> torch.Tensor:
-        if not self.conversion.converts(name) or name not in self.specs():
+        if not self._assembled(name):
             return self.saved.get(name)
         shape = self.specs()[name][0]
         return self._rows(name, 0, shape[0] if shape else 1).reshape(shape)
 
     def get_slice(self, name: str) -> TensorSlice:
-        if not self.conversion.converts(name):
+        if not self._assembled(name):
             return self.saved.get_slice(name)
         return _LiveSlice(self, name)
 

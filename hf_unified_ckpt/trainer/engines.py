@@ -103,6 +103,21 @@ def _sharded_at_load(trainer) -> bool:
     return bool(getattr(trainer, "is_distributed_loading_by_transformers", False))
 
 
+def _expert_parallel_refusal(trainer) -> str | None:
+    """A model transformers sharded by expert parallelism (`DistributedConfig(ep_size=N)`: its expert tensors are
+    DTensors on a mesh dimension `ep`, each rank holding some whole experts)."""
+    for name, param in trainer.model.named_parameters():
+        mesh = getattr(param, "device_mesh", None)
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if "ep" in names and mesh.size(names.index("ep")) > 1:
+            return (f"{type(trainer.model).__name__.removeprefix('FSDP')} is sharded by expert parallelism ({name} is split over an 'ep' "
+                    f"mesh dimension of {mesh.size(names.index('ep'))} ranks: from_pretrained(..., distributed_config="
+                    "DistributedConfig(ep_size=...))); unified checkpoints do not save expert-parallel models yet. "
+                    "Shard the experts with FSDP2 or DeepSpeed ZeRO instead (their checkpoints are saved per expert "
+                    "and resume at any world size), or set unified_checkpoint=False.")
+    return None
+
+
 def _build_tensor_parallel(trainer):
     from ..engines.fsdp import FSDPEngine
 
@@ -114,7 +129,7 @@ ENGINES = (
            topology=_deepspeed_topology, step_barrier=_deepspeed_step_barrier, refusal=_deepspeed_refusal),
     Engine("fsdp", lambda t: getattr(t, "is_fsdp_enabled", False), _build_fsdp, lambda: "FSDP", fsdp=True),
     Engine("tensor_parallel", _sharded_at_load, _build_tensor_parallel, lambda: "tensor parallelism",
-           native_folder_refusal=_NATIVE_TP_REFUSAL),
+           native_folder_refusal=_NATIVE_TP_REFUSAL, refusal=_expert_parallel_refusal),
     Engine("replicated", lambda t: True, lambda t: ReplicatedEngine(t.model_wrapped, t.optimizer),
            lambda: "DDP" if dist.world_size() > 1 else "one process", native_save_model=True),
 )

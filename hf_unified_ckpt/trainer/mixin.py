@@ -37,12 +37,13 @@ from ..checkpoint.rng import restore_rng_state
 from ..checkpoint.save import SaveRequest, save_checkpoint, save_model_weights
 from ..checkpoint.layout import UNIFIED
 from ..engines.base import LoadSources
-from ..engines.conversion import WithConversion, weight_conversion
+from ..engines.conversion import WithConversion, live_groups, weight_conversion
 from ..errors import TrainingPreempted, UnsupportedCheckpointError
 from ..format.components import MASTER, MODEL, OPTIMIZER
 from ..format.lineage import error_half_life, options_for_save, restored_step
 from ..format.optim_state import fit_scheduler_state, group_param_names, match_groups
 from ..legacy import legacy_components
+from ..legacy.trainer_folder import load_converted_weights
 from ..store import as_ref, is_file, is_folder, join, name_of, parent_of, read_bytes
 from ..store.capture import torch_bytes
 from .capture import ARGS_FILE, SCHEDULER_FILE, processing_class_files, small_files
@@ -157,11 +158,6 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             return resume
         return None
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if self._uc_resuming(resume_from_checkpoint):
-            return None  # loaded into the prepared engine in _prepare_for_training
-        return super()._load_from_checkpoint(resume_from_checkpoint, model)
-
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         resume = self._uc_resuming(resume_from_checkpoint)
         if resume is None:
@@ -198,7 +194,7 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             return
         saved = torch.load(io.BytesIO(read_bytes(join(folder, SCHEDULER_FILE))), weights_only=True)
         if saved_groups is not None:
-            matched = match_groups(saved_groups, engine.param_group_names())
+            matched = match_groups(live_groups(engine, saved_groups), engine.param_group_names())
             saved = fit_scheduler_state(saved, self.lr_scheduler.state_dict(), matched)
         self.lr_scheduler.load_state_dict(saved)
 
@@ -218,6 +214,20 @@ class UnifiedCheckpointMixin(PreemptionMixin):
                 logger.warning("residual_master_weight has no effect in this run: it keeps no fp32 master weights "
                                "apart from its weights (only DeepSpeed bf16 training does), so there is nothing to "
                                "store as a residual.")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """A unified checkpoint was loaded into the prepared engine already (`_prepare_for_training`). A checkpoint
+        the plain Trainer wrote (single process, DDP), for a model whose weights are converted when
+        loaded (Mixture-of-Experts: per-expert files, experts fused at run time): the weights are put together by
+        the conversion (`legacy.trainer_folder`), where the Trainer's own load skips the experts without an error
+        (transformers #48805); the rest of the resume is the Trainer's. Local only."""
+        if self._uc_resuming(resume_from_checkpoint):
+            return None  # loaded into the prepared engine in _prepare_for_training
+        module = model if model is not None else self.model
+        if not (self.args.unified_checkpoint_options.enabled
+                and load_converted_weights(module, str(resume_from_checkpoint))):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        return None
 
     def _load_best_model(self):
         """`load_best_model_at_end`: a unified best checkpoint is loaded into whatever the engine is (weights, and
