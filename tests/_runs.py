@@ -482,6 +482,9 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("memory_full_from"):
         with memory_full_from(run["memory_full_from"]):
             return run_spec({k: v for k, v in run.items() if k != "memory_full_from"}, world_size)
+    if run.get("record_pieces"):  # which tensors each save writes in place, piece by piece (no assembling)
+        with record_pieces() as pieces:
+            return {**run_spec({k: v for k, v in run.items() if k != "record_pieces"}, world_size), "pieces": pieces}
     if run.get("env"):  # environment variables of this run only (e.g. accelerate's MoE leaf-module classes)
         with _environ(run["env"]):
             return run_spec({k: v for k, v in run.items() if k != "env"}, world_size)
@@ -749,6 +752,27 @@ def stop_after_save(trainer, step: int, marker: str, mode: str):
             os._exit(9)
 
     return StopAfterSave()
+
+
+@contextlib.contextmanager
+def record_pieces():
+    """Record, per component, the tensors the last save's census found held in pieces by the ranks (each rank
+    writes its piece in place; nothing of them is assembled on one rank)."""
+    from hf_unified_ckpt.checkpoint import save
+
+    original, recorded = save.census_of_pieces, {}
+
+    def census(engine, plans):
+        out = original(engine, plans)
+        recorded.clear()
+        recorded.update({component: sorted(tensors) for component, tensors in out.items()})
+        return out
+
+    save.census_of_pieces = census
+    try:
+        yield recorded
+    finally:
+        save.census_of_pieces = original
 
 
 @contextlib.contextmanager

@@ -5,12 +5,14 @@ with from_pretrained and carries the partitions' optimizer state and master weig
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from ..format.components import OPTIMIZER, Component, component
+from ..engines.conversion import WithConversion, weight_conversion
+from ..format.components import MODEL, OPTIMIZER, Component, component
 from ..errors import UnsupportedCheckpointError
 from .export import require_new_folder
 from ..checkpoint.layout import DEEPSPEED, FSDP, detect_layout
@@ -107,7 +109,7 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
             "ZeRO-3 without 16-bit weights) and FSDP folders (pytorch_model_fsdp_0/ + "
             "optimizer_0/, or pytorch_model_fsdp.bin + optimizer.bin).")
     legacy = open_legacy(layout, for_conversion=True)
-    engine = OfflineEngine(legacy_components(legacy), legacy.saved_by())
+    engine = with_weight_conversion(OfflineEngine(legacy_components(legacy), legacy.saved_by()), legacy_dir)
     options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size)
     step = layout.global_step if layout.global_step is not None else legacy.global_step
     request = SaveRequest(out_dir, step, options, show_progress=show_progress, direct_io=True)
@@ -119,6 +121,35 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
                        "folder resumes training, but from_pretrained needs a config.json copied next to it.",
                        legacy_dir)
     return out
+
+
+def with_weight_conversion(engine, folder: str):
+    """`engine` keyed as `save_pretrained` writes the model of `folder`'s config.json (a Mixture-of-Experts model's
+    fused experts per expert: `engines.conversion`), worked out on a model built on the meta device; `engine` itself
+    for a model without conversions, an adapter folder, or a folder without config.json."""
+    if not is_file(join(folder, "config.json")) or is_file(join(folder, "adapter_config.json")):
+        return engine
+    module = _meta_model(json.loads(read_bytes(join(folder, "config.json"))))
+    conversion = None if module is None else weight_conversion(module, engine.specs(MODEL.name))
+    return engine if conversion is None else WithConversion(engine, conversion)
+
+
+def _meta_model(config: dict):
+    """The model `config` (config.json) describes, built on the meta device (no memory); None when transformers
+    does not know it."""
+    import torch
+    import transformers
+
+    config = dict(config)
+    try:
+        built = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    except (KeyError, ValueError):
+        return None
+    cls = getattr(transformers, (built.architectures or [""])[0], None)
+    if cls is None:
+        return None
+    with torch.device("meta"):
+        return cls(built)
 
 
 def _extra_files(legacy_dir: str) -> dict[str, bytes]:
