@@ -10,7 +10,8 @@ leaf modules set by the user through ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES), 
 layer, routed + shared experts, MLA attention, the persistent `e_score_correction_bias` buffer), and LoRA on
 attention and on the fused experts (PEFT `target_parameters`).
 
-Every cell: an uninterrupted 6-step run saving at 3 and 6 vs. a resume from checkpoint-3 on another engine or
+Also FSDP1 (saving, resumed under ZeRO-3) and the loop options (eval, load_best_model_at_end, rotation, save_model)
+under ZeRO-3. Every cell: an uninterrupted 6-step run saving at 3 and 6 vs. a resume from checkpoint-3 on another engine or
 world size. Tolerances are test_deepspeed.py's: fp32 sums in another order drift about 1e-7 (allowed 1e-5 on losses,
 relative, and on weights); bf16 across engines (DeepSpeed computes with bf16 weights, FSDP2 with bf16 copies of
 fp32 ones) drifts 2.7e-3 on losses and 3.8e-3 on weights, as the dense llama does (measured: same figures), allowed
@@ -24,7 +25,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _runs import MOE, assert_from_pretrained_equals, assert_resumed_matches, build_model, run_spec
+from _runs import (MOE, assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches, build_model,
+                   loop_spec, run_spec)
 from conftest import torchrun
 
 LOSS_RTOL = STATE_ATOL = 1e-5
@@ -50,6 +52,8 @@ LAUNCH = {  # 2 ranks, in this order
     "deepseek-z3": ("deepseek_v3", "deepseek", {"zero": 3}),
     "o1": ("qwen3_moe", None, {"zero": 2, "overrides": O1_EMA_ASYNC}),
     "o1-f2": ("qwen3_moe", "o1", {"fsdp": 2, "overrides": O1_EMA_ASYNC}),
+    "f1": ("qwen3_moe", None, {"fsdp": 1}),
+    "f1-z3": ("qwen3_moe", "f1", {"zero": 3}),
     "plain-ddp": ("qwen3_moe", "plain", {}),
     "dslegacy": ("qwen3_moe", None, {"zero": 2, "overrides": {"unified_checkpoint": False}}),
     "fused": ("qwen3_moe", None, {"zero": 3, "fused_keys": True}),  # as the plugin wrote before: run-time names
@@ -68,11 +72,12 @@ CELLS = {
     "mixtral-z3": ("mixtral", False, LOSS_RTOL, STATE_ATOL),
     "deepseek-z3": ("deepseek", False, LOSS_RTOL, STATE_ATOL),
     "o1-f2": ("o1", False, 1e-3, 1e-2),  # int8 moments (test_compression.py: O1 drift about 1e-5 on losses)
+    "f1-z3": ("f1", False, LOSS_RTOL, STATE_ATOL),
     "plain-ddp": ("plain", False, LOSS_RTOL, STATE_ATOL),
     "dslegacy-1": ("dslegacy", False, LOSS_RTOL, STATE_ATOL),
     "fused-1": ("fused", False, LOSS_RTOL, STATE_ATOL),
 }
-SAVERS = {"single": "qwen3_moe", "z3": "qwen3_moe", "f2sq": "qwen3_moe_square", "z2bf16": "qwen3_moe",
+SAVERS = {"single": "qwen3_moe", "z3": "qwen3_moe", "f2sq": "qwen3_moe_square", "z2bf16": "qwen3_moe", "f1": "qwen3_moe",
           "mixtral": "mixtral", "deepseek": "deepseek_v3", "o1": "qwen3_moe"}
 
 
@@ -87,8 +92,10 @@ def _spec(tmp, tag, model, resume, fields):
 def moe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
     results = {tag: run_spec(_spec(tmp, tag, *cell), 1) for tag, cell in SINGLE_SAVERS.items()}
-    torchrun(2, [_spec(tmp, tag, *cell) for tag, cell in LAUNCH.items()], tmp)
-    results.update({tag: torch.load(tmp / f"{tag}.pt", weights_only=False) for tag in LAUNCH})
+    loop = loop_spec(_spec(tmp, "loop", "qwen3_moe", None, {"zero": 3}), tmp / "loop-model")
+    loop["overrides"]["greater_is_better"] = False  # this model's eval loss rises: the lowest is an early one
+    torchrun(2, [_spec(tmp, tag, *cell) for tag, cell in LAUNCH.items()] + [loop], tmp)
+    results.update({tag: torch.load(tmp / f"{tag}.pt", weights_only=False) for tag in [*LAUNCH, "loop"]})
     results.update({tag: run_spec(_spec(tmp, tag, *cell), 1) for tag, cell in AFTER.items()})
     results["tmp"] = tmp
     return results
@@ -162,6 +169,13 @@ def test_ranks_write_their_experts_in_place(moe, saver):
         experts = [k for k in pieces[component] if ".experts." in k]
         assert len(experts) == len({k for k in _saved_keys(moe["tmp"] / saver / "checkpoint-6", component)
                                     if ".experts." in k and k.partition("/")[2] not in ("step",)}) > 0, component
+
+
+@pytest.mark.dist
+def test_loop_options_under_zero3(moe):
+    """Evaluation, load_best_model_at_end, rotation and save_model of an MoE model under ZeRO-3: the best checkpoint
+    is loaded back (per-expert files, put together again), save_model writes per-expert files from_pretrained loads."""
+    assert_loop_options(moe["tmp"] / "loop", moe["loop"], moe["tmp"] / "loop-model")
 
 
 @pytest.mark.dist
