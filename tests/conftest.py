@@ -158,3 +158,11 @@ def s3_bucket(s3_session_bucket):
     import uuid
 
     return f"{s3_session_bucket}/t-{uuid.uuid4().hex[:12]}"
+
+
+def pytest_collection_finish(session):
+    """Freeze the imported training stack out of the garbage collector's walks (`_runs.freeze_imports`) in this
+    process too: tests run many Trainer runs in it."""
+    from _runs import freeze_imports
+
+    freeze_imports()

@@ -15,13 +15,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _runs import run_spec  # noqa: E402
+from _runs import freeze_imports, run_spec  # noqa: E402
 
 
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     world = int(os.environ["WORLD_SIZE"])
+    freeze_imports()
     for run in spec["runs"]:
         result = run_spec(run, world)
         if dist.get_rank() == 0 and run.get("result"):

@@ -23,13 +23,14 @@ import deepspeed  # noqa: E402
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT compile of the shm allreduce op
 
-from _runs import train  # noqa: E402
+from _runs import freeze_imports, train  # noqa: E402
 
 DS_CONFIG = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
              "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
 
 if __name__ == "__main__":
     out, mode = sys.argv[1], sys.argv[2]
+    freeze_imports()
     train(out, max_steps=2, save_steps=2, deepspeed=DS_CONFIG, unified_checkpoint=(mode == "unified"),
           attach=(mode == "unified"))
     print("DS-RUN-DONE", flush=True)

@@ -1,5 +1,8 @@
 """Train 9 steps saving at 3 and 6; die (os._exit, no clean-up: what SIGKILL leaves) at POINT during the
-step-6 save.   python tests/kill_worker.py RUN_DIR POINT"""
+step-6 save, once per POINT, each run in ROOT/POINT:   python tests/kill_worker.py ROOT POINT [POINT ...]
+
+The training stack is imported once; each run is a child process forked from this one (nothing has trained here and
+no process group exists), so each dies alone; its exit status is written to ROOT/POINT.status."""
 
 import dataclasses
 import os
@@ -12,7 +15,7 @@ import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
 import hf_unified_ckpt.checkpoint.save as save  # noqa: E402
 import hf_unified_ckpt.store.local as local_store  # noqa: E402
 import hf_unified_ckpt.checkpoint.writer as writer  # noqa: E402
-from _runs import train  # noqa: E402
+from _runs import freeze_imports, train  # noqa: E402
 
 KILLED = 137
 state = {"saves": 0}
@@ -92,8 +95,8 @@ COMPRESSED_POINTS = ("o1-mid-file", "o1-async-mid-file")
 #: The same kills in a run keeping an EMA of the weights ("ema-" + a point).
 EMA_POINTS = ("ema-mid-file", "ema-async-mid-file", "ema-before-manifest")
 
-if __name__ == "__main__":
-    run_dir, point = sys.argv[1], sys.argv[2]
+def run(run_dir: str, point: str) -> None:
+    """Train into `run_dir` and die at `point` (in this process: the forked child)."""
     quant = "O1" if point.startswith("o1-") else "O0"
     words = ["ema"] if point.startswith("ema-") else []
     point = point.removeprefix("o1-").removeprefix("ema-")
@@ -105,4 +108,18 @@ if __name__ == "__main__":
     train(run_dir, max_steps=9, save_steps=3, save_total_limit=limit, unified_checkpoint_max_shard_size="40KB",
           unified_checkpoint_config=" ".join(words), ckpt_quant_stage=quant)
     print("training finished without being killed", flush=True)
-    sys.exit(3)
+
+
+if __name__ == "__main__":
+    root, points = sys.argv[1], sys.argv[2:]
+    freeze_imports()
+    for point in points:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                run(os.path.join(root, point), point)
+            finally:
+                os._exit(3)  # not killed: a failure the test reports
+        _, status = os.waitpid(pid, 0)
+        with open(os.path.join(root, f"{point}.status"), "w") as f:
+            f.write(str(os.waitstatus_to_exitcode(status)))

@@ -27,7 +27,8 @@ import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
 import hf_unified_ckpt.trainer.preemption as preemption  # noqa: E402
 import hf_unified_ckpt.dist as plugin_dist  # noqa: E402
 import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
-from _runs import (TokenDataset, disable_deepspeed_jit, losses_of, make_trainer, record, zero_config)  # noqa: E402
+from _runs import (TokenDataset, disable_deepspeed_jit, freeze_imports, losses_of, make_trainer, record,  # noqa: E402
+                   zero_config)
 from hf_unified_ckpt import TrainingPreempted  # noqa: E402
 
 
@@ -139,6 +140,7 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     world = int(os.environ["WORLD_SIZE"])
+    freeze_imports()
     with open(os.path.join(os.path.dirname(spec_path), f"pid-{spec['name']}-{dist_rank()}"), "w") as f:
         f.write(str(os.getpid()))
     for run in spec["runs"]:

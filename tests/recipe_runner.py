@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _runs import assert_sharded, fsdp_on_cpu  # noqa: E402
+from _runs import assert_sharded, freeze_imports, fsdp_on_cpu  # noqa: E402
 
 RUNNER_CHECK_LINE = "recipe_runner: FSDP sharded the model"
 
@@ -40,6 +40,7 @@ def main(script: str, argv: list[str]) -> None:
         return result
 
     transformers.Trainer.train = train
+    freeze_imports()
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` would
     with fsdp_on_cpu():

@@ -46,15 +46,28 @@ def uninterrupted_ema(tmp_path_factory):
         return {n: reader.get(n) for n in reader.keys()}
 
 
-@pytest.mark.parametrize("point", list(POINTS) + list(ASYNC_POINTS) + list(COMPRESSED_POINTS) + list(EMA_POINTS))
-def test_killed_save_is_never_picked_and_resume_is_exact(point, tmp_path, request, caplog):
+ALL_POINTS = list(POINTS) + list(ASYNC_POINTS) + list(COMPRESSED_POINTS) + list(EMA_POINTS)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Every kill point's run, one after another, each in a process of its own forked from one worker that imported
+    the training stack once (`kill_worker.py`); the caller's thread settings: train() pins them."""
+    root = tmp_path_factory.mktemp("killed")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "kill_worker.py"), str(root), *ALL_POINTS],
+                          capture_output=True, text=True, timeout=900)
+    return root, proc
+
+
+@pytest.mark.parametrize("point", ALL_POINTS)
+def test_killed_save_is_never_picked_and_resume_is_exact(point, killed, request, caplog):
     """kill (os._exit: no clean-up runs, as with SIGKILL) at `point` of the step-6 save, sync or async, plain or
     with O1-compressed moments (whose resume must then continue exactly as any resume from that checkpoint)."""
     record_fault(point, survived=False)
-    run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "kill_worker.py"), str(run), point],
-                          capture_output=True, text=True, timeout=300)  # the caller's thread settings: train() pins them
-    assert proc.returncode == KILLED, proc.stdout[-2000:] + proc.stderr[-4000:]
+    root, proc = killed
+    run = root / point
+    status = root / f"{point}.status"
+    assert status.exists() and int(status.read_text()) == KILLED, proc.stdout[-2000:] + proc.stderr[-4000:]
     expected_step = 6 if point == "during-rotation" else 3
     newest = newest_complete(run)
     assert newest is not None and newest.global_step == expected_step

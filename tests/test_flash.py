@@ -138,7 +138,8 @@ def test_killed_job_resumes_from_memory_on_another_world_size_and_the_persister_
             "stop_after_save": [4, str(marker), "hold"]}
     proc = torchrun_popen(2, [spec], tmp_path)
     try:
-        _wait(marker.exists, 300, "the save of step 4")
+        _wait(lambda: marker.exists() or proc.poll() is not None, 300, "the save of step 4")
+        assert marker.exists(), (tmp_path / "spec-2-0.log").read_text()[-5000:]  # the launch failed before it
     finally:
         workers = _kill_launcher_and_workers(proc.pid)
     assert len(workers) >= 2
