@@ -80,6 +80,12 @@ def build_model(kind: str = "llama", seed: int = 0):
         return LlamaForCausalLM(LlamaConfig(**TP_LLAMA[kind]))
     if kind in MOE:
         return _moe_model(kind)
+    if kind == "hrm_text":  # saves fused gate_up_proj / gqkv_proj, holds them split: a concatenation when saved
+        from transformers import HrmTextConfig, HrmTextForCausalLM
+
+        return HrmTextForCausalLM(HrmTextConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=46,
+                                                num_hidden_layers=2, num_attention_heads=3, head_dim=8,
+                                                max_position_embeddings=64))
     if kind == "lora_moe":  # adapters on attention and on the fused experts (PEFT's target_parameters)
         from peft import LoraConfig, get_peft_model
 

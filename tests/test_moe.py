@@ -10,7 +10,8 @@ leaf modules set by the user through ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES), 
 layer, routed + shared experts, MLA attention, the persistent `e_score_correction_bias` buffer), and LoRA on
 attention and on the fused experts (PEFT `target_parameters`).
 
-Also FSDP1 (saving, resumed under ZeRO-3) and the loop options (eval, load_best_model_at_end, rotation, save_model)
+A dense model whose conversion concatenates (HRM-text: `gate_up_proj` and `gqkv_proj` saved fused, held split;
+under ZeRO-3 those saved tensors are assembled from several live tensors). Also FSDP1 (saving, resumed under ZeRO-3) and the loop options (eval, load_best_model_at_end, rotation, save_model)
 under ZeRO-3. Every cell: an uninterrupted 6-step run saving at 3 and 6 vs. a resume from checkpoint-3 on another engine or
 world size. Tolerances are test_deepspeed.py's: fp32 sums in another order drift about 1e-7 (allowed 1e-5 on losses,
 relative, and on weights); bf16 across engines (DeepSpeed computes with bf16 weights, FSDP2 with bf16 copies of
@@ -37,7 +38,7 @@ LEAF = {"ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "Qwen3MoeSparseMoeBlock"}
 
 # tag -> (model, where it resumes from or None, run fields); single-process savers run first, here
 SINGLE_SAVERS = {"single": ("qwen3_moe", None, {}), "mixtral": ("mixtral", None, {}),
-                 "deepseek": ("deepseek_v3", None, {}),
+                 "deepseek": ("deepseek_v3", None, {}), "hrm": ("hrm_text", None, {}),
                  "plain": ("qwen3_moe", None, {"overrides": {"unified_checkpoint": False}})}  # the plain Trainer's
 LAUNCH = {  # 2 ranks, in this order
     "single-ddp": ("qwen3_moe", "single", {}),
@@ -50,6 +51,7 @@ LAUNCH = {  # 2 ranks, in this order
     "lora": ("lora_moe", None, {"zero": 2}),
     "mixtral-z3": ("mixtral", "mixtral", {"zero": 3}),
     "deepseek-z3": ("deepseek_v3", "deepseek", {"zero": 3}),
+    "hrm-z3": ("hrm_text", "hrm", {"zero": 3}),
     "o1": ("qwen3_moe", None, {"zero": 2, "overrides": O1_EMA_ASYNC}),
     "o1-f2": ("qwen3_moe", "o1", {"fsdp": 2, "overrides": O1_EMA_ASYNC}),
     "f1": ("qwen3_moe", None, {"fsdp": 1}),
@@ -71,6 +73,7 @@ CELLS = {
     "lora-1": ("lora", False, LOSS_RTOL, STATE_ATOL),
     "mixtral-z3": ("mixtral", False, LOSS_RTOL, STATE_ATOL),
     "deepseek-z3": ("deepseek", False, LOSS_RTOL, STATE_ATOL),
+    "hrm-z3": ("hrm", False, LOSS_RTOL, STATE_ATOL),
     "o1-f2": ("o1", False, 1e-3, 1e-2),  # int8 moments (test_compression.py: O1 drift about 1e-5 on losses)
     "f1-z3": ("f1", False, LOSS_RTOL, STATE_ATOL),
     "plain-ddp": ("plain", False, LOSS_RTOL, STATE_ATOL),
@@ -78,7 +81,7 @@ CELLS = {
     "fused-1": ("fused", False, LOSS_RTOL, STATE_ATOL),
 }
 SAVERS = {"single": "qwen3_moe", "z3": "qwen3_moe", "f2sq": "qwen3_moe_square", "z2bf16": "qwen3_moe", "f1": "qwen3_moe",
-          "mixtral": "mixtral", "deepseek": "deepseek_v3", "o1": "qwen3_moe"}
+          "mixtral": "mixtral", "deepseek": "deepseek_v3", "o1": "qwen3_moe", "hrm": "hrm_text", "hrm-z3": "hrm_text"}
 
 
 def _spec(tmp, tag, model, resume, fields):
@@ -109,7 +112,7 @@ def test_moe_resume_matches_uninterrupted(moe, resumed):
     assert got["global_step"] == base["global_step"] == 6
     assert_resumed_matches(got, base, (4, 5, 6), exact, loss_rtol, state_atol)
     moments = [k for k in base["optim"] if k.endswith(("/exp_avg", "/exp_avg_sq")) and k in got["optim"]]
-    assert any("experts" in k for k in moments), "no expert moments compared"
+    assert any("experts" in k or "gate_proj" in k for k in moments), "no converted moments compared"
     for key in moments:
         assert torch.allclose(got["optim"][key].double(), base["optim"][key].double(), rtol=0,
                               atol=max(state_atol, 1e-12)), key
@@ -138,7 +141,7 @@ def test_model_files_are_what_save_pretrained_writes(moe, saver, tmp_path):
     model.load_state_dict(state)
     model.to(next(iter(state.values())).dtype).save_pretrained(tmp_path)
     assert _saved_keys(ckpt, "model") == _saved_keys(tmp_path, "model")
-    assert any(".experts.4." in k for k in _saved_keys(ckpt, "model"))
+    assert any(".experts.4." in k or "gate_up_proj" in k for k in _saved_keys(ckpt, "model"))
     _, info = AutoModelForCausalLM.from_pretrained(ckpt, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert_from_pretrained_equals(ckpt, state)
@@ -214,7 +217,7 @@ def test_every_moe_model_converts_as_transformers_reverts_it():
     from hf_unified_ckpt.engines.conversion import weight_conversion
     from hf_unified_ckpt.format.planning import TensorSpec
 
-    for kind in MOE:
+    for kind in [*MOE, "hrm_text"]:
         model = build_model(kind)
         live = model.state_dict()
         conversion = weight_conversion(model, [TensorSpec.of(n, t) for n, t in live.items()])

@@ -6,7 +6,8 @@ adapter that saves and loads every component under the saved names.
 The rules (`transformers.core_model_loading.revert_weight_conversion` with the model's conversion mapping) work
 on whole tensors. To learn which elements of which live tensor each saved tensor holds, they are run once on index
 tensors (`arange`, one layer at a time so the memory is one layer's converted tensors), and each result is checked
-to be a strided view of one live tensor (`format.conversion.View`); anything else is refused, naming it.
+to be a strided view of one live tensor, or consecutive runs of views of several (a concatenation)
+(`format.conversion.View`); anything else is refused, naming it.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _layer_groups(names: Sequence[str]) -> list[list[str]]:
 
 def _index_pass(module: nn.Module, revert, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[View, ...]]:
     """Run the reverse conversion on index tensors (live tensor k holds `bases[k] + arange`) and read each saved
-    tensor back as a view of one live tensor."""
+    tensor back as views of the live tensors it is made of."""
     bases, at = {}, 0
     for name, shape in shapes.items():
         bases[name] = at
@@ -81,24 +82,45 @@ def _index_pass(module: nn.Module, revert, shapes: dict[str, tuple[int, ...]]) -
     index = {n: torch.arange(bases[n], bases[n] + _numel(s), dtype=torch.int64).reshape(s) for n, s in shapes.items()}
     views: dict[str, list[View]] = {n: [] for n in shapes}
     for key, values in revert(index).items():
-        source, view = _as_view(module, key, values, bases, shapes)
-        views[source].append(view)
+        for source, view in _as_views(module, key, values, bases, shapes):
+            views[source].append(view)
     return {n: tuple(v) for n, v in views.items() if v}
 
 
-def _as_view(module, key: str, values: torch.Tensor, bases: dict[str, int], shapes) -> tuple[str, View]:
+def _as_views(module, key: str, values: torch.Tensor, bases: dict[str, int], shapes) -> list[tuple[str, View]]:
+    """Saved tensor `key` (its elements' indices `values`) as one view of one live tensor, or as consecutive runs
+    of its flattened elements, one per live tensor (a concatenation); refused otherwise."""
     if values.numel() == 0:
         raise _refusal(module, key, "it is empty")
-    first = int(values.reshape(-1)[0])
-    source = max((n for n, b in bases.items() if b <= first), key=lambda n: bases[n])
-    local = values - bases[source]
-    stride = tuple(int(local[tuple(1 if d == dim else 0 for d in range(values.dim()))]) - int(local.reshape(-1)[0])
-                   if size > 1 else 0 for dim, size in enumerate(values.shape))
-    view = View(key, tuple(values.shape), stride, int(local.reshape(-1)[0]))
-    inside = bool(((local >= 0) & (local < _numel(shapes[source]))).all())
+    names = sorted(bases, key=bases.get)
+    flat = values.reshape(-1)
+    owner = torch.bucketize(flat, torch.tensor([bases[n] for n in names]), right=True) - 1
+    cuts = [0, *(torch.nonzero(owner[1:] != owner[:-1]).reshape(-1) + 1).tolist(), flat.numel()]
+    runs = [(names[int(owner[a])], a, b) for a, b in zip(cuts, cuts[1:])]
+    if len({source for source, _, _ in runs}) != len(runs):
+        raise _refusal(module, key, "it interleaves the elements of several tensors the model holds")
+    if len(runs) == 1:
+        return [(runs[0][0], _view(module, key, values - bases[runs[0][0]], shapes[runs[0][0]]))]
+    row = _numel(values.shape[1:])
+    out = []
+    for source, a, b in runs:
+        local = flat[a:b] - bases[source]
+        local = local.reshape(((b - a) // row, *values.shape[1:])) if a % row == 0 and b % row == 0 else local
+        out.append((source, dataclasses.replace(_view(module, key, local, shapes[source]), at=a,
+                                                whole=tuple(values.shape))))
+    return out
+
+
+def _view(module, key: str, local: torch.Tensor, live_shape) -> View:
+    """`local` (indices into one live tensor) as a strided `View`; refused when it is not one."""
+    first = int(local.reshape(-1)[0])
+    stride = tuple(int(local[tuple(1 if d == dim else 0 for d in range(local.dim()))]) - first if size > 1 else 0
+                   for dim, size in enumerate(local.shape))
+    view = View(key, tuple(local.shape), stride, first)
+    inside = bool(((local >= 0) & (local < _numel(live_shape))).all())
     if not inside or not torch.equal(view.positions(), local):
-        raise _refusal(module, key, "its elements are not a slice or transposition of one tensor the model holds")
-    return source, view
+        raise _refusal(module, key, "its elements are not a slice or transposition of the tensors the model holds")
+    return view
 
 
 def _numel(shape) -> int:
@@ -113,8 +135,9 @@ def _refusal(module: nn.Module, key: str, why: str) -> UnsupportedCheckpointErro
     return UnsupportedCheckpointError(
         f"{type(module).__name__} (model type {model_type!r}) converts its weights when loaded (transformers "
         f"weight conversions), and the tensor save_pretrained writes as {key!r} cannot be saved from the model's "
-        f"own tensors: {why}. Unified checkpoints support conversions that cut each saved tensor out of one tensor "
-        "of the model (the fused experts of Mixture-of-Experts models). Set unified_checkpoint=False for this model.")
+        f"own tensors: {why}. Unified checkpoints support conversions that cut each saved tensor out of tensors of "
+        "the model (slices, transpositions, concatenations along the first dimension: the fused experts of "
+        "Mixture-of-Experts models, fused projections). Set unified_checkpoint=False for this model.")
 
 
 class WithConversion:

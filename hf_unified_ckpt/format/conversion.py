@@ -3,13 +3,17 @@ fused `mlp.experts.gate_up_proj` of shape [experts, 2 x intermediate, hidden]) m
 writes (per-expert `mlp.experts.3.gate_proj.weight`, ...). Pure: `engines.conversion` works a `WeightConversion`
 out from transformers' own conversion rules, once per run; this module applies it.
 
-Every saved tensor is a `View` of one live tensor: its elements are `live.flatten()[offset + sum(i_d * stride_d)]`
-(a slice, a chunk, one expert, a transposition). A view is `contiguous` when it is one range of the live tensor's
-flattened elements (the per-expert pieces of the fused tensors of every MoE family transformers converts): a rank
-holding a range of the live tensor (a ZeRO partition, FSDP2 rows) holds one range of each such view and writes it
-in place. Every component is keyed alike: a live name in the weights, master weights and EMA, and the
-`<live name>/<state>` keys of the optimizer, become the saved names with the same suffix; a state whose shape is
-not the parameter's (a scalar `step`) is written once per saved name and read back from the first.
+Each saved tensor is made of `View`s of live tensors: a view's elements are
+`live.flatten()[offset + sum(i_d * stride_d)]` (a slice, a chunk, one expert, a transposition), stored at elements
+[at, at + numel) of the saved tensor's flattened values. Most saved tensors are one view of one live tensor (every
+MoE family transformers converts); a saved tensor that concatenates several live tensors along its first dimension
+(a fused `gate_up_proj` the model holds as `gate_proj` and `up_proj`) has one view per live tensor.
+
+A view is `contiguous` when it is one range of the live tensor's flattened elements (the per-expert pieces of the
+fused tensors): a rank holding a range of the live tensor (a ZeRO partition, FSDP2 rows) holds one range of each
+such view and writes it in place. Every component is keyed alike: a live name in the weights, master weights and
+EMA, and the `<live name>/<state>` keys of the optimizer, become the saved names with the same suffix; a state whose
+shape is not the parameter's (a scalar `step`) is written once per saved name and read back from the first.
 """
 
 from __future__ import annotations
@@ -21,22 +25,34 @@ from dataclasses import dataclass, replace
 import torch
 
 from .planning import TensorSpec
-from .reader import Specs, TensorReader, TensorSlice
+from .reader import Specs, TensorReader, TensorSlice, read_flat_range
 
 
 @dataclass(frozen=True)
 class View:
-    """Saved tensor `key` of shape `shape`: the elements of one live tensor's flattened values at
-    `offset + sum(index_d * stride_d)`."""
+    """Elements of one live tensor, `live.flatten()[offset + sum(index_d * stride_d)]` for an index of `shape`,
+    stored at elements [at, at + numel) of saved tensor `key`, whose shape is `whole` (None: `shape`, the view is
+    the whole saved tensor)."""
 
     key: str
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    at: int = 0
+    whole: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def saved_shape(self) -> tuple[int, ...]:
+        return self.shape if self.whole is None else self.whole
+
+    @property
+    def partial(self) -> bool:
+        """Whether other live tensors fill the rest of the saved tensor."""
+        return self.whole is not None
 
     @property
     def contiguous(self) -> bool:
@@ -69,15 +85,18 @@ class View:
 
 @dataclass(frozen=True)
 class WeightConversion:
-    """Live name -> the saved views of it (in `save_pretrained`'s order), and each converted live tensor's shape.
-    Names are canonical (`names.canonical_name`) and, for a tied weight, the name it is saved under."""
+    """Live name -> the views of it that are saved (in `save_pretrained`'s order), and each converted live tensor's
+    shape. Names are canonical (`names.canonical_name`) and, for a tied weight, the name it is saved under."""
 
     views: Mapping[str, tuple[View, ...]]
     live_shapes: Mapping[str, tuple[int, ...]]
     model_type: str = ""
 
     def __post_init__(self):
-        sources = {v.key: (live, v) for live, views in self.views.items() for v in views}
+        sources: dict[str, list[tuple[str, View]]] = {}
+        for live, views in self.views.items():
+            for v in views:
+                sources.setdefault(v.key, []).append((live, v))
         object.__setattr__(self, "_sources", sources)
 
     # ---- names ---------------------------------------------------------------------------------------------
@@ -88,17 +107,17 @@ class WeightConversion:
         """The saved names of live key `live` (`<param>` or `<param>/<state>`); itself when not converted."""
         param, suffix = _split(live)
         views = self.views.get(param)
-        return [live] if views is None else [v.key + suffix for v in views]
+        return [live] if views is None else list(dict.fromkeys(v.key + suffix for v in views))
 
-    def source(self, saved: str) -> tuple[str, View | None]:
-        """(live key, view) a saved key comes from; (saved, None) when not converted."""
+    def sources(self, saved: str) -> list[tuple[str, View | None]]:
+        """[(live key, view)] a saved key is made of; [(saved, None)] when not converted."""
         param, suffix = _split(saved)
-        live, view = self._sources.get(param, (None, None))
-        return (saved, None) if live is None else (live + suffix, view)
+        found = self._sources.get(param)
+        return [(saved, None)] if found is None else [(live + suffix, view) for live, view in found]
 
     def live_names(self, saved: Sequence[str]) -> list[str]:
-        """The live keys the saved keys `saved` come from, each once, in order."""
-        return list(dict.fromkeys(self.source(n)[0] for n in saved))
+        """The live keys the saved keys `saved` are made of, each once, in order."""
+        return list(dict.fromkeys(live for n in saved for live, _ in self.sources(n)))
 
     # ---- save ----------------------------------------------------------------------------------------------
     def _is_view(self, live: str, shape: Sequence[int]) -> bool:
@@ -106,66 +125,63 @@ class WeightConversion:
         return tuple(shape) == tuple(self.live_shapes[_param(live)])
 
     def specs(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
-        """`specs` (live) as saved: each converted tensor replaced by its views."""
-        out = []
+        """`specs` (live) as saved: each converted tensor replaced by the saved tensors it is part of."""
+        out, seen = [], set()
         for spec in specs:
             if not self.converts(spec.name):
                 out.append(spec)
                 continue
             as_view = self._is_view(spec.name, spec.shape)
-            for view, name in zip(self.views[_param(spec.name)], self.saved_names(spec.name)):
-                out.append(TensorSpec(name, view.shape if as_view else spec.shape, spec.dtype))
+            _, suffix = _split(spec.name)
+            for view in self.views[_param(spec.name)]:
+                if view.key + suffix not in seen:
+                    seen.add(view.key + suffix)
+                    out.append(TensorSpec(view.key + suffix, view.saved_shape if as_view else spec.shape, spec.dtype))
         return out
 
     def owners(self, owners: Mapping[str, int]) -> dict[str, int]:
-        return {saved: rank for live, rank in owners.items() for saved in self.saved_names(live)}
+        out: dict[str, int] = {}
+        for live, rank in owners.items():
+            for saved in self.saved_names(live):
+                out.setdefault(saved, rank)
+        return out
 
     def tensors(self, live: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The saved tensors `names`, from the whole live tensors `live` (views where the layout allows)."""
         out = {}
         for name in names:
-            source, view = self.source(name)
+            parts = self.sources(name)
+            source, view = parts[0]
             tensor = live[source]
-            if view is not None and self._is_view(source, tensor.shape):
+            if view is None or not self._is_view(source, tensor.shape):
+                out[name] = tensor
+            elif not view.partial:
                 tensor = view.of(tensor.reshape(-1))
-                tensor = tensor if view.contiguous else tensor.contiguous()
-            out[name] = tensor
+                out[name] = tensor if view.contiguous else tensor.contiguous()
+            else:
+                whole = torch.empty(view.whole, dtype=tensor.dtype, device=tensor.device)
+                for src, part in parts:
+                    whole.view(-1)[part.at:part.at + part.numel] = part.of(live[src].reshape(-1)).reshape(-1)
+                out[name] = whole
         return out
 
     def fragments(self, live: Mapping[str, object], names: Sequence[str] | None = None) -> dict[str, object]:
         """This rank's pieces (`engines.base.Fragment`) of the saved tensors, from its pieces of the live ones: the
         range of a contiguous view that the live range covers; a view that is not contiguous only when the live
-        range covers all of it (else the view is assembled like a tensor held in other layouts)."""
+        range covers all of it; none of a saved tensor made of several live tensors. What has no piece here is
+        assembled like a tensor held in other layouts."""
         wanted = None if names is None else set(names)
         out = {}
         for source, frag in live.items():
-            for name in self.saved_names(source):
+            param, suffix = _split(source)
+            for view in self.views.get(param, (None,)):
+                name = source if view is None else view.key + suffix
                 if wanted is not None and name not in wanted:
                     continue
-                piece = self._fragment(name, frag)
+                piece = frag if view is None or not self._is_view(source, frag.shape) else _piece(view, frag)
                 if piece is not None:
                     out[name] = piece
         return out
-
-    def _fragment(self, name: str, frag):
-        source, view = self.source(name)
-        if view is None or not self._is_view(source, frag.shape):
-            return frag
-        values = frag.values.reshape(-1)
-        lo, hi = frag.start, frag.start + values.numel()
-        if frag.replicated or (lo == 0 and hi == math.prod(frag.shape)):
-            full = view.of(values, lo)
-            return replace(frag, shape=view.shape, start=0, values=full.reshape(-1) if view.contiguous
-                           else full.contiguous().reshape(-1))
-        first, end = view.span
-        if view.contiguous:
-            a, b = max(lo, first), min(hi, end)
-            if a >= b:
-                return None
-            return replace(frag, shape=view.shape, start=a - first, values=values[a - lo:b - lo])
-        if lo <= first and end <= hi:
-            return replace(frag, shape=view.shape, start=0, values=view.of(values, lo).contiguous().reshape(-1))
-        return None
 
     def metadata(self, metadata: Mapping) -> dict:
         """Optimizer index metadata (live names) as saved: every param group lists the saved names."""
@@ -174,6 +190,28 @@ class WeightConversion:
     # ---- load ----------------------------------------------------------------------------------------------
     def reader(self, reader: TensorReader) -> "LiveReader":
         return LiveReader(reader, self)
+
+
+def _piece(view: View, frag):
+    """`frag` (elements [start, start + n) of a live tensor) restricted to `view`, as a fragment of its saved
+    tensor; None when it holds none of it, or part of a view that is not one range, or part of a saved tensor."""
+    if view.partial:
+        return None
+    values = frag.values.reshape(-1)
+    lo, hi = frag.start, frag.start + values.numel()
+    if frag.replicated or (lo == 0 and hi == math.prod(frag.shape)):
+        full = view.of(values, lo)
+        return replace(frag, shape=view.shape, start=0, values=full.reshape(-1) if view.contiguous
+                       else full.contiguous().reshape(-1))
+    first, end = view.span
+    if view.contiguous:
+        a, b = max(lo, first), min(hi, end)
+        if a >= b:
+            return None
+        return replace(frag, shape=view.shape, start=a - first, values=values[a - lo:b - lo])
+    if lo <= first and end <= hi:
+        return replace(frag, shape=view.shape, start=0, values=view.of(values, lo).contiguous().reshape(-1))
+    return None
 
 
 def _param(key: str) -> str:
@@ -197,24 +235,25 @@ def _rename_metadata(metadata: Mapping, rename) -> dict:
 
 class LiveReader(TensorReader):
     """A saved component seen by live names: each converted live tensor is put together from the saved tensors
-    of its views; a slice of rows reads only the saved tensors (and, for contiguous views, only the ranges) that
-    cover it. Keys that are not converted pass through."""
+    that hold its views; a slice of rows reads only the saved tensors (and, for contiguous views, only the ranges)
+    that cover it. Keys that are not converted pass through, and so do live tensors the reader holds as they are
+    (legacy folders, checkpoints written before conversions were handled)."""
 
     def __init__(self, saved: TensorReader, conversion: WeightConversion):
         self.saved, self.conversion = saved, conversion
-        self.metadata = _rename_metadata(saved.metadata, lambda key: [conversion.source(key)[0]])
+        self.metadata = _rename_metadata(saved.metadata, lambda key: conversion.live_names([key]))
         self._specs: Specs | None = None
 
     def specs(self) -> Specs:
         if self._specs is None:
             live: Specs = {}
             for name, (shape, dtype) in self.saved.specs().items():
-                source, view = self.conversion.source(name)
-                if view is None:
-                    live[name] = (shape, dtype)
-                elif source not in live:
-                    same = tuple(shape) == tuple(view.shape)
-                    live[source] = (self.conversion.live_shapes[_param(source)] if same else shape, dtype)
+                for source, view in self.conversion.sources(name):
+                    if view is None:
+                        live[name] = (shape, dtype)
+                    elif source not in live:
+                        same = tuple(shape) == tuple(view.saved_shape)
+                        live[source] = (self.conversion.live_shapes[_param(source)] if same else shape, dtype)
             self._specs = live
         return self._specs
 
@@ -225,9 +264,7 @@ class LiveReader(TensorReader):
         return name in self.specs()
 
     def _assembled(self, name: str) -> bool:
-        """Whether live tensor `name` is put together from saved ones (else read as the reader holds it: not
-        converted, or a checkpoint that holds the live tensor itself, as legacy folders and checkpoints written
-        before conversions were handled do)."""
+        """Whether live tensor `name` is put together from saved ones (else read as the reader holds it)."""
         return self.conversion.converts(name) and name not in self.saved
 
     def get(self, name: str) -> torch.Tensor:
@@ -244,34 +281,34 @@ class LiveReader(TensorReader):
     def _rows(self, name: str, first: int, last: int) -> torch.Tensor:
         """Rows [first, last) of live tensor `name`, flattened: only the saved tensors that cover them are read."""
         shape, _ = self.specs()[name]
-        saved = self.conversion.saved_names(name)
-        if tuple(shape) != tuple(self.conversion.live_shapes[_param(name)]):  # a state copied per name
-            return self.saved.get(saved[0]).reshape(-1)
+        param, suffix = _split(name)
+        views = self.conversion.views[param]
+        if tuple(shape) != tuple(self.conversion.live_shapes[param]):  # a state copied per name
+            return self.saved.get(views[0].key + suffix).reshape(-1)
         row = math.prod(shape[1:])
         lo, hi = first * row, last * row
-        out, dtype = None, None
-        for key, view in zip(saved, self.conversion.views[_param(name)]):
+        out = None
+        for view in views:
             first_at, end = view.span
             if end <= lo or hi <= first_at:
                 continue
-            part = self._read(key, view, lo, hi)
+            where, values = self._read(view.key + suffix, view, lo, hi)
             if out is None:
-                dtype = part[1].dtype
-                out = torch.empty(hi - lo, dtype=dtype)
-            out[part[0]] = part[1]
-        return out if out is not None else torch.empty(0)
+                out = torch.empty(hi - lo, dtype=values.dtype)
+            out[where] = values
+        return out if out is not None else self.saved.get_slice(views[0].key + suffix)[0:0].reshape(-1)
 
     def _read(self, key: str, view: View, lo: int, hi: int) -> tuple[object, torch.Tensor]:
-        """(positions in the output, values) of the live range [lo, hi) that saved tensor `key` holds."""
+        """(positions in the output, values) of the live range [lo, hi) that `view` of saved tensor `key` holds."""
         first_at, end = view.span
         if view.contiguous:
-            from .reader import read_flat_range
-
             a, b = max(lo, first_at), min(hi, end)
-            return slice(a - lo, b - lo), read_flat_range(self.saved, key, view.shape, a - first_at, b - a)
+            values = read_flat_range(self.saved, key, view.saved_shape, view.at + a - first_at, b - a)
+            return slice(a - lo, b - lo), values
         positions = view.positions().reshape(-1)
         inside = (positions >= lo) & (positions < hi)
-        return positions[inside] - lo, self.saved.get(key).reshape(-1)[inside]
+        values = read_flat_range(self.saved, key, view.saved_shape, view.at, view.numel)
+        return positions[inside] - lo, values[inside]
 
     def close(self) -> None:
         self.saved.close()
