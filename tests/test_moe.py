@@ -271,3 +271,21 @@ def test_a_transposed_view_is_written_whole_or_assembled_and_read_back():
     assert set(first) == {"e.0.w"} and torch.equal(first["e.0.w"].values, live[0].T.reshape(-1))
     reader = conversion.reader(_DictReader(saved))
     assert torch.equal(reader.get("w"), live) and torch.equal(reader.get_slice("w")[1:2], live[1:2])
+
+
+def test_a_conversion_that_interleaves_is_refused_in_train_before_the_first_step(tmp_path):
+    """A model whose conversion interleaves the rows of a saved tensor (transformers' `Interleave`, as some fused
+    gate/up checkpoints store them) cannot be saved piece by piece from its tensors: refused in train(), naming the
+    tensor and the model type, before anything trains; nothing is written."""
+    from transformers.core_model_loading import Interleave, WeightConverter
+
+    from _runs import make_trainer
+    from hf_unified_ckpt.errors import UnsupportedCheckpointError
+
+    trainer = make_trainer(tmp_path / "run")
+    # what from_pretrained attaches for a checkpoint whose up_proj rows are stored interleaved
+    trainer.model._weight_conversions = [WeightConverter("mlp.up_proj.weight", "mlp.up_proj.weight",
+                                                          operations=[Interleave(dim=0)])]
+    with pytest.raises(UnsupportedCheckpointError, match=r"'llama'.*'model.layers.0.mlp.up_proj.weight'"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not list((tmp_path / "run").glob("checkpoint-*"))
