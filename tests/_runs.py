@@ -504,6 +504,9 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("memory_full_from"):
         with memory_full_from(run["memory_full_from"]):
             return run_spec({k: v for k, v in run.items() if k != "memory_full_from"}, world_size)
+    if run.get("record_reuse"):  # how many files the saves wrote over spare files (the memory tier's reuse)
+        with record_reuse() as reused:
+            return {**run_spec({k: v for k, v in run.items() if k != "record_reuse"}, world_size), "reused": reused}
     if run.get("record_pieces"):  # which tensors each save writes in place, piece by piece (no assembling)
         with record_pieces() as pieces:
             return {**run_spec({k: v for k, v in run.items() if k != "record_pieces"}, world_size), "pieces": pieces}
@@ -774,6 +777,25 @@ def stop_after_save(trainer, step: int, marker: str, mode: str):
             os._exit(9)
 
     return StopAfterSave()
+
+
+@contextlib.contextmanager
+def record_reuse():
+    """Count, in a list of one int, the files this rank's saves wrote over a spare file (`writer.reuse_spare`)."""
+    from hf_unified_ckpt.checkpoint import writer
+
+    original, count = writer.reuse_spare, [0]
+
+    def reuse(spare, ref):
+        used = original(spare, ref)
+        count[0] += used
+        return used
+
+    writer.reuse_spare = reuse
+    try:
+        yield count
+    finally:
+        writer.reuse_spare = original
 
 
 @contextlib.contextmanager

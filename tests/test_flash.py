@@ -66,12 +66,15 @@ def _durable(folder) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, memory):
     """One launch of DDP x 2: a plain flash run (the baseline every resume is compared with), the same with
-    evaluation, load_best_model_at_end, rotation and save_model, and one whose memory folder is full from the
-    save of step 4 on."""
+    evaluation, load_best_model_at_end, rotation and save_model, one whose memory folder is full from the
+    save of step 4 on, and one keeping a single memory checkpoint (its evicted files are overwritten by the next
+    save)."""
     tmp = tmp_path_factory.mktemp("flash")
     specs = [_spec(tmp, memory, "ddp", unified_checkpoint_persist_every=2),
              loop_spec(_spec(tmp, memory, "loop", unified_checkpoint_persist_every=2), tmp / "loop-model"),
-             {**_spec(tmp, memory, "full"), "memory_full_from": 4}]
+             {**_spec(tmp, memory, "full"), "memory_full_from": 4},
+             {**_spec(tmp, memory, "reuse", unified_checkpoint_persist_every=2, unified_checkpoint_memory_keep=1),
+              "record_reuse": True}]
     proc = torchrun(2, specs, tmp)
     out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False) for s in specs}
     return tmp, out, proc
@@ -91,6 +94,25 @@ def test_every_mth_save_and_the_last_are_durable_and_memory_is_freed(runs, memor
     # nothing left in memory nor running once train() returned
     assert os.listdir(memory) == []
     assert _persisters(run_folder(memory, str(tmp / "ddp"))) == []
+
+
+def test_an_evicted_checkpoints_memory_is_overwritten_by_the_next_save(runs, memory):
+    """memory_keep=1: the save of step 4 evicts checkpoint-2, whose tensor files are kept as spare files; the save
+    of step 6 writes its files over them (each written by one rank here: DDP), reusing their memory instead of
+    taking fresh pages. What it wrote is what the baseline wrote: the training is the same bit for bit, and the
+    durable copies verify and load the same weights."""
+    tmp, out, _ = runs
+    assert out["reuse"]["reused"][0] > 0
+    assert_resumed_matches(out["reuse"], out["ddp"], range(1, 7), exact=True, loss_rtol=0, state_atol=0)
+    assert _durable(tmp / "reuse") == ["checkpoint-4", "checkpoint-6"]
+    from transformers import AutoModelForCausalLM
+
+    for name in ("checkpoint-4", "checkpoint-6"):
+        verify_checkpoint(str(tmp / "reuse" / name))
+        a = AutoModelForCausalLM.from_pretrained(tmp / "reuse" / name).state_dict()
+        b = AutoModelForCausalLM.from_pretrained(tmp / "ddp" / name).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert os.listdir(memory) == [] or not os.path.exists(run_folder(memory, str(tmp / "reuse")))
 
 
 def test_best_model_rotation_and_save_model_with_flash(runs):

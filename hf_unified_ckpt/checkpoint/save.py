@@ -67,6 +67,9 @@ class SaveRequest:
     #: Files one process writes whole go to disk with direct I/O (`store.direct`) where the filesystem allows:
     #: the offline converter, whose output the job does not read back.
     direct_io: bool = False
+    #: A folder of files an evicted checkpoint left (the memory tier): a file this rank writes alone takes the place
+    #: of the spare file of the same name and overwrites its memory (`SharedFileWriter`), rather than being created.
+    spare: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class SavePlan:
     saved_by: dict
     pieces: dict[str, dict[str, Pieces]] = dataclasses.field(default_factory=dict)  # component -> tensor -> pieces
     direct_io: bool = False  # SaveRequest.direct_io
+    spare: str | None = None  # SaveRequest.spare
     #: Object stores: file name -> multipart upload ID, every rank uploading its parts (`begin_multipart`).
     uploads: dict[str, str] | None = None
 
@@ -93,7 +97,7 @@ class SavePlan:
         folder every rank sees), else whole files."""
         if self.uploads is not None:
             return MultipartWriter(dist.rank(), self.uploads)
-        return SharedFileWriter(dist.rank(), self.direct_io) if self.pieces else WholeFileWriter()
+        return SharedFileWriter(dist.rank(), self.direct_io, self.spare) if self.pieces else WholeFileWriter()
 
 
 def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False) -> SavePlan:
@@ -111,7 +115,7 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False)
             metadata["codec"] = codec.metadata()
         plans[c.name] = dataclasses.replace(plan, index_metadata=metadata)
     pieces = census_of_pieces(engine, plans) if shared else {}
-    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, request.direct_io)
+    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, request.direct_io, spare=request.spare)
 
 
 def begin_multipart(plan: SavePlan, staging: "Staging") -> SavePlan:

@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 
 from ..format.planning import FilePlan, WriteItem
-from ..store import as_ref, join, store_for
+from ..store import as_ref, is_file, join, name_of, store_for
 from ..format.checksum import crc32
 from .files import FileRecord, RangeRecord
 from .safetensors_io import write_shard
@@ -95,9 +95,10 @@ def owner_of(file: FilePlan) -> int:
 class SharedFileWriter:
     """Every rank writes its own byte ranges of the shared files in place (see the module docstring)."""
 
-    def __init__(self, rank: int, direct_io: bool = False):
+    def __init__(self, rank: int, direct_io: bool = False, spare: str | None = None):
         self.rank = rank
         self.direct_io = direct_io
+        self.spare = spare
         self._fsyncs: list[Future] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -123,6 +124,8 @@ class SharedFileWriter:
 
     def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         ref = join(folder, file.name)
+        if self.spare is not None and file.writers == {self.rank}:
+            reuse_spare(self.spare, ref)
         records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
         store = store_for(ref)
         if self._pool is None:
@@ -143,6 +146,22 @@ class SharedFileWriter:
             fsyncs, self._pool, self._fsyncs = self._fsyncs, None, None
         for done in fsyncs:
             done.result()
+
+
+def reuse_spare(spare: str, ref: str) -> bool:
+    """Move the spare file named like `ref` (left in `spare` by an evicted checkpoint) to `ref`, so that writing
+    `ref` overwrites memory already in use instead of taking fresh pages (on a VM that hands free pages back to its
+    host, writing into fresh ones costs several times a copy: measured 2.0 s against 0.2-0.4 s for 600 MB in
+    /dev/shm). Only for a file one rank writes alone (no other process may have opened `ref`). Returns whether a
+    spare file was used."""
+    source = join(spare, name_of(ref))
+    if not is_file(source):
+        return False
+    try:
+        store_for(ref).move(source, ref)
+    except OSError:  # taken meanwhile, or on another filesystem (a save that fell back to durable storage)
+        return False
+    return True
 
 
 def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],

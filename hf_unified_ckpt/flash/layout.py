@@ -32,6 +32,7 @@ CHECKPOINTS = "checkpoints"
 SAVES = "saves"
 DURABLE = "durable"
 FAILED = "failed"
+SPARE = "spare"  # the tensor files of the last evicted memory checkpoint, overwritten by the next save
 LOCK_FILE = "persister.lock"
 PID_FILE = "persister.pid"
 LOG_FILE = "persister.log"

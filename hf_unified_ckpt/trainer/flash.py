@@ -29,7 +29,7 @@ from ..checkpoint.commit import COMMIT_FILE, list_checkpoints
 from ..checkpoint.layout import detect_layout
 from ..format.components import Role
 from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE, SAVES,
-                            SaveInfo, checkpoint_name, run_folder, save_info, write_record)
+                            SPARE, SaveInfo, checkpoint_name, run_folder, save_info, write_record)
 from ..options import FlashOptions
 from ..store import is_file, join, name_of, parent_of, read_bytes, remove, store_for
 from ..store.node import is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
@@ -181,11 +181,29 @@ class FlashTier:
             pending = info is not None and info.persist and not is_file(join(self.run, DURABLE, name))
             if name == best_name or pending or is_file(join(self.run, FAILED, name)):
                 continue
-            store_for(self.root).retire(join(self.root, name), COMMIT_FILE)
+            self._keep_as_spare(join(self.root, name))
             for record in (join(self.run, SAVES, f"{name}.json"), join(self.run, DURABLE, name)):
                 remove(record)
             evicted.append(step)
         return evicted
+
+    @property
+    def spare(self) -> str:
+        """Where the tensor files of the last evicted memory checkpoint wait for the next save to overwrite them
+        (`SaveRequest.spare`: its memory is reused rather than freed and taken again)."""
+        return join(self.run, SPARE)
+
+    def _keep_as_spare(self, checkpoint: str) -> None:
+        """Evict `checkpoint`: uncommit it (manifest first), keep its tensor files as the spare ones (replacing
+        the previous spare files), remove the rest. Local."""
+        store = store_for(checkpoint)
+        store.remove(join(checkpoint, COMMIT_FILE))
+        store.remove(self.spare)
+        store.make_folder(self.spare)
+        for name, size in store.list(checkpoint).items():
+            if size is not None and name.endswith(".safetensors"):
+                store.move(join(checkpoint, name), join(self.spare, name))
+        store.retire(checkpoint, COMMIT_FILE)
 
     # ---- the end -------------------------------------------------------------------------------------------------
     def finish(self, steps: list[int]) -> None:

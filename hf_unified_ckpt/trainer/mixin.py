@@ -320,7 +320,7 @@ class UnifiedCheckpointMixin(PreemptionMixin):
                 logger.warning("flash: the memory folder %s is full (%s); checkpoint-%d was saved to %s instead, and "
                                "so are the next saves of this run.", flash.run, why, step, durable)
 
-        memory = dataclasses.replace(request, final_dir=flash.final_dir(step))
+        memory = dataclasses.replace(request, final_dir=flash.final_dir(step), spare=flash.spare)
         engine_of(self).step_barrier(self, self._uc_wait_for_copies)
         self._uc_saver.start(engine, memory, small, after_commit=lambda: flash.after_commit(step, durable, best, limit),
                              fallback=Fallback(durable, rotate, said))
