@@ -191,16 +191,17 @@ def drop_page_cache(folder: Path) -> None:
 
 
 def step_callback():
-    """A TrainerCallback recording each step's duration (on_step_begin -> on_step_end), the first step's start and
-    the last step's end (`time.perf_counter()`)."""
+    """A TrainerCallback recording each step's duration (on_step_begin -> on_step_end), each step's start, the first
+    step's start and the last step's end (`time.perf_counter()`)."""
     from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
         def __init__(self):
-            self.steps, self.begin, self.first_begin, self.last_end = [], None, None, None
+            self.steps, self.begins, self.begin, self.first_begin, self.last_end = [], [], None, None, None
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begin = time.perf_counter()
+            self.begins.append(self.begin)
             if self.first_begin is None:
                 self.first_begin = self.begin
 
@@ -301,6 +302,7 @@ def throughput_worker(a: argparse.Namespace) -> None:
 
     world, out = int(os.environ["WORLD_SIZE"]), Path(a.out)
     results = {"no_saves": [], "flash": [], "no_saves_to_last_step": [], "flash_to_last_step": [],
+               "no_saves_second_half": [], "flash_second_half": [],
                "flash_to_first_step": [], "no_saves_to_first_step": [], "step_no_saves": [], "step_flash": []}
     kinds = ("no_saves", "flash")
     for rep in range(-1, a.reps):  # rep -1: a short untimed warm-up run (first-run costs of the process)
@@ -319,12 +321,15 @@ def throughput_worker(a: argparse.Namespace) -> None:
             start = time.perf_counter()
             trainer.train()
             total = time.perf_counter() - start
-            total, to_last, to_first = slowest([total, steps.last_end - start, steps.first_begin - start])
+            half = steps.begins[len(steps.begins) // 2]  # the second half: the memory tier's pages in use already
+            total, to_last, to_first, second = slowest([total, steps.last_end - start, steps.first_begin - start,
+                                                        steps.last_end - half])
             step_times = slowest(steps.steps)
             if rep >= 0:
                 results[kind].append(total)
                 results[f"{kind}_to_last_step"].append(to_last)
                 results[f"{kind}_to_first_step"].append(to_first)
+                results[f"{kind}_second_half"].append(second)
                 results[f"step_{kind}"].extend(step_times[1:])  # the first step of a run left out (warm-up)
             del trainer, steps
             gc.collect()
@@ -569,6 +574,7 @@ def report(a: argparse.Namespace, notes: list[str]) -> dict:
         t = r["throughput"]
         m = {k: med(t[k]) for k in ("no_saves", "flash", "no_saves_to_last_step", "flash_to_last_step",
                                     "no_saves_to_first_step", "flash_to_first_step")}
+        halves = {k: med(t[f"{k}_second_half"]) for k in ("no_saves", "flash") if t.get(f"{k}_second_half")}
         m["step_flash"] = med(t["step_flash"])
         c = summary["ratios"]["throughput"] = _check(m["no_saves"] / m["flash"], ">=", THROUGHPUT_TARGET)
         summary["medians_s"].update({f"throughput_{k}": round(v, 4) for k, v in m.items()})
@@ -584,6 +590,12 @@ def report(a: argparse.Namespace, notes: list[str]) -> dict:
               f"{m['no_saves'] - m['no_saves_to_last_step']:.2f} s without; to the first step "
               f"{m['flash_to_first_step']:.2f} s vs {m['no_saves_to_first_step']:.2f} s (persister start); median "
               f"step {m['step_flash']:.3f} s with flash vs {step:.3f} s")
+        if len(halves) == 2:
+            steady = halves["no_saves"] / halves["flash"]
+            summary["ratios"]["throughput_second_half"] = round(steady, 4)
+            print(f"    second half of the run (steps {a.steps // 2 + 1}-{a.steps}: the memory tier's pages and the "
+                  f"persister's are in use by then): {steady:.3f} ({halves['flash']:.2f} s vs "
+                  f"{halves['no_saves']:.2f} s)")
         raw["throughput"] = {k: t[k] for k in ("no_saves", "flash")}
     if "resume" in r:
         s = r["resume"]
