@@ -13,6 +13,7 @@ to be a strided view of one live tensor, or consecutive runs of views of several
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 
@@ -57,11 +58,7 @@ def _reverter(module: nn.Module):
 
 
 def _whole(key: str, shape) -> View:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.insert(0, step)
-        step *= size
-    return View(key, tuple(shape), tuple(stride), 0)
+    return View(key, tuple(shape), torch.empty(shape, device="meta").stride(), 0)
 
 
 def _layer_groups(names: Sequence[str]) -> list[list[str]]:
@@ -78,8 +75,9 @@ def _index_pass(module: nn.Module, revert, shapes: dict[str, tuple[int, ...]]) -
     bases, at = {}, 0
     for name, shape in shapes.items():
         bases[name] = at
-        at += max(1, _numel(shape))
-    index = {n: torch.arange(bases[n], bases[n] + _numel(s), dtype=torch.int64).reshape(s) for n, s in shapes.items()}
+        at += max(1, math.prod(shape))
+    index = {n: torch.arange(bases[n], bases[n] + math.prod(s), dtype=torch.int64).reshape(s)
+             for n, s in shapes.items()}
     views: dict[str, list[View]] = {n: [] for n in shapes}
     for key, values in revert(index).items():
         for source, view in _as_views(module, key, values, bases, shapes):
@@ -101,7 +99,7 @@ def _as_views(module, key: str, values: torch.Tensor, bases: dict[str, int], sha
         raise _refusal(module, key, "it interleaves the elements of several tensors the model holds")
     if len(runs) == 1:
         return [(runs[0][0], _view(module, key, values - bases[runs[0][0]], shapes[runs[0][0]]))]
-    row = _numel(values.shape[1:])
+    row = math.prod(values.shape[1:])
     out = []
     for source, a, b in runs:
         local = flat[a:b] - bases[source]
@@ -117,17 +115,10 @@ def _view(module, key: str, local: torch.Tensor, live_shape) -> View:
     stride = tuple(int(local[tuple(1 if d == dim else 0 for d in range(local.dim()))]) - first if size > 1 else 0
                    for dim, size in enumerate(local.shape))
     view = View(key, tuple(local.shape), stride, first)
-    inside = bool(((local >= 0) & (local < _numel(live_shape))).all())
+    inside = bool(((local >= 0) & (local < math.prod(live_shape))).all())
     if not inside or not torch.equal(view.positions(), local):
         raise _refusal(module, key, "its elements are not a slice or transposition of the tensors the model holds")
     return view
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _refusal(module: nn.Module, key: str, why: str) -> UnsupportedCheckpointError:
