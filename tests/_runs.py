@@ -112,6 +112,9 @@ MOE = {
     "qwen3_moe_square": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         intermediate_size=46, moe_intermediate_size=32, hidden_size=32, num_experts=5, num_experts_per_tok=2,
         head_dim=8)),
+    "qwen3_moe_tied": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(  # lm_head is the embedding
+        intermediate_size=46, moe_intermediate_size=8, num_experts=5, num_experts_per_tok=2, head_dim=10,
+        tie_word_embeddings=True)),
     "qwen3_moe_ep": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(  # 4 experts: expert parallelism splits evenly
         intermediate_size=46, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, head_dim=10)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
@@ -849,7 +852,8 @@ LAYER_CLASS = {"llama": "LlamaDecoderLayer", "lora": "LlamaDecoderLayer", "gpt2"
                "llama_tp": "LlamaDecoderLayer", "llama_tp_tied": "LlamaDecoderLayer", "llama_s3": "LlamaDecoderLayer",
                "qwen3_moe": "Qwen3MoeDecoderLayer", "qwen3_moe_square": "Qwen3MoeDecoderLayer",
                "mixtral": "MixtralDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer",
-               "lora_moe": "Qwen3MoeDecoderLayer", "qwen3_moe_pretrained": "Qwen3MoeDecoderLayer"}
+               "lora_moe": "Qwen3MoeDecoderLayer", "qwen3_moe_pretrained": "Qwen3MoeDecoderLayer",
+               "qwen3_moe_tied": "Qwen3MoeDecoderLayer"}
 
 
 def fsdp_args(version: int = 2, state_dict_type: str = "SHARDED_STATE_DICT", model: str = "llama") -> dict:

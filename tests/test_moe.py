@@ -2,7 +2,7 @@
 `save_pretrained`), under every engine, on 1 and 2 real ranks (gloo, CPU): one launch of 2 processes, the
 single-process runs in this process.
 
-Models (`_runs.MOE`, built locally): Qwen3-MoE (5 experts: 3 + 2 FSDP2 rows at 2 ranks, and every ZeRO partition
+Models (`_runs.MOE`, built locally): Qwen3-MoE (also with tied embeddings, saved alone, resumed under FSDP2) (5 experts: 3 + 2 FSDP2 rows at 2 ranks, and every ZeRO partition
 boundary cuts an expert), the same with square experts (intermediate = hidden: conversions that decide a
 transposition by comparing shapes, transformers #47031), Qwen3-MoE loaded with `from_pretrained` from the
 per-expert files `save_pretrained` wrote (under ZeRO-3: partitioned at load by zero.Init, with accelerate's MoE
@@ -39,6 +39,7 @@ LEAF = {"ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "Qwen3MoeSparseMoeBlock"}
 # tag -> (model, where it resumes from or None, run fields); single-process savers run first, here
 SINGLE_SAVERS = {"single": ("qwen3_moe", None, {}), "mixtral": ("mixtral", None, {}),
                  "deepseek": ("deepseek_v3", None, {}), "hrm": ("hrm_text", None, {}),
+                 "tied": ("qwen3_moe_tied", None, {}),
                  "plain": ("qwen3_moe", None, {"overrides": {"unified_checkpoint": False}})}  # the plain Trainer's
 LAUNCH = {  # 2 ranks, in this order
     "single-ddp": ("qwen3_moe", "single", {}),
@@ -52,6 +53,7 @@ LAUNCH = {  # 2 ranks, in this order
     "mixtral-z3": ("mixtral", "mixtral", {"zero": 3}),
     "deepseek-z3": ("deepseek_v3", "deepseek", {"zero": 3}),
     "hrm-z3": ("hrm_text", "hrm", {"zero": 3}),
+    "tied-f2": ("qwen3_moe_tied", "tied", {"fsdp": 2}),
     "o1": ("qwen3_moe", None, {"zero": 2, "overrides": O1_EMA_ASYNC}),
     "o1-f2": ("qwen3_moe", "o1", {"fsdp": 2, "overrides": O1_EMA_ASYNC}),
     "f1": ("qwen3_moe", None, {"fsdp": 1}),
@@ -74,6 +76,7 @@ CELLS = {
     "mixtral-z3": ("mixtral", False, LOSS_RTOL, STATE_ATOL),
     "deepseek-z3": ("deepseek", False, LOSS_RTOL, STATE_ATOL),
     "hrm-z3": ("hrm", False, LOSS_RTOL, STATE_ATOL),
+    "tied-f2": ("tied", False, LOSS_RTOL, STATE_ATOL),
     "o1-f2": ("o1", False, 1e-3, 1e-2),  # int8 moments (test_compression.py: O1 drift about 1e-5 on losses)
     "f1-z3": ("f1", False, LOSS_RTOL, STATE_ATOL),
     "plain-ddp": ("plain", False, LOSS_RTOL, STATE_ATOL),
@@ -81,7 +84,8 @@ CELLS = {
     "fused-1": ("fused", False, LOSS_RTOL, STATE_ATOL),
 }
 SAVERS = {"single": "qwen3_moe", "z3": "qwen3_moe", "f2sq": "qwen3_moe_square", "z2bf16": "qwen3_moe", "f1": "qwen3_moe",
-          "mixtral": "mixtral", "deepseek": "deepseek_v3", "o1": "qwen3_moe", "hrm": "hrm_text", "hrm-z3": "hrm_text"}
+          "mixtral": "mixtral", "deepseek": "deepseek_v3", "o1": "qwen3_moe", "hrm": "hrm_text", "hrm-z3": "hrm_text",
+          "tied": "qwen3_moe_tied", "tied-f2": "qwen3_moe_tied"}
 
 
 def _spec(tmp, tag, model, resume, fields):
@@ -144,7 +148,7 @@ def test_model_files_are_what_save_pretrained_writes(moe, saver, tmp_path):
     assert any(".experts.4." in k or "gate_up_proj" in k for k in _saved_keys(ckpt, "model"))
     _, info = AutoModelForCausalLM.from_pretrained(ckpt, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert_from_pretrained_equals(ckpt, state)
+    assert_from_pretrained_equals(ckpt, state, tied=SAVERS[saver].endswith("_tied"))
 
 
 @pytest.mark.dist
