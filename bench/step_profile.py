@@ -1,7 +1,7 @@
 """Per-step times around saves: where a background save's cost lands in training (a diagnostic, no target).
 
     torchrun --standalone --nproc_per_node 2 bench/step_profile.py none|async|flash [--steps 30] [--every 5]
-                                                                   [--size 103m]
+                                                                   [--size 103m] [--keep K] [--persist-every M]
 
 Trains bench_save.py's Llama under DDP (gloo, CPU, fp32, AdamW) for `--steps` steps: without saves (`none`), with an
 `async_save` to output_dir every `--every` steps (`async`), or with a `flash` save into a fresh /dev/shm folder
@@ -39,13 +39,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--size", default="103m")
+    parser.add_argument("--keep", type=int, default=2, help="flash: memory checkpoints kept (K)")
+    parser.add_argument("--persist-every", type=int, default=4, help="flash: every Mth save made durable")
     a = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     out = Path(tempfile.gettempdir()) / f"step-profile-{a.mode}"
     # one folder for every rank of the launch (torchrun gives its workers one run id)
     memory = f"/dev/shm/hf_unified_ckpt-step-profile-{os.environ.get('TORCHELASTIC_RUN_ID', uuid.uuid4().hex)[:12]}"
     trainer = build_ddp_trainer(out, world, a.size, memory, flash=a.mode == "flash", max_steps=a.steps,
-                                save_steps=None if a.mode == "none" else a.every)
+                                save_steps=None if a.mode == "none" else a.every,
+                                persist_every=a.persist_every, keep=a.keep)
     if a.mode == "async":
         options = trainer.args.unified_checkpoint_options
         trainer.args._unified_checkpoint_options = dataclasses.replace(options, async_save=True)

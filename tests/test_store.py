@@ -437,6 +437,25 @@ def test_failed_whole_file_write_leaves_no_file(remote_run):
     assert store.read(ref) == b"abcdefgh" and store.read(ref, 2, 3) == b"cde"
 
 
+@pytest.mark.parametrize("size", [0, 5, 8, 13])
+def test_read_chunks_streams_a_file_in_order_on_every_store(run_ref, size):
+    """`Store.read_chunks` (what the persister streams a memory file with): consecutive ranges of `chunk` bytes,
+    the last shorter, one empty range for an empty file; a local file's ranges are views of one mapping, which is
+    released once the caller drops them (the file can then be removed)."""
+    store = store_for(run_ref)
+    ref = join(run_ref, f"f{size}.bin")
+    data = bytes(range(size))
+    store.make_folder(run_ref)
+    store.put(ref, data)
+    got = [(offset, bytes(view)) for offset, view in store.read_chunks(ref, 4)]
+    want = [(o, data[o:o + 4]) for o in range(0, size, 4)] or [(0, b"")]
+    assert got == want
+    store.remove(ref)
+    assert store.size(ref) is None
+    with pytest.raises(FileNotFoundError):
+        list(store.read_chunks(ref, 4))
+
+
 # ---- 3. the persist job is data ---------------------------------------------------------------------------------
 
 def _pin_child_threads() -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -75,6 +75,11 @@ class Store(Protocol):
     def read(self, ref: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes `[offset, offset + length)` of file `ref` (to its end when `length` is None). FileNotFoundError
         when it is missing."""
+
+    def read_chunks(self, ref: str, chunk: int) -> Iterator[Range]:
+        """File `ref` as consecutive (offset, bytes) ranges of `chunk` bytes (the last shorter; one empty range for
+        an empty file), read one at a time as they are asked for: what a copy into another store streams. A
+        local file is mapped, not read (no buffer is allocated per range; a range is valid until the next)."""
 
     def open_tensors(self, ref: str, blocks: dict | None = None):
         """A lazy handle on safetensors file `ref` (`format.reader.FileHandle`): tensors or slices of them read
@@ -163,7 +168,15 @@ class ManifestCommit:
 
 
 class RangedReads:
-    """`open_tensors` and `crc32` of a store without local paths, from its `size` and ranged `read`."""
+    """`read_chunks`, `open_tensors` and `crc32` of a store without local paths, from its `size` and ranged
+    `read`."""
+
+    def read_chunks(self, ref: str, chunk: int) -> Iterator[Range]:
+        size = self.size(ref)
+        if size is None:
+            raise FileNotFoundError(ref)
+        for offset in range(0, size, chunk) if size else [0]:
+            yield offset, memoryview(self.read(ref, offset, min(chunk, size - offset)))
 
     def open_tensors(self, ref: str, blocks: dict | None = None):
         from .ranged import RangedFile  # here: torch is imported only where tensors are read

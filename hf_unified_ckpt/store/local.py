@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from . import local_io
 from .base import Capabilities, NoMultipart, Range, Written, as_ref
@@ -68,6 +68,9 @@ class LocalStore(NoMultipart):
             if offset:
                 f.seek(offset)
             return f.read() if length is None else f.read(length)
+
+    def read_chunks(self, ref: str, chunk: int) -> Iterator[Range]:
+        return local_io.mapped_chunks(self._path(ref), chunk)
 
     def open_tensors(self, ref: str, blocks: dict | None = None):
         """`safe_open` (memory-mapped; a local checkpoint is verified whole before loading: `blocks` unused)."""
