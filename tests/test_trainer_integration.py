@@ -99,6 +99,26 @@ def test_save_only_model_checkpoint_refuses_exact_resume(tmp_path):
         train(tmp_path / "b", max_steps=6, resume=str(ckpt))
 
 
+@pytest.mark.parametrize("overrides, word", [
+    ({"unified_checkpoint_config": "async_save"}, "async_save with push_to_hub"),
+    ({"unified_checkpoint_config": "flash", "unified_checkpoint_memory_dir": "MEMORY"}, "flash with push_to_hub"),
+    ({"unified_checkpoint_storage": "memory://push-refusal/run"}, "unified_checkpoint_storage with push_to_hub"),
+])
+def test_push_to_hub_with_a_background_or_remote_save_is_refused_before_the_first_step(overrides, word, tmp_path):
+    """The Hub upload reads output_dir right after a save: with a save still in flight, or checkpoints elsewhere,
+    it would upload nothing or half. `train()` refuses before step 1 (push_to_hub is set after the Trainer is built:
+    its __init__ would create the Hub repository, and nothing here reaches the network)."""
+    reset_accelerate_state()
+    overrides = {k: str(tmp_path / "memory") if v == "MEMORY" else v for k, v in overrides.items()}
+    trainer = Trainer(model=build_model(), args=make_args(tmp_path / "out", **overrides), train_dataset=TokenDataset())
+    hf_unified_ckpt.attach(trainer)
+    trainer.args.push_to_hub = True
+    with pytest.raises(UnsupportedCheckpointError, match=f"{word} is not supported yet.*Drop one of them"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
 def test_resume_from_a_folder_that_is_no_checkpoint(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "readme.txt").write_text("hi")

@@ -95,7 +95,8 @@ def _verify(path: str, checksums: bool = True) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: every command and flag (docs/cli.md documents each; `tests/test_docs.py` checks)."""
     parser = argparse.ArgumentParser(prog="hf-unified-ckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="what a checkpoint folder is, whether it is complete, what it holds")
@@ -132,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                           help="with --merge-lora: the base model folder or Hub id (default: the adapter config's "
                                "base_model_name_or_path)")
     p_export.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "export":
             from .export import export
