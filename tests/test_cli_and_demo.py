@@ -39,6 +39,10 @@ def test_info_on_each_kind(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["verify", str(tmp_path / "u" / "checkpoint-3")]) == 1
     assert "not a complete unified checkpoint" in capsys.readouterr().err
+    # a flag without the one it refines: one line saying what to do, status 1, no traceback
+    assert cli(["export", str(tmp_path / "u" / "checkpoint-3"), str(tmp_path / "x"), "--base-model", "b"]) == 1
+    assert capsys.readouterr().err.startswith("error: --base-model is only used with --merge-lora")
+    assert not (tmp_path / "x").exists()
 
 
 def test_console_script_and_module_entry_points(tmp_path):

@@ -47,6 +47,19 @@ def test_the_exception_is_a_quiet_system_exit_that_pickles():
     assert (str(back), back.code, back.step, back.checkpoint, back.saved) == (str(e), 143, 4, "/x/checkpoint-4", True)
 
 
+def test_the_message_states_the_status_the_process_exits_with():
+    """A rank that got no signal and lost a peer exits 1, and its message says 1 (not 128)."""
+    from hf_unified_ckpt.options import PreemptionOptions
+    from hf_unified_ckpt.trainer.preemption import Watch
+
+    watch = Watch(PreemptionOptions(enabled=True, signals=(15,), grace_period=30.0, requeue=False))
+    lost = watch.ended(0, 4, "/x/checkpoint-3", False, "voting")
+    signalled = watch.ended(15, 4, "/x/checkpoint-4", True, "at a step boundary")
+    assert (lost.code, signalled.code) == (1, 143)
+    assert "a lost peer" in str(lost) and "Exiting with status 1;" in str(lost)
+    assert "SIGTERM" in str(signalled) and "Exiting with status 143;" in str(signalled)
+
+
 class SignalAt(TrainerCallback):
     """Sends `signals` to this process in the middle of step `step` (after its backward)."""
 

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(info, sort_keys=True)) if args.json else _print_info(info)
             return 0
         return _verify(args.path)
-    except (UnifiedCheckpointError, FileExistsError) as e:
+    except (UnifiedCheckpointError, FileExistsError, FileNotFoundError, ValueError) as e:  # a bad path or flag
         print(f"error: {e}", file=sys.stderr)
         return 1
 

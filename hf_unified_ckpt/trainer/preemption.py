@@ -198,7 +198,7 @@ class Watch:
         else:
             what = "nothing saved (there is no checkpoint yet)"
         message = (f"Training preempted by {name} at step {step} ({where}): {what}. Exiting with status "
-                   f"{128 + number}; resume with train(resume_from_checkpoint='auto').")
+                   f"{128 + number if number else 1}; resume with train(resume_from_checkpoint='auto').")
         if dist.rank() == 0:
             logger.warning("%s", message)
             if self.options.requeue:
