@@ -280,6 +280,25 @@ def test_direct_io_streams_the_same_bytes_through_a_reused_bounce_buffer(tmp_pat
     def no_direct_write(fd, data, offset):
         raise OSError(errno.EINVAL, "Invalid argument")
 
+    # page-aligned memory (a mapped file, as the persister copies from) is written from where it lies, whole blocks
+    # of each range that starts at an aligned offset; the tail through the buffer
+    import mmap
+
+    source = tmp_path / "source"
+    source.write_bytes(data)
+    straight = []
+    monkeypatch.setattr(direct, "_write_from", lambda fd, d, o, _f=direct._write_from: straight.append(o) or _f(fd, d, o))
+    with open(source, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        bounds = ((0, 8192), (8192, 16384), (16384, len(data)))
+        chunks = [(a, view[a:b]) for a, b in bounds]
+        assert direct.write_whole_direct(tmp_path / "mapped", iter(chunks), len(data)) == [
+            (a, b - a, zlib.crc32(data[a:b])) for a, b in bounds]
+        del chunks
+        view.release()
+    assert (tmp_path / "mapped").read_bytes() == data and straight == [0, 8192, 16384]
+    monkeypatch.undo()
+
     monkeypatch.setattr(os, "open", no_direct)  # what tmpfs answers
     assert direct.write_whole_direct(tmp_path / "tmpfs", watched(), len(data)) is None
     monkeypatch.setattr(os, "open", real_open)
