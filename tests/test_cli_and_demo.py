@@ -39,6 +39,11 @@ def test_info_on_each_kind(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["verify", str(tmp_path / "u" / "checkpoint-3")]) == 1
     assert "not a complete unified checkpoint" in capsys.readouterr().err
+    # a legacy folder is named as one, with what to do; a path that does not exist is an error, not "unknown"
+    assert cli(["verify", str(tmp_path / "legacy" / "checkpoint-3")]) == 1
+    assert "(kind hf-trainer): a complete legacy hf-trainer checkpoint" in capsys.readouterr().err
+    assert cli(["info", str(tmp_path / "nothing")]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nothing'}: no such folder")
     # a flag without the one it refines: one line saying what to do, status 1, no traceback
     assert cli(["export", str(tmp_path / "u" / "checkpoint-3"), str(tmp_path / "x"), "--base-model", "b"]) == 1
     assert capsys.readouterr().err.startswith("error: --base-model is only used with --merge-lora")

@@ -58,6 +58,14 @@ class Layout:
         machines' folders), or a complete legacy folder."""
         return self.kind == UNIFIED or self.complete
 
+    @property
+    def not_unified_why(self) -> str:
+        """Why this is no complete unified checkpoint, in words (a complete legacy folder has no `reason`)."""
+        if self.kind in (DEEPSPEED, FSDP, HF_TRAINER) and self.complete:
+            return (f"a complete legacy {self.kind} checkpoint: training resumes from it as it is, and "
+                    "`hf-unified-ckpt convert` writes a unified copy")
+        return self.reason
+
 
 def detect_layout(path: str | os.PathLike) -> Layout:
     path = as_ref(path)

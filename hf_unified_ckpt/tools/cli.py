@@ -16,10 +16,12 @@ from ..checkpoint.layout import UNIFIED, detect_layout
 from ..format.headers import tensor_specs
 from ..store.safetensors_header import read_safetensors_header
 from ..checkpoint.manifest import spread_hint, verify_folder
-from ..store import join
+from ..store import is_folder, join
 
 
 def _info(path: str) -> dict:
+    if not is_folder(path):
+        raise FileNotFoundError(f"{path}: no such folder (info describes a checkpoint folder)")
     layout = detect_layout(path)
     info = {"path": str(layout.path), "kind": layout.kind, "complete": layout.complete,
             "global_step": layout.global_step, "reason": layout.reason or None,
@@ -80,7 +82,8 @@ def _print_info(info: dict) -> None:
 def _verify(path: str, checksums: bool = True) -> int:
     layout = detect_layout(path)
     if layout.kind != UNIFIED or layout.manifest is None:
-        print(f"FAIL {path}: not a complete unified checkpoint (kind {layout.kind}): {layout.reason}", file=sys.stderr)
+        print(f"FAIL {path}: not a complete unified checkpoint (kind {layout.kind}): {layout.not_unified_why}",
+              file=sys.stderr)
         return 1
     problems = verify_folder(layout.path, layout.manifest, checksums=checksums)
     if problems:
