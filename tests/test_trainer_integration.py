@@ -119,6 +119,19 @@ def test_push_to_hub_with_a_background_or_remote_save_is_refused_before_the_firs
     assert not list((tmp_path / "out").glob("checkpoint-*"))
 
 
+def test_a_parameter_name_with_a_slash_is_refused_before_the_first_step(tmp_path):
+    """'/' separates a parameter's name from its state's in optimizer keys: such a name is refused in train()
+    (before step 1, naming the parameter), not at the first save."""
+    reset_accelerate_state()
+    model = build_model()
+    model.register_parameter("odd/name", torch.nn.Parameter(torch.zeros(1)))
+    trainer = Trainer(model=model, args=make_args(tmp_path / "out"), train_dataset=TokenDataset())
+    hf_unified_ckpt.attach(trainer)
+    with pytest.raises(UnsupportedCheckpointError, match=r"\['odd/name'\] contain '/'.*without '/'"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not list((tmp_path / "out").glob("checkpoint-*"))
+
+
 def test_resume_from_a_folder_that_is_no_checkpoint(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "readme.txt").write_text("hi")

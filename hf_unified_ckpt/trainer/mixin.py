@@ -138,6 +138,12 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         if options.storage is not None and self.args.push_to_hub:
             raise UnsupportedCheckpointError("unified_checkpoint_storage with push_to_hub is not supported yet: the "
                                              "Hub upload reads checkpoints from output_dir. Drop one of them.")
+        slashed = [n for n, _ in self.model.named_parameters() if "/" in n] if options.enabled else []
+        if slashed:
+            raise UnsupportedCheckpointError(
+                f"parameter name(s) {slashed[:5]} contain '/', which unified checkpoints reserve for optimizer keys "
+                "(`<parameter name>/<state name>`). Register the parameter under a name without '/', or train "
+                "without unified_checkpoint.")
         engine = engine_of(self)
         refusal = engine.refusal(self)
         if refusal:
