@@ -16,8 +16,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), ROOT / "bench" / "results" / "HISTORY.md"]
@@ -99,7 +97,8 @@ def test_every_relative_link_resolves():
 
 
 def _defined_tests() -> dict[str, set[str]]:
-    return {f.name: set(re.findall(r"^def (test_\w+)\(", f.read_text(), re.M)) for f in (ROOT / "tests").glob("test_*.py")}
+    return {f.name: set(re.findall(r"^def (test_\w+)\(", f.read_text(), re.M))
+            for f in (ROOT / "tests").glob("test_*.py")}
 
 
 def test_every_test_the_docs_name_exists():
@@ -130,9 +129,11 @@ def test_every_field_and_word_is_documented_with_the_codes_default():
         assert default.startswith("`") and default.endswith("`"), f"options.md: {name}'s default is not `code`"
         documented[name] = ast.literal_eval(default.strip("`"))
     fields = {f.name: f.default for f in dataclasses.fields(UnifiedCheckpointFields)}
-    assert set(documented) == set(fields), (f"options.md table vs the code: missing {sorted(set(fields) - set(documented))}, "
-                                            f"not fields {sorted(set(documented) - set(fields))}")
-    wrong = {n: (documented[n], d) for n, d in fields.items() if documented[n] != d or type(documented[n]) is not type(d)}
+    assert set(documented) == set(fields), (f"options.md table vs the code: missing "
+                                            f"{sorted(set(fields) - set(documented))}, not fields "
+                                            f"{sorted(set(documented) - set(fields))}")
+    wrong = {n: (documented[n], d) for n, d in fields.items()
+             if documented[n] != d or type(documented[n]) is not type(d)}
     assert not wrong, f"defaults in options.md differ from the code (docs, code): {wrong}"
     words = {row[0].strip("`") for row in _table_rows(text, "| word | effect |")}
     assert words == set(CONFIG_WORDS), f"config words: docs {sorted(words)} vs code {sorted(CONFIG_WORDS)}"

@@ -6,8 +6,8 @@ removes, or an uncommitted prefix in object storage that nothing picks).
 Several machines: each machine's memory folder holds the small files rank 0 wrote, its ranks' own small files
 (RNG state) and its share of the tensor files. The machine of rank 0 (the leader) prepares the durable staging
 folder and leaves a start mark; every other machine's persister waits for it, copies what it holds and leaves a
-done mark; the leader copies what it holds, waits for every done mark, then writes the manifest and commits. The durable storage must be one that
-every machine sees (a shared filesystem or a bucket).
+done mark; the leader copies what it holds, waits for every done mark, then writes the manifest and commits. The
+durable storage must be one that every machine sees (a shared filesystem or a bucket).
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[
 def _copy_file(src: str, dst: str, record: dict) -> None:
     """Copy `src` to `dst` durably; its CRC-32 must equal the manifest's. A file up to `CHUNK` bytes is put
     atomically (the small files rank 0 wrote are in every machine's folder, and machines may copy them at once), a
-    larger one streamed (a tensor file lies in one machine's folder only): mapped from memory and written with
-    direct I/O where the durable store allows it. Both matter on a machine that trains beside the copy: reading into fresh
-    buffers and filling fresh page cache cost 1.6 s of CPU per 600 MB on this VM, mapped + direct 0.2 s
-    (`bench/persist_copy.py`)."""
+    larger one streamed (a tensor file lies in one machine's folder only): mapped from memory and written from the
+    mapping with direct I/O where the durable store allows it. This matters on a machine that trains beside the
+    copy: reading into fresh buffers and filling fresh page cache cost 0.7-1.7 s of CPU per 600 MB on this VM,
+    mapped + direct 0.15 s (`bench/persist_copy.py`)."""
     size = record["size"]
     source = store_for(src)
     if size <= CHUNK:

@@ -1,5 +1,5 @@
-"""Writing a whole file with direct I/O (`O_DIRECT`): the bytes go from an aligned bounce buffer to the disk,
-bypassing the page cache, so a large one-writer save does not first fill gigabytes of page cache and then wait for
+"""Writing a whole file with direct I/O (`O_DIRECT`): the bytes go from aligned memory to the disk, bypassing the
+page cache, so a large one-writer save does not first fill gigabytes of page cache and then wait for
 their writeback (fsync), and does not evict the page cache the job is using. Used where one process writes every
 byte of a file (the offline converter, the memory tier's persister); the caller still fsyncs the file for its
 metadata (size, extents).
@@ -7,11 +7,11 @@ metadata (size, extents).
 Direct I/O needs the buffer address, file offset and length aligned to the device's logical block size. A range
 in page-aligned memory (a mapped file: the persister's copy of a memory checkpoint) is written from where it lies;
 any other goes through a bounce buffer, page-aligned (anonymous `mmap`) and reused for every file of a thread. The
-file's last block is written padded, then the file is truncated to its real size. The ranges are consumed as an iterable, one at a time,
-so that the caller can produce (read, assemble) the next range while this one is written. Filesystems without
-direct I/O (tmpfs, some network filesystems) refuse it with EINVAL at open or at a first aligned write, made before
-any range is consumed: `write_whole_direct` then returns None, and the caller writes the file through the page
-cache.
+file's last block is written padded, then the file is truncated to its real size. The ranges are consumed as an
+iterable, one at a time, so that the caller can produce (read, assemble) the next range while this one is written.
+Filesystems without direct I/O (tmpfs, some network filesystems) refuse it with EINVAL at open or at a first aligned
+write, made before any range is consumed: `write_whole_direct` then returns None, and the caller writes the file
+through the page cache.
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, weights: s
     layout = detect_layout(checkpoint)
     if layout.kind != UNIFIED or not layout.complete:
         raise UnsupportedCheckpointError(f"{checkpoint} is not a complete unified checkpoint ({layout.kind}: "
-                                         f"{layout.not_unified_why}); export reads unified folders (convert a legacy one first).")
+                                         f"{layout.not_unified_why}); export reads unified folders (convert a legacy "
+                                         "one first).")
     components = layout.manifest["components"]
     wanted = WEIGHTS[weights]
     if wanted not in components:
