@@ -550,6 +550,7 @@ def run_spec(run: dict, world_size: int) -> dict:
         scaler = RecordLossScaler(trainer) if run.get("fp16") else None
         if run.get("stop_after_save"):
             trainer.add_callback(stop_after_save(trainer, *run["stop_after_save"]))
+        revived = KillPersister(trainer, *run["kill_persister"]) if run.get("kill_persister") else None
         trainer.train(resume_from_checkpoint=run.get("resume"))
     if shim:
         assert_sharded(trainer)
@@ -563,7 +564,8 @@ def run_spec(run: dict, world_size: int) -> dict:
     return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {}),
             "resumed_from": resumed.layout.path if resumed is not None else None,
             **(scaler.result() if scaler else {}),
-            **({"weights": every.record} if every else {})}
+            **({"weights": every.record} if every else {}),
+            **({"durable_while_training": revived.durable} if revived else {})}
 
 
 def trainable_fp32(trainer) -> dict[str, torch.Tensor]:
@@ -579,6 +581,57 @@ def trainable_fp32(trainer) -> dict[str, torch.Tensor]:
     state = final_state(trainer)
     names = [n for n, p in extract_model_from_parallel(trainer.model_wrapped).named_parameters() if p.requires_grad]
     return {n: state[n].float() for n in names}
+
+
+def _wait_until(ready, timeout: float) -> bool:
+    """Poll `ready` every 0.1 s for up to `timeout` seconds; whether it became true."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+class KillPersister:
+    """Flash: SIGKILL the run's persister when step `kill_at` begins (rank 0; the kernel releases its lock, and the
+    next save that commits finds it free), then, when step `check_at` begins, wait up to 60 s for checkpoint `name` to be durable in output_dir (`durable`: True
+    if it was, while training still runs; a killed persister is otherwise only replaced when train() ends)."""
+
+    def __init__(self, trainer, kill_at: int, check_at: int, name: str):
+        import signal
+        import subprocess
+
+        import torch.distributed as dist
+        from transformers import TrainerCallback
+
+        from hf_unified_ckpt.checkpoint.layout import detect_layout
+
+        self.durable = None
+        outer = self
+
+        def kill() -> None:
+            run = trainer._uc_flash.run
+            found = subprocess.run(["pgrep", "-f", f"hf_unified_ckpt.flash.persister {run}"], capture_output=True,
+                                   text=True).stdout.split()
+            assert found, "no persister to kill"
+            for pid in found:
+                os.kill(int(pid), signal.SIGKILL)
+
+        def durable() -> bool:
+            folder = os.path.join(trainer.args.output_dir, name)
+            return os.path.isdir(folder) and detect_layout(folder).committed
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if dist.get_rank() != 0:
+                    return
+                if state.global_step + 1 == kill_at:
+                    kill()
+                if state.global_step + 1 == check_at:
+                    outer.durable = _wait_until(durable, 60)
+
+        trainer.add_callback(_Callback())
 
 
 class RecordWeights:

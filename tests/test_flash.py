@@ -67,14 +67,15 @@ def _durable(folder) -> list[str]:
 def runs(tmp_path_factory, memory):
     """One launch of DDP x 2: a plain flash run (the baseline every resume is compared with), the same with
     evaluation, load_best_model_at_end, rotation and save_model, one whose memory folder is full from the
-    save of step 4 on, and one keeping a single memory checkpoint (its evicted files are overwritten by the next
-    save)."""
+    save of step 4 on, one keeping a single memory checkpoint (its evicted files are overwritten by the next
+    save), and one whose persister is killed while it trains."""
     tmp = tmp_path_factory.mktemp("flash")
     specs = [_spec(tmp, memory, "ddp", unified_checkpoint_persist_every=2),
              loop_spec(_spec(tmp, memory, "loop", unified_checkpoint_persist_every=2), tmp / "loop-model"),
              {**_spec(tmp, memory, "full"), "memory_full_from": 4},
              {**_spec(tmp, memory, "reuse", unified_checkpoint_persist_every=2, unified_checkpoint_memory_keep=1),
-              "record_reuse": True}]
+              "record_reuse": True},
+             {**_spec(tmp, memory, "revive", unified_checkpoint_persist_every=1), "kill_persister": [3, 5, "checkpoint-4"]}]
     proc = torchrun(2, specs, tmp)
     out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False) for s in specs}
     return tmp, out, proc
@@ -113,6 +114,20 @@ def test_an_evicted_checkpoints_memory_is_overwritten_by_the_next_save(runs, mem
         b = AutoModelForCausalLM.from_pretrained(tmp / "ddp" / name).state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert os.listdir(memory) == [] or not os.path.exists(run_folder(memory, str(tmp / "reuse")))
+
+
+def test_a_persister_killed_while_training_runs_is_replaced_at_the_next_save(runs):
+    """The persister is killed (SIGKILL, as the out-of-memory killer does) when step 3 begins, every save to be made
+    durable: the save of step 4 finds it gone, says so once and starts a new one, which makes checkpoint-4 durable
+    while training still runs (without that, every save would wait in memory until train() ends). Training is the
+    baseline's, bit for bit; every checkpoint ends up durable and verified."""
+    tmp, out, proc = runs
+    assert out["revive"]["durable_while_training"] is True
+    assert (proc.stdout + proc.stderr).count("is not running (it was killed?); starting a new one") == 1
+    assert _durable(tmp / "revive") == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    for name in _durable(tmp / "revive"):
+        verify_checkpoint(str(tmp / "revive" / name))
+    assert_resumed_matches(out["revive"], out["ddp"], range(1, 7), exact=True, loss_rtol=0, state_atol=0)
 
 
 def test_best_model_rotation_and_save_model_with_flash(runs):

@@ -162,12 +162,15 @@ class FlashTier:
 
     def after_commit(self, step: int, durable_final: str, best: str | None, save_total_limit: int | None) -> None:
         """On each machine's lowest rank, once the memory save committed: the save's record for the persister (made
-        durable every `persist_every`-th save), then eviction. Local."""
+        durable every `persist_every`-th save), a new persister if the machine's died, then eviction. Local."""
         self.saves += 1
         protect = (join(self.durable_root, name_of(best)),) if best else ()
         info = SaveInfo(step, self.saves % self.options.persist_every == 0, durable_final, self.node, self.nodes,
                         save_total_limit, protect)
         write_record(join(self.run, SAVES, f"{checkpoint_name(step)}.json"), info.to_bytes())
+        if not is_locked(join(self.run, LOCK_FILE)):  # killed (out of memory, by hand): saves would wait for the end
+            logger.warning("flash: the persister of %s is not running (it was killed?); starting a new one.", self.run)
+            self._ensure_persister()
         self.evict(best)
 
     def evict(self, best: str | None) -> list[int]:
