@@ -12,13 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 import torch
 
-from _runs import assert_loop_options, assert_resumed_matches, loop_spec, run_spec
+from _runs import _wait_until, assert_loop_options, assert_resumed_matches, loop_spec, run_spec
 from conftest import torchrun, torchrun_machines, torchrun_popen
 from hf_unified_ckpt.checkpoint.layout import detect_layout
 from hf_unified_ckpt.checkpoint.load import verify_checkpoint
@@ -52,10 +51,7 @@ def _persisters(run: str) -> list[int]:
 
 
 def _wait(predicate, timeout=60.0, what=""):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    assert _wait_until(predicate, timeout), f"timed out waiting for {what}"
 
 
 def _durable(folder) -> list[str]:
