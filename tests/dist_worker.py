@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _runs import freeze_imports, run_spec  # noqa: E402
+from _runs import free_process_group_users, freeze_imports, run_spec  # noqa: E402
 
 
 def main(spec_path: str) -> None:
@@ -27,6 +27,7 @@ def main(spec_path: str) -> None:
         result = run_spec(run, world)
         if dist.get_rank() == 0 and run.get("result"):
             torch.save(result, run["result"])
+    free_process_group_users()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -27,7 +27,7 @@ import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
 import hf_unified_ckpt.trainer.preemption as preemption  # noqa: E402
 import hf_unified_ckpt.dist as plugin_dist  # noqa: E402
 import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
-from _runs import (TokenDataset, disable_deepspeed_jit, freeze_imports, losses_of, make_trainer, record,  # noqa: E402
+from _runs import (TokenDataset, disable_deepspeed_jit, free_process_group_users, freeze_imports, losses_of, make_trainer, record,  # noqa: E402
                    zero_config)
 from hf_unified_ckpt import TrainingPreempted  # noqa: E402
 
@@ -147,6 +147,7 @@ def main(spec_path: str) -> None:
         result = run_one(run, world)
         if dist.get_rank() == 0 and run.get("result"):
             torch.save(result, run["result"])
+    free_process_group_users()
     dist.barrier()
     dist.destroy_process_group()
 
