@@ -3,6 +3,7 @@ processes."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -34,7 +35,11 @@ def resume_value(value):
 
 
 def end_processes() -> None:
-    """Every rank waits for the others, then leaves the process group (ranks that exit without this abort)."""
+    """Every rank waits for the others, then leaves the process group (ranks that exit without this abort). Call it
+    once the Trainer is out of scope: the garbage collection here frees it and its model while the interpreter is
+    alive (an FSDP2 model keeps the group's gloo work alive; freed during interpreter exit it can abort the process,
+    pytorch#179291)."""
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

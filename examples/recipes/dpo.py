@@ -64,9 +64,9 @@ def main(script_args: ScriptArguments, training_args: UnifiedDPOConfig, model_ar
                          eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config,
                          callbacks=[UnifiedCheckpointCallback()])  # <- hf_unified_ckpt
     trainer.train(resume_from_checkpoint=resume_value(training_args.resume_from_checkpoint))
-    end_processes()
 
 
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, UnifiedDPOConfig, ModelConfig))
     main(*parser.parse_args_and_config())
+    end_processes()  # after main() returned: its Trainer and model are freed first

@@ -80,9 +80,9 @@ def main(script_args: PretrainScriptArguments, training_args: UnifiedCheckpointA
                       data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
                       callbacks=[UnifiedCheckpointCallback()])  # <- hf_unified_ckpt
     trainer.train(resume_from_checkpoint=resume_value(training_args.resume_from_checkpoint))
-    end_processes()
 
 
 if __name__ == "__main__":
     parser = TrlParser((PretrainScriptArguments, UnifiedCheckpointArguments, ModelConfig))
     main(*parser.parse_args_and_config())
+    end_processes()  # after main() returned: its Trainer and model are freed first

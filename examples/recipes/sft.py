@@ -57,9 +57,9 @@ def main(script_args: ScriptArguments, training_args: UnifiedSFTConfig, model_ar
                          processing_class=tokenizer, peft_config=get_peft_config(model_args),  # None: full
                          callbacks=[UnifiedCheckpointCallback()])  # <- hf_unified_ckpt
     trainer.train(resume_from_checkpoint=resume_value(training_args.resume_from_checkpoint))
-    end_processes()
 
 
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, UnifiedSFTConfig, ModelConfig))
     main(*parser.parse_args_and_config())
+    end_processes()  # after main() returned: its Trainer and model are freed first
