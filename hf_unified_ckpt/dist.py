@@ -56,7 +56,17 @@ def reduce_to(tensor, owner: int) -> None:
     """Sum `tensor` over all ranks into rank `owner`'s copy (others' copies are left undefined). Collective: all
     ranks must call it; without a process group, nothing to do."""
     if is_distributed():
-        _torch_dist().reduce(tensor, dst=owner)
+        _torch_dist().reduce(tensor, dst=owner, group=cpu_group() if tensor.device.type == "cpu" else None)
+
+
+def cpu_group():
+    """The group over all ranks for collectives on CPU tensors: the default group (None) where its backend takes CPU
+    tensors (gloo, MPI, or a pair such as "cpu:gloo,cuda:nccl"), else a gloo group (`gloo_group`), since an NCCL
+    default group takes CUDA tensors only. Collective where it creates that group: call it from collectives only."""
+    if not is_distributed():
+        return None
+    backend = str(_torch_dist().get_backend())
+    return None if "gloo" in backend or backend == "mpi" else gloo_group("cpu tensors")
 
 
 def new_gloo_group():

@@ -57,8 +57,8 @@ class AsyncSaver:
     """Owns the background save of one training job (one instance per Trainer)."""
 
     def __init__(self):
-        self._background = Background("save")
         self._buffers = HostBuffers()
+        self._background = Background("save", self._buffers.transfers)
 
     @property
     def in_flight(self) -> bool:

@@ -77,7 +77,7 @@ class BackgroundUpdates:
     def __init__(self, average: ExponentialAverage):
         self.average = average
         self._buffers = HostBuffers()
-        self._background = Background("ema")
+        self._background = Background("ema", self._buffers.transfers)
 
     def submit(self, fragments: Mapping[str, Fragment]) -> None:
         """Start one update from `fragments` (live views), after the previous one finished."""

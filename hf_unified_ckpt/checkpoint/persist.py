@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..format.planning import FilePlan
+from .device_copy import Transfers, host_buffer
 from .files import FileRecord, RangeRecord, put_file
 from ..store import join
 
@@ -56,19 +57,24 @@ def write_small_files(folder: str, files: Mapping[str, bytes]) -> list[FileRecor
 
 
 class HostBuffers:
-    """Host copies of tensors, keyed, each buffer reused while its shape and dtype stay the same."""
+    """Host copies of tensors, keyed, each buffer reused while its shape and dtype stay the same; a tensor on a CUDA
+    device is copied into pinned memory on a side stream (`device_copy`: `transfers` orders the copies against the
+    training stream, and `Background` drives it)."""
 
     def __init__(self):
         self._buffers: dict[object, torch.Tensor] = {}
+        self.transfers = Transfers()
 
     def copy(self, key, tensor: torch.Tensor, dtype: torch.dtype | None = None, flat: bool = False) -> torch.Tensor:
-        """A copy of `tensor` (flattened with `flat`, converted to `dtype` if given) in the buffer of `key`."""
+        """A copy of `tensor` (flattened with `flat`, converted to `dtype` if given) in the buffer of `key` (for a
+        CUDA tensor: queued, there once `transfers.settle()` returned)."""
         shape = (tensor.numel(),) if flat else tuple(tensor.shape)
         dtype = dtype or tensor.dtype
         buffer = self._buffers.get(key)
-        if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype:
-            buffer = self._buffers[key] = torch.empty(shape, dtype=dtype)
-        return buffer.copy_(tensor.detach().reshape(shape))
+        pinned = tensor.device.type == "cuda"
+        if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype or buffer.is_pinned() != pinned:
+            buffer = self._buffers[key] = host_buffer(shape, dtype, tensor)
+        return self.transfers.copy(buffer, tensor, shape, dtype)
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values())
@@ -76,10 +82,13 @@ class HostBuffers:
 
 class Background:
     """Runs one `stage` then `then(staged)` at a time in a thread (see the module docstring). `wait` joins it and
-    returns `then`'s result, or raises what `stage` or `then` raised."""
+    returns `then`'s result, or raises what `stage` or `then` raised. With the `transfers` of the host buffers the
+    stage copies into, device copies are ordered: marked at `start`, the optimizer step queued behind them at
+    `wait_for_stage`, and `then` runs once they are done (`device_copy.Transfers`)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, transfers: Transfers | None = None):
         self.name = name
+        self._transfers = transfers or Transfers()
         self._staged = threading.Event()
         self._staged.set()
         self._thread: threading.Thread | None = None
@@ -93,6 +102,7 @@ class Background:
         """Start a job; the caller has waited for the previous one (`wait`)."""
         assert self._thread is None, "one background job at a time: wait() for the previous one first"
         self._staged.clear()
+        self._transfers.begin()
         self._thread = threading.Thread(target=self._run, args=(stage, then), daemon=True,
                                         name=f"hf_unified_ckpt-{self.name}{'-' + label if label else ''}")
         self._thread.start()
@@ -102,15 +112,21 @@ class Background:
             try:
                 staged = stage()
             finally:
-                self._staged.set()
+                try:
+                    self._transfers.end()
+                finally:
+                    self._staged.set()
+            self._transfers.settle()
             lower_priority()
             self._result = (True, then(staged))
         except BaseException as e:  # handed to wait(), on the training thread
             self._result = (False, e)
 
     def wait_for_stage(self) -> None:
-        """Block until the job in flight has taken its copy (call before the optimizer changes the originals)."""
+        """Block until the job in flight has taken its copy (call before the optimizer changes the originals); copies
+        from a CUDA device are then queued ahead of whatever the training stream does next."""
         self._staged.wait()
+        self._transfers.fence()
 
     def wait(self):
         """Join the job in flight (if any); return its result or raise its error."""

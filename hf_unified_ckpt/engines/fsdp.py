@@ -108,7 +108,7 @@ def _gather_dim(t, owner: int, dim: int) -> torch.Tensor | None:
     padded = torch.zeros(shape, dtype=local.dtype)
     padded.narrow(dim, 0, local.shape[dim]).copy_(local)
     pieces = [torch.empty_like(padded) for _ in range(world)] if dist.rank() == owner else None
-    tdist.gather(padded, pieces, dst=owner)
+    tdist.gather(padded, pieces, dst=owner, group=dist.cpu_group())  # host tensors: gloo beside an NCCL group
     return torch.cat(pieces, dim=dim).narrow(dim, 0, size) if pieces is not None else None
 
 

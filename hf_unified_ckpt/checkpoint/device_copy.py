@@ -1,0 +1,86 @@
+"""Host copies of tensors for a background job (an async or flash save's snapshot, the EMA's copy of the weights),
+on whatever device each tensor lives; the device is read from the tensor, never assumed.
+
+- A CPU tensor: a plain synchronous copy; every ordering step below does nothing.
+- A CUDA tensor: copied into pinned host memory (the DMA engine reads it directly, and the copy can be queued
+  without blocking) on a side stream of the tensor's device, so that the training stream is not held up. The side
+  stream first waits for an event recorded on the training stream when the job began (`begin`, on the training
+  thread: the state to copy is final there); after the last copy an event marks the copies done (`end`). The next
+  optimizer step is queued behind that event (`fence`, on the training thread: the GPU orders the two, the host does
+  not wait), and the background thread blocks on it (`settle`) before it reads the host buffers.
+
+The CUDA branch runs on a GPU machine only (bench/gpu/); on CPU its absence is what the tests see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """An empty host buffer for copies of `like`: pinned where `like` lives on a CUDA device, pageable otherwise."""
+    return torch.empty(shape, dtype=dtype, pin_memory=like.device.type == "cuda")
+
+
+class Transfers:
+    """The ordering of one job's copies against the training stream (see the module docstring). One job at a time:
+    `begin` (training thread), `copy`... and `end` (background thread), then `fence` (training thread) and `settle`
+    (background thread), in either order."""
+
+    def __init__(self):
+        self._ready: dict[int, object] = {}  # device index -> event on the training stream at `begin`
+        self._streams: dict[int, object] = {}  # device index -> side stream (created once, reused)
+        self._used: set[int] = set()
+        self._done: dict[int, object] = {}  # device index -> event after the job's last copy
+
+    def begin(self) -> None:
+        """Mark, on every CUDA device's current stream, the point the next copies must follow. Training thread."""
+        self._ready, self._used, self._done = {}, set(), {}
+        if _cuda_in_use():
+            for index in range(torch.cuda.device_count()):
+                self._ready[index] = torch.cuda.current_stream(index).record_event()
+
+    def copy(self, buffer: torch.Tensor, tensor: torch.Tensor, shape: tuple[int, ...],
+             dtype: torch.dtype) -> torch.Tensor:
+        """Copy `tensor` (reshaped to `shape`, converted to `dtype`) into the host `buffer`; for a CUDA tensor the copy
+        is queued on the side stream (done once `settle` returns). Returns `buffer`."""
+        if tensor.device.type != "cuda":
+            return buffer.copy_(tensor.detach().reshape(shape))
+        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        stream = self._side_stream(index)
+        with torch.cuda.stream(stream):
+            source = tensor.detach().reshape(shape).to(dtype)  # any temporary lives on the side stream
+            buffer.copy_(source, non_blocking=True)
+        tensor.record_stream(stream)  # the allocator keeps its memory until the copy ran
+        return buffer
+
+    def _side_stream(self, index: int):
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        stream = self._streams[index]
+        if index not in self._used:
+            self._used.add(index)
+            if index in self._ready:
+                stream.wait_event(self._ready[index])
+            else:  # CUDA first used by this job: order after everything queued on the device so far
+                stream.wait_stream(torch.cuda.current_stream(index))
+        return stream
+
+    def end(self) -> None:
+        """Mark the job's copies done on each side stream used. Background thread, after the last `copy`."""
+        self._done = {index: self._streams[index].record_event() for index in self._used}
+
+    def fence(self) -> None:
+        """Queue what the training stream does next (the optimizer step) behind the copies; no host wait. Training
+        thread."""
+        for index, event in self._done.items():
+            torch.cuda.current_stream(index).wait_event(event)
+
+    def settle(self) -> None:
+        """Block until the copies are done, so the host buffers hold them. Background thread."""
+        for event in self._done.values():
+            event.synchronize()

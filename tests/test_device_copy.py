@@ -1,0 +1,48 @@
+"""The host copies a background job takes (`checkpoint/device_copy.py`, `persist.HostBuffers`, `persist.Background`):
+their CPU branch here; the CUDA branch (pinned buffers, a side stream, the optimizer step queued behind the copies)
+runs in `bench/gpu/device_check.py` on a GPU machine, and that script's CPU dry run is in test_gpu_script.py."""
+
+import threading
+
+import torch
+
+from hf_unified_ckpt.checkpoint.device_copy import Transfers, host_buffer
+from hf_unified_ckpt.checkpoint.persist import Background, HostBuffers
+
+
+def test_a_snapshot_is_taken_before_the_stage_signal_and_its_buffers_are_reused():
+    live = torch.arange(1001, dtype=torch.float32)
+    buffers = HostBuffers()
+    background = Background("test", buffers.transfers)
+    release = threading.Event()
+
+    def then(copy):
+        release.wait(10)  # the "write" runs after the optimizer already changed the live tensor
+        return copy.clone()
+
+    background.start(lambda: buffers.copy("w", live), then)
+    background.wait_for_stage()
+    live.mul_(-1)  # the optimizer step
+    release.set()
+    assert torch.equal(background.wait(), torch.arange(1001, dtype=torch.float32))
+
+    first = buffers.copy("w", live)
+    again = buffers.copy("w", live * 2)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, live * 2)
+    assert buffers.nbytes() == 1001 * 4
+    small = (torch.arange(1001) % 64).float()  # exact in bf16
+    converted = buffers.copy("w", small.to(torch.bfloat16), torch.float32, flat=True)  # a bf16 source, fp32 copy
+    assert converted.data_ptr() == first.data_ptr() and torch.equal(converted, small)
+
+
+def test_cpu_tensors_never_touch_cuda():
+    """The device is read from each tensor: CPU tensors get pageable buffers (asking this CUDA-less torch for pinned
+    memory would raise) and the ordering steps do nothing, without initializing CUDA."""
+    assert not host_buffer((3,), torch.float32, torch.zeros(3)).is_pinned()
+    transfers = Transfers()
+    transfers.begin()
+    out = transfers.copy(torch.empty(4), torch.arange(4.0).view(2, 2), (4,), torch.float32)
+    transfers.end()
+    transfers.fence()
+    transfers.settle()
+    assert torch.equal(out, torch.arange(4.0)) and not torch.cuda.is_initialized()
