@@ -1,0 +1,200 @@
+"""The figures users will quote, on one device (issue 34, part 2.2): one process, a Llama of `--size` in bf16 mixed
+precision (fp32 weights and AdamW state, bf16 autocast), trained by the plain Trainer with the plugin attached.
+
+    python bench/gpu/bench_gpu.py --device cuda|cpu --size 1b --json FILE [--only save,blocked,throughput,resume]
+
+Measurements (each run a fresh Trainer on the same seeded model; the device is synchronized around every timing):
+- save: the time of a save (the Trainer's `_save_checkpoint`, which returns once the checkpoint is complete) after
+  training steps: ours (unified) / the native Trainer save of the same state (`unified_checkpoint=False`);
+- blocked: what training waits for per save with `async_save` and with `flash` (the save call plus the extra time of
+  the step after it, over the median step) / a synchronous unified save;
+- throughput: the whole `train()` with an async save every 20 steps, and with a flash save every 5 steps (persisting
+  every 4th), / no saves;
+- resume: `train(resume_from_checkpoint=...)` to the first step, from our checkpoint / from the native one.
+Sizes: "tiny" (the CPU dry run), "100m", "1b". A JSON is written after every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+#: Llama shapes (vocab 32000, untied embeddings): ~4.6M, ~110M, ~1.1B parameters.
+SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4),
+         "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12),
+         "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16)}
+MEASUREMENTS = ("save", "blocked", "throughput", "resume")
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build(size: str, device: str, out: Path, steps: int, every: int | None, mode: str, batch: int, seq: int):
+    """A Trainer on the seeded Llama of `size`: `mode` is "native" (no plugin), "unified", "async" or "flash"."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    import hf_unified_ckpt
+
+    torch.manual_seed(0)
+    shape = SIZES[size]
+    config = LlamaConfig(vocab_size=32000, num_key_value_heads=shape["num_attention_heads"],
+                         max_position_embeddings=seq, tie_word_embeddings=False, **shape)
+    model = LlamaForCausalLM(config)
+    data = torch.randint(0, 32000, (max(64, batch * (steps + 1)), seq))
+    words = {"async": "async_save", "flash": "flash"}.get(mode, "")
+    args = hf_unified_ckpt.UnifiedCheckpointArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, optim="adamw_torch",
+        save_strategy="steps" if every else "no", save_steps=every or 500, use_cpu=device == "cpu",
+        bf16=device == "cuda", report_to=[], disable_tqdm=True, logging_steps=10**6, save_only_model=False,
+        unified_checkpoint=mode != "native", unified_checkpoint_config=words,
+        unified_checkpoint_memory_dir=f"/dev/shm/hf_uc_bench_gpu_{uuid.uuid4().hex[:8]}",
+        unified_checkpoint_persist_every=4, unified_checkpoint_memory_keep=2)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in data])
+    if mode != "native":
+        hf_unified_ckpt.attach(trainer)
+    trainer._bench_params = sum(p.numel() for p in model.parameters())
+    return trainer
+
+
+def timed_train(trainer, device: str, resume: str | None = None) -> dict:
+    """Train; return the total, the time to the first step, every step's time and every save call's time."""
+    from transformers import TrainerCallback
+
+    steps, saves, marks = [], [], {}
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            _sync(device)
+            marks.setdefault("first", time.perf_counter())
+            marks["step"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            _sync(device)
+            steps.append(time.perf_counter() - marks["step"])
+
+    trainer.add_callback(Steps())
+    save = trainer._save_checkpoint
+
+    def timed_save(*args, **kwargs):
+        _sync(device)
+        started = time.perf_counter()
+        save(*args, **kwargs)
+        _sync(device)
+        saves.append(time.perf_counter() - started)
+
+    trainer._save_checkpoint = timed_save
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=resume)
+    _sync(device)
+    return {"total_s": time.perf_counter() - started, "to_first_step_s": marks["first"] - started, "steps_s": steps,
+            "saves_s": saves}
+
+
+def run(size, device, work: Path, mode, steps, every, batch, seq, resume=None, keep=False) -> dict:
+    out = work / f"{mode}-{uuid.uuid4().hex[:6]}"
+    trainer = build(size, device, out, steps, every, mode, batch, seq)
+    result = {**timed_train(trainer, device, resume), "params": trainer._bench_params, "output_dir": str(out)}
+    memory = trainer.args.unified_checkpoint_memory_dir  # the run's own folder: empty once train() returned
+    del trainer
+    shutil.rmtree(memory, ignore_errors=True)
+    _free(device)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def _free(device: str) -> None:
+    import gc
+
+    import torch
+    from accelerate.state import AcceleratorState
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def _after_save_cost(r: dict, every: int) -> float:
+    """Each save call plus the extra time of the step after it over the median step, averaged over the saves."""
+    median = statistics.median(r["steps_s"])
+    after = [r["steps_s"][i] - median for i in range(every, len(r["steps_s"]), every)]
+    return (sum(r["saves_s"]) + sum(after)) / max(1, len(r["saves_s"]))
+
+
+def measure(name: str, a, work: Path) -> dict:
+    args = (a.size, a.device, work)
+    common = dict(batch=a.batch, seq=a.seq)
+    if name == "save":  # a save after 2 steps, then 1 more step; the save call is the whole save
+        ours = run(*args, "unified", 3, 2, **common)
+        native = run(*args, "native", 3, 2, **common)
+        return {"ours_s": ours["saves_s"][0], "native_s": native["saves_s"][0],
+                "ratio": ours["saves_s"][0] / native["saves_s"][0], "params": ours["params"]}
+    if name == "blocked":
+        every, steps = 5, 5 * a.saves + 1
+        out = {mode: _after_save_cost(run(*args, mode, steps, every, **common), every)
+               for mode in ("unified", "async", "flash")}
+        return {**{f"{m}_s": v for m, v in out.items()}, "async_over_sync": out["async"] / out["unified"],
+                "flash_over_sync": out["flash"] / out["unified"], "saves": a.saves}
+    if name == "throughput":
+        none = run(*args, "none", a.steps, None, **common)["total_s"]
+        asy = run(*args, "async", a.steps, 20, **common)["total_s"]
+        flash = run(*args, "flash", a.steps, 5, **common)["total_s"]
+        return {"none_s": none, "async_every_20_s": asy, "flash_every_5_s": flash, "steps": a.steps,
+                "async_ratio": none / asy, "flash_ratio": none / flash, "target": 0.97}
+    if name == "resume":  # to the first step, from a checkpoint of step 2 written by each
+        out = {}
+        for mode in ("unified", "native"):
+            saved = run(*args, mode, 2, 2, keep=True, **common)
+            resumed = run(*args, mode, 3, None, resume=f"{saved['output_dir']}/checkpoint-2", **common)
+            shutil.rmtree(saved["output_dir"], ignore_errors=True)
+            out[f"{mode}_to_first_step_s"] = resumed["to_first_step_s"]
+        return {**out, "ratio": out["unified_to_first_step_s"] / out["native_to_first_step_s"]}
+    raise ValueError(name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--size", choices=list(SIZES), default="1b")
+    parser.add_argument("--only", default=",".join(MEASUREMENTS))
+    parser.add_argument("--steps", type=int, default=60, help="throughput: steps per run")
+    parser.add_argument("--saves", type=int, default=3, help="blocked: saves per run")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/hf_uc_bench_gpu"))
+    parser.add_argument("--json", type=Path, required=True)
+    a = parser.parse_args()
+    import torch
+
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    results = {"device": device_name, "size": a.size, "batch": a.batch, "seq": a.seq, "torch": torch.__version__,
+               "measurements": {}}
+    failed = False
+    for name in a.only.split(","):
+        started = time.perf_counter()
+        try:
+            results["measurements"][name] = measure(name, a, a.work)
+        except Exception as e:  # recorded; the next measurement goes on
+            failed = True
+            results["measurements"][name] = {"error": f"{type(e).__name__}: {e}"}
+        results["measurements"][name]["seconds"] = round(time.perf_counter() - started, 1)
+        a.json.write_text(json.dumps(results, indent=1))
+        print(name, json.dumps(results["measurements"][name]), flush=True)
+    shutil.rmtree(a.work, ignore_errors=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

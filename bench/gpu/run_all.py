@@ -1,0 +1,115 @@
+"""Everything issue 34's part 2 measures on a GPU, in three parts of at most 10 minutes each (`run_all.sh` runs one).
+
+    python bench/gpu/run_all.py --part 1|2|3 [--device cuda|cpu] [--dry-run] [--out DIR]
+
+Part 1, correctness (~5 min): the device path of background copies (`device_check.py`), resume equivalence at world
+size 1 for one process, DeepSpeed ZeRO-2/3 bf16 and FSDP2, and across devices (`resume_check.py`), the demo.
+Part 2, the 1B figures (~8 min): save vs native, time blocked by async and flash saves vs a synchronous one,
+throughput with saves vs none, resume vs native (`bench_gpu.py --size 1b`).
+Part 3, growth (~4 min): the same save and blocked figures on the 100M model, to set beside part 2's.
+
+Each step runs in a process of its own with its own time limit; a failed or cut-off step is recorded and the next
+goes on. `gpu_part<N>.json` in `--out` ($OUT where the device tool sets it) is rewritten after every step, so a
+command cut off at its limit still leaves what it measured. `--dry-run` runs every step on the CPU with a tiny model
+and small sizes (the test suite does, so the script cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def steps(part: str, device: str, dry: bool, out: Path) -> list[tuple[str, list[str], int, dict]]:
+    """(name, command, time limit in seconds, extra environment) of each step of `part`; each command writes
+    `out/<name>.json`."""
+    py = sys.executable
+    bench = [py, str(HERE / "bench_gpu.py"), "--device", device]
+    small = ["--size", "tiny", "--steps", "10", "--saves", "1", "--batch", "2", "--seq", "32"] if dry else []
+    json_of = lambda name: ["--json", str(out / f"{name}.json")]  # noqa: E731
+    if part == "1":
+        demo = ([py, "-c", "print('dry run: the demo runs in tests/test_cli_and_demo.py')"] if dry
+                else [py, str(ROOT / "examples" / "demo.py")])
+        return [("device_check", [py, str(HERE / "device_check.py"), "--device", device, "--mb", "8" if dry else "1024",
+                                  *json_of("device_check")], 120, {}),
+                ("resume_check", [py, str(HERE / "resume_check.py"), "--device", device,
+                                  *(["--cells", "single"] if dry else []), *json_of("resume_check")], 360, {}),
+                # the README's demo is the CPU one (2 processes, gloo): DeepSpeed is told so on a GPU machine
+                ("demo", demo, 240, {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})]
+    if part == "2":
+        return [(f"bench_1b_{m}", [*bench, "--size", "1b", *small, "--only", m, *json_of(f"bench_1b_{m}")], 200, {})
+                for m in ("save", "blocked", "throughput", "resume")]
+    if part == "3":
+        return [(f"bench_100m_{m}", [*bench, "--size", "100m", *small, "--only", m, *json_of(f"bench_100m_{m}")], 200,
+                 {}) for m in ("save", "blocked")]
+    raise ValueError(f"no part {part!r}: parts are 1, 2 and 3")
+
+
+def run_step(name: str, cmd: list[str], limit: int, env: dict, out: Path) -> dict:
+    started = time.perf_counter()
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p), **env}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # its own group: a cut-off step's launches go too
+    try:
+        output, _ = proc.communicate(timeout=limit)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        rc = f"cut off after {limit} s"
+    record = {"command": " ".join(cmd), "rc": rc, "seconds": round(time.perf_counter() - started, 1)}
+    result = out / f"{name}.json"
+    if result.exists():
+        record["result"] = json.loads(result.read_text())
+    if rc != 0:
+        record["output_tail"] = output[-3000:]
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", required=True, choices=("1", "2", "3"))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dry-run", action="store_true", help="every step on the CPU, tiny sizes")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "results" / "gpu"))
+    a = parser.parse_args()
+    device = "cpu" if a.dry_run else a.device
+    a.out.mkdir(parents=True, exist_ok=True)
+    summary = a.out / f"gpu_part{a.part}.json"
+    report: dict = {"part": a.part, "device": device, "dry_run": a.dry_run, "python": platform.python_version(),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": {}}
+    try:
+        import torch
+
+        report["torch"] = torch.__version__
+        report["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        import transformers
+
+        report["transformers"] = transformers.__version__
+    except Exception as e:  # recorded; the steps say what fails
+        report["import_error"] = f"{type(e).__name__}: {e}"
+    for name, cmd, limit, env in steps(a.part, device, a.dry_run, a.out):
+        print(f"== {name}", flush=True)
+        report["steps"][name] = run_step(name, cmd, limit, env, a.out)
+        summary.write_text(json.dumps(report, indent=1))
+        step = report["steps"][name]
+        print(f"   rc {step['rc']} in {step['seconds']} s", flush=True)
+    failed = [n for n, s in report["steps"].items() if s["rc"] != 0]
+    print(f"part {a.part}: {len(report['steps']) - len(failed)} of {len(report['steps'])} steps ok"
+          + (f"; failed: {', '.join(failed)}" if failed else "") + f"; {summary}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

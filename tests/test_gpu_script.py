@@ -1,0 +1,68 @@
+"""The GPU script of issue 34 (`bench/gpu/run_all.sh`), rehearsed on the CPU so that it cannot rot before a GPU
+machine runs it: parts 1 and 2 as `--dry-run` end to end (tiny model, every step), part 3's steps as commands, and
+the step runner's promises (a failed or cut-off step is recorded, the next goes on, the JSON is rewritten after
+every step) with real processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+
+import run_all  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+
+def _part(part: str, out: Path) -> dict:
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run_all.sh"), part, "--dry-run", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((out / f"gpu_part{part}.json").read_text())
+
+
+def test_part_1_dry_run_checks_the_copies_and_resume_equivalence(tmp_path):
+    report = _part("1", tmp_path)
+    assert report["device"] == "cpu" and list(report["steps"]) == ["device_check", "resume_check", "demo"]
+    check = report["steps"]["device_check"]["result"]
+    assert check["float32_copy_equal"] and check["bfloat16_copy_equal"] and not check["float32_buffer_pinned"]
+    single = report["steps"]["resume_check"]["result"]["cells"]["single"]["same_device_ws1"]
+    assert single["bit_exact"] and single["steps_compared"] == [4, 5, 6]
+
+
+def test_part_2_dry_run_measures_every_figure(tmp_path):
+    report = _part("2", tmp_path)
+    for name in ("save", "blocked", "throughput", "resume"):
+        figures = report["steps"][f"bench_1b_{name}"]["result"]["measurements"][name]
+        assert "error" not in figures and figures["seconds"] > 0, figures
+    assert report["steps"]["bench_1b_save"]["result"]["measurements"]["save"]["ours_s"] > 0
+    assert {"async_ratio", "flash_ratio"} <= set(report["steps"]["bench_1b_throughput"]["result"]["measurements"][
+        "throughput"])
+
+
+def test_part_3_runs_part_2s_measurements_on_the_100m_model(tmp_path):
+    names = [cmd[cmd.index("--only") + 1] for _, cmd, _, _ in run_all.steps("3", "cuda", False, tmp_path)]
+    sizes = {cmd[cmd.index("--size") + 1] for _, cmd, _, _ in run_all.steps("3", "cuda", False, tmp_path)}
+    assert names == ["save", "blocked"] and sizes == {"100m"}
+
+
+def test_a_failed_or_cut_off_step_is_recorded_and_the_next_goes_on(tmp_path, monkeypatch):
+    py = sys.executable
+    plan = [("fails", [py, "-c", "import sys; print('broken'); sys.exit(3)"], 60, {}),
+            ("hangs", [py, "-c", "import time; time.sleep(60)"], 1, {}),
+            ("works", [py, "-c", f"open({str(tmp_path / 'works.json')!r}, 'w').write('{{\"x\": 1}}')"], 60, {})]
+    monkeypatch.setattr(run_all, "steps", lambda part, device, dry, out: plan)
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "--part", "1", "--device", "cpu", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as ended:
+        run_all.main()
+    report = json.loads((tmp_path / "gpu_part1.json").read_text())["steps"]
+    assert ended.value.code == 1
+    assert report["fails"]["rc"] == 3 and "broken" in report["fails"]["output_tail"]
+    assert report["hangs"]["rc"] == "cut off after 1 s" and report["hangs"]["seconds"] < 30
+    assert report["works"]["rc"] == 0 and report["works"]["result"] == {"x": 1}
