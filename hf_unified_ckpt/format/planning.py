@@ -235,9 +235,9 @@ class FilePlan:
         out = {}
         for name in self.pieces_held(rank):
             start = next(first for r, first, count in self.held[name] if r == rank and count)
-            out.update(self.codec.encode_piece(name, tensors[name], start, rank))
+            out.update(self.codec.encode_piece(name, _on_host(tensors[name]), start, rank))
         if rank == self.header_rank:
-            out.update(self.stored_tensors({n: tensors[n] for n in self.whole_names}))
+            out.update(self.stored_tensors({n: _on_host(tensors[n]) for n in self.whole_names}))
         return out
 
     @property
@@ -334,3 +334,8 @@ def safetensors_header(specs: list[TensorSpec]) -> tuple[dict, dict[str, tuple[i
     header = {s.name: {"dtype": safetensors_dtype(s.dtype), "shape": list(s.shape),
                        "data_offsets": list(offsets[s.name])} for s in ordered}  # in layout order, like safetensors
     return {"__metadata__": {"format": "pt"}, **header}, offsets
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the CPU, where the codecs compute (a synchronous save hands them live device tensors)."""
+    return tensor if tensor.device.type == "cpu" else tensor.detach().cpu()
