@@ -33,7 +33,8 @@ test-slow: $(VENV)/.installed
 # to that machine): bench/gpu/run_all.sh installs them beside its own torch. DeepSpeed publishes no wheel: built here,
 # its ops compiled at run time there.
 GPU_WHEELS := transformers==5.23.0 isal==1.9.1 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 \
-              annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 regex==2026.11.19
+              annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 regex==2026.11.19 \
+              peft==0.21.2
 gpu-wheels: $(VENV)/.installed
 	mkdir -p .whl
 	DS_BUILD_OPS=0 $(PIP) wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8

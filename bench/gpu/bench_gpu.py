@@ -92,19 +92,23 @@ def timed_train(trainer, device: str, resume: str | None = None) -> dict:
         save(*args, **kwargs)
         _sync(device)
         saves.append(time.perf_counter() - started)
+        tier = getattr(trainer, "_uc_flash", None)
+        marks["flash_active"] = tier is not None and tier.active  # False: saves fell back to durable storage
 
     trainer._save_checkpoint = timed_save
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     _sync(device)
     return {"total_s": time.perf_counter() - started, "to_first_step_s": marks["first"] - started, "steps_s": steps,
-            "saves_s": saves}
+            "saves_s": saves, "flash_active": marks.get("flash_active")}
 
 
 def run(size, device, work: Path, mode, steps, every, batch, seq, resume=None, keep=False) -> dict:
     out = work / f"{mode}-{uuid.uuid4().hex[:6]}"
     trainer = build(size, device, out, steps, every, mode, batch, seq)
     result = {**timed_train(trainer, device, resume), "params": trainer._bench_params, "output_dir": str(out)}
+    if mode == "flash" and result["saves_s"] and not result["flash_active"]:  # memory too small: saves went to disk
+        raise RuntimeError("flash fell back to durable saves (see the warning above): /dev/shm cannot hold them")
     memory = trainer.args.unified_checkpoint_memory_dir  # the run's own folder: empty once train() returned
     del trainer
     shutil.rmtree(memory, ignore_errors=True)
@@ -180,7 +184,7 @@ def main() -> None:
 
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     results = {"device": device_name, "size": a.size, "batch": a.batch, "seq": a.seq, "torch": torch.__version__,
-               "measurements": {}}
+               "dev_shm_free_gb": round(shutil.disk_usage("/dev/shm").free / 2**30, 1), "measurements": {}}
     failed = False
     for name in a.only.split(","):
         started = time.perf_counter()
