@@ -77,6 +77,7 @@ def runs(tmp_path_factory, memory):
     return tmp, out, proc
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_every_mth_save_and_the_last_are_durable_and_memory_is_freed(runs, memory):
     tmp, out, _ = runs
     # saves at 2, 4, 6 in memory; persist_every=2: the 2nd save (step 4), and the last (6) when training ended
@@ -93,6 +94,7 @@ def test_every_mth_save_and_the_last_are_durable_and_memory_is_freed(runs, memor
     assert _persisters(run_folder(memory, str(tmp / "ddp"))) == []
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_an_evicted_checkpoints_memory_is_overwritten_by_the_next_save(runs, memory):
     """memory_keep=1: the save of step 4 evicts checkpoint-2, whose tensor files are kept as spare files; the save
     of step 6 writes its files over them (each written by one rank here: DDP), reusing their memory instead of
@@ -112,6 +114,7 @@ def test_an_evicted_checkpoints_memory_is_overwritten_by_the_next_save(runs, mem
     assert os.listdir(memory) == [] or not os.path.exists(run_folder(memory, str(tmp / "reuse")))
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_a_persister_killed_while_training_runs_is_replaced_at_the_next_save(runs):
     """The persister is killed (SIGKILL, as the out-of-memory killer does) when step 3 begins, every save to be made
     durable: the save of step 4 finds it gone, says so once and starts a new one, which makes checkpoint-4 durable
@@ -126,6 +129,7 @@ def test_a_persister_killed_while_training_runs_is_replaced_at_the_next_save(run
     assert_resumed_matches(out["revive"], out["ddp"], range(1, 7), exact=True, loss_rtol=0, state_atol=0)
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_best_model_rotation_and_save_model_with_flash(runs):
     """The best checkpoint lived in memory until the end (never evicted), was loaded from there, and was made
     durable; rotation in output_dir keeps it and the last."""
@@ -135,6 +139,7 @@ def test_best_model_rotation_and_save_model_with_flash(runs):
     assert_loop_options(tmp / "loop", result, tmp / "loop-model")
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_a_full_memory_folder_saves_to_durable_storage_instead(runs, memory):
     """ENOSPC while writing the memory checkpoint of step 4: that save goes to output_dir with the same snapshot,
     and so do the later ones; said once; the training is the same as the baseline's (nothing lost), bit for bit."""
@@ -160,6 +165,7 @@ def _kill_launcher_and_workers(launcher: int) -> list[int]:
     return workers
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_killed_job_resumes_from_memory_on_another_world_size_and_the_persister_makes_it_durable(runs, memory,
                                                                                                 tmp_path):
     """kill -9 of torchrun and both workers right after the save of step 4 committed in memory (persist_every is
@@ -190,6 +196,7 @@ def test_killed_job_resumes_from_memory_on_another_world_size_and_the_persister_
     assert not os.path.exists(run) and _persisters(run) == []
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_torchrun_max_restarts_resumes_from_memory(runs, memory, tmp_path):
     """torchrun --max-restarts=1: both workers die (as under kill -9) right after the save of step 4 committed in
     memory; the restarted workers resume from memory (resume_from_checkpoint='auto') with the same persister, at
@@ -209,6 +216,7 @@ def test_torchrun_max_restarts_resumes_from_memory(runs, memory, tmp_path):
     assert not os.path.exists(run) and _persisters(run) == []
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_two_machines_each_persist_their_share(memory, tmp_path):
     """Two machines (two torchruns, one process each) with memory folders of their own and one durable folder:
     each machine's memory holds its share; each persister copies its machine's files, the leader writes the
@@ -324,6 +332,7 @@ def test_a_second_persister_of_a_run_exits_at_once(staged_run):
     shutil.rmtree(run)
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_memory_keeps_the_newest_k_and_never_evicts_one_not_durable_yet_nor_the_best(runs, memory, tmp_path):
     from hf_unified_ckpt.options import FlashOptions
     from hf_unified_ckpt.trainer.flash import FlashTier
@@ -387,6 +396,7 @@ def test_bad_memory_tier_fields_are_refused_when_the_arguments_are_built(field, 
                                    unified_checkpoint_config="flash", **{field: value})
 
 
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_nothing_is_left_in_the_memory_folder(runs, memory):
     """Runs last in this module: every run that ended normally, or was resumed and ended, freed its memory."""
     left = [os.path.join(d, n) for d, _, names in os.walk(memory) for n in names]

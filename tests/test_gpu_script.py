@@ -16,9 +16,6 @@ sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 
 import run_all  # noqa: E402
 
-pytestmark = pytest.mark.dist
-
-
 def _part(part: str, out: Path) -> dict:
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run_all.sh"), part, "--dry-run", "--out", str(out)],
@@ -27,6 +24,7 @@ def _part(part: str, out: Path) -> dict:
     return json.loads((out / f"gpu_part{part}.json").read_text())
 
 
+@pytest.mark.dist  # resume_check launches torchrun
 def test_part_1_dry_run_checks_the_copies_and_resume_equivalence(tmp_path):
     report = _part("1", tmp_path)
     assert report["device"] == "cpu" and list(report["steps"]) == ["device_check", "resume_check", "demo"]

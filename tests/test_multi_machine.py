@@ -24,6 +24,8 @@ from conftest import record_fault, torchrun_machines
 from hf_unified_ckpt.errors import CorruptCheckpointError
 from hf_unified_ckpt.checkpoint.manifest import read_manifest
 
+pytestmark = pytest.mark.dist  # every test launches torchrun per machine (the module's `two_machines`)
+
 SHARDS = {"unified_checkpoint_max_shard_size": "40KB"}
 
 
