@@ -50,13 +50,15 @@ def build(size: str, device: str, out: Path, steps: int, every: int | None, mode
     shape = SIZES[size]
     config = LlamaConfig(vocab_size=32000, num_key_value_heads=shape["num_attention_heads"],
                          max_position_embeddings=seq, tie_word_embeddings=False, **shape)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):  # initialized where it trains: seconds for 1B parameters on a GPU, not minutes
+        model = LlamaForCausalLM(config)
     data = torch.randint(0, 32000, (max(64, batch * (steps + 1)), seq))
     words = {"async": "async_save", "flash": "flash"}.get(mode, "")
     args = hf_unified_ckpt.UnifiedCheckpointArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, optim="adamw_torch",
         save_strategy="steps" if every else "no", save_steps=every or 500, use_cpu=device == "cpu",
         bf16=device == "cuda", report_to=[], disable_tqdm=True, logging_steps=10**6, save_only_model=False,
+        save_total_limit=1,  # a 1B checkpoint is ~13 GB: the disk holds a few
         unified_checkpoint=mode != "native", unified_checkpoint_config=words,
         unified_checkpoint_memory_dir=f"/dev/shm/hf_uc_bench_gpu_{uuid.uuid4().hex[:8]}",
         unified_checkpoint_persist_every=4, unified_checkpoint_memory_keep=2)
@@ -176,7 +178,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="throughput: steps per run")
     parser.add_argument("--saves", type=int, default=3, help="blocked: saves per run")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--work", type=Path, default=Path("/tmp/hf_uc_bench_gpu"))
     parser.add_argument("--json", type=Path, required=True)
     a = parser.parse_args()
