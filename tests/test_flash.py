@@ -217,6 +217,24 @@ def test_torchrun_max_restarts_resumes_from_memory(runs, memory, tmp_path):
 
 
 @pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
+def test_machine_local_durable_folders_on_two_machines_are_refused_before_the_first_step(memory, tmp_path):
+    """Two machines whose output_dir lies on each one's own disk: the leader's persister could never commit (the
+    other machine's share never arrives), so train() refuses before step 1, on both machines, naming the machine
+    that does not see the folder, and leaves nothing in either memory folder."""
+    def spec(k):
+        return {**_spec(tmp_path, f"{memory}/local{k}", f"local-m{k}", output=tmp_path / f"disk{k}" / "run"),
+                "expect_error": "needs a durable folder that every machine sees"}
+
+    for k in (0, 1):
+        os.makedirs(f"{memory}/local{k}", exist_ok=True)
+    torchrun_machines([(1, [spec(0)]), (1, [spec(1)])], tmp_path)
+    result = torch.load(tmp_path / "local-m0.pt", weights_only=False)  # rank 0's record (machine 0)
+    assert result["global_step"] == 0 and "the machine of rank 1 does not see" in result["error"], result["error"]
+    assert os.listdir(f"{memory}/local0") == [] and os.listdir(f"{memory}/local1") == []
+    assert os.listdir(tmp_path / "disk0" / "run") == []  # the mark rank 0 left is gone
+
+
+@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_two_machines_each_persist_their_share(memory, tmp_path):
     """Two machines (two torchruns, one process each) with memory folders of their own and one durable folder:
     each machine's memory holds its share; each persister copies its machine's files, the leader writes the

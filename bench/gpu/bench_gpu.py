@@ -109,14 +109,14 @@ def run(size, device, work: Path, mode, steps, every, batch, seq, resume=None, k
     out = work / f"{mode}-{uuid.uuid4().hex[:6]}"
     trainer = build(size, device, out, steps, every, mode, batch, seq)
     result = {**timed_train(trainer, device, resume), "params": trainer._bench_params, "output_dir": str(out)}
-    if mode == "flash" and result["saves_s"] and not result["flash_active"]:  # memory too small: saves went to disk
-        raise RuntimeError("flash fell back to durable saves (see the warning above): /dev/shm cannot hold them")
     memory = trainer.args.unified_checkpoint_memory_dir  # the run's own folder: empty once train() returned
     del trainer
     shutil.rmtree(memory, ignore_errors=True)
     _free(device)
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
+    if mode == "flash" and result["saves_s"] and not result["flash_active"]:  # memory too small: saves went to disk
+        raise RuntimeError("flash fell back to durable saves (see the warning above): /dev/shm cannot hold them")
     return result
 
 

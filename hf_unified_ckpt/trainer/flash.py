@@ -67,6 +67,7 @@ class FlashTier:
         """When `train()` starts, before it looks for a checkpoint to resume: find the machines and take the lease
         (a persister waiting for a restarted job keeps the memory from then on). Collective."""
         self._find_machines()
+        self._refuse_unshared_durable()
         if self.is_machine_leader:
             self._write_lease(ended=False)
 
@@ -89,6 +90,34 @@ class FlashTier:
             self._heartbeat = threading.Thread(target=self._beat, name="hf_unified_ckpt-lease", daemon=True)
             self._heartbeat.start()
         return True
+
+    def _refuse_unshared_durable(self) -> None:
+        """With several machines the durable folder must be one that every machine sees: the leader's persister
+        commits once every machine's persister copied its share there. Rank 0 leaves a mark in it; a machine that
+        does not see the mark (its own local disk) refuses the run here, before the first step, on every rank,
+        leaving nothing in memory. Collective."""
+        if len(self.nodes) < 2:
+            return
+        mark = join(self.durable_root, f".flash-probe-{self.job}")
+        if dist.rank() == 0:
+            store_for(self.durable_root).make_folder(self.durable_root)
+            store_for(mark).put(mark, b"")
+        dist.barrier()
+        blind = [r for r in dist.all_gather_object(dist.rank() if self.is_machine_leader and not is_file(mark)
+                                                   else None) if r is not None]
+        if dist.rank() == 0:
+            remove(mark)
+        if not blind:
+            return
+        if self.is_machine_leader:
+            remove_if_empty(self.run)
+            remove_if_empty(parent_of(self.run))
+        raise ValueError(
+            f"flash on {len(self.nodes)} machines needs a durable folder that every machine sees (a shared "
+            f"filesystem or a bucket), but the machine of rank {blind[0]} does not see {self.durable_root} as rank 0 "
+            "writes it (a folder on each machine's own disk?): every checkpoint would wait for shares that never "
+            "arrive. Point output_dir (or unified_checkpoint_storage) at storage every machine sees, or leave "
+            "'flash' out of unified_checkpoint_config.")
 
     def _find_machines(self) -> None:
         """Which ranks share this rank's memory folder (its machine): each rank leaves a mark, then reads the
