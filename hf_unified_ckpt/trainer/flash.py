@@ -27,6 +27,7 @@ import uuid
 from .. import dist
 from ..checkpoint.commit import COMMIT_FILE, list_checkpoints
 from ..checkpoint.layout import detect_layout
+from ..errors import UnsupportedCheckpointError
 from ..format.components import Role
 from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE, SAVES,
                             SPARE, SaveInfo, checkpoint_name, run_folder, save_info, write_record)
@@ -112,7 +113,7 @@ class FlashTier:
         if self.is_machine_leader:
             remove_if_empty(self.run)
             remove_if_empty(parent_of(self.run))
-        raise ValueError(
+        raise UnsupportedCheckpointError(
             f"flash on {len(self.nodes)} machines needs a durable folder that every machine sees (a shared "
             f"filesystem or a bucket), but the machine of rank {blind[0]} does not see {self.durable_root} as rank 0 "
             "writes it (a folder on each machine's own disk?): every checkpoint would wait for shares that never "
