@@ -6,6 +6,10 @@
 # Extra arguments go to run_all.py (--dry-run: the CPU rehearsal). The wheels of `make gpu-wheels` (.whl/, carried
 # with the tree) are installed beside the machine's own torch, never over it. PYTHON picks the interpreter.
 set -u
+if [ $# -lt 1 ]; then
+    echo "usage: bash bench/gpu/run_all.sh 1|2|3 [--dry-run] [--out DIR]" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 if [[ " $* " != *" --dry-run "* ]] && compgen -G ".whl/*.whl" > /dev/null; then  # a dry run uses this machine's

@@ -55,7 +55,7 @@ class Transfers:
         with torch.cuda.stream(stream):
             source = tensor.detach().reshape(shape).to(dtype)  # any temporary lives on the side stream
             buffer.copy_(source, non_blocking=True)
-        tensor.record_stream(stream)  # the allocator keeps its memory until the copy ran
+        tensor.detach().record_stream(stream)  # the allocator keeps its memory until the copy ran
         return buffer
 
     def _side_stream(self, index: int):
