@@ -34,7 +34,9 @@ test-slow: $(VENV)/.installed
 # its ops compiled at run time there.
 GPU_WHEELS := transformers==5.23.0 isal==1.9.1 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 \
               annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 regex==2026.11.19 \
-              peft==0.21.2
+              peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 tokenizers==0.23.3 huggingface-hub==2.4.0 \
+              httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 idna==3.20 anyio==4.16.0 \
+              hf-xet==1.8.0 click==8.5.1 filelock==4.3.1
 gpu-wheels: $(VENV)/.installed
 	mkdir -p .whl
 	DS_BUILD_OPS=0 $(PIP) wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8

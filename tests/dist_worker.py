@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node N tests/dist_worker.py spec.json
 
-Each run is {"output_dir", "model", "optim", "resume", "overrides", "result"}; rank 0 saves the run's record
+The spec is {"runs": [...], "deterministic": bool}; each run is {"output_dir", "model", "optim", "resume", "overrides", "result"}; rank 0 saves the run's record
 (losses, final weights, optimizer state) with torch.save to "result".
 """
 
@@ -22,6 +22,8 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     world = int(os.environ["WORLD_SIZE"])
+    if spec.get("deterministic"):  # deterministic kernels where the device has them (CUDA: bench/gpu/resume_check.py)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     freeze_imports()
     for run in spec["runs"]:
         result = run_spec(run, world)

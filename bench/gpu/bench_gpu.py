@@ -139,23 +139,30 @@ def _after_save_cost(r: dict, every: int) -> float:
     return (sum(r["saves_s"]) + sum(after)) / max(1, len(r["saves_s"]))
 
 
-def measure(name: str, a, work: Path) -> dict:
+def measure(name: str, a, work: Path, note=lambda key, value: None) -> dict:
+    """One measurement's figures; `note(key, value)` records each run's figure as it comes (a step cut off at its
+    limit keeps them)."""
     args = (a.size, a.device, work)
     common = dict(batch=a.batch, seq=a.seq)
     if name == "save":  # a save after 2 steps, then 1 more step; the save call is the whole save
         ours = run(*args, "unified", 3, 2, **common)
+        note("ours_s", ours["saves_s"][0])
         native = run(*args, "native", 3, 2, **common)
         return {"ours_s": ours["saves_s"][0], "native_s": native["saves_s"][0],
                 "ratio": ours["saves_s"][0] / native["saves_s"][0], "params": ours["params"]}
     if name == "blocked":
         every, steps = 5, 5 * a.saves + 1
-        out = {mode: _after_save_cost(run(*args, mode, steps, every, **common), every)
-               for mode in ("unified", "async", "flash")}
+        out = {}
+        for mode in ("unified", "async", "flash"):
+            out[mode] = _after_save_cost(run(*args, mode, steps, every, **common), every)
+            note(f"{mode}_s", out[mode])
         return {**{f"{m}_s": v for m, v in out.items()}, "async_over_sync": out["async"] / out["unified"],
                 "flash_over_sync": out["flash"] / out["unified"], "saves": a.saves}
     if name == "throughput":
         none = run(*args, "none", a.steps, None, **common)["total_s"]
+        note("none_s", none)
         asy = run(*args, "async", a.steps, 20, **common)["total_s"]
+        note("async_every_20_s", asy)
         flash = run(*args, "flash", a.steps, 5, **common)["total_s"]
         return {"none_s": none, "async_every_20_s": asy, "flash_every_5_s": flash, "steps": a.steps,
                 "async_ratio": none / asy, "flash_ratio": none / flash, "target": 0.97}
@@ -166,6 +173,7 @@ def measure(name: str, a, work: Path) -> dict:
             resumed = run(*args, mode, 3, None, resume=f"{saved['output_dir']}/checkpoint-2", **common)
             shutil.rmtree(saved["output_dir"], ignore_errors=True)
             out[f"{mode}_to_first_step_s"] = resumed["to_first_step_s"]
+            note(f"{mode}_to_first_step_s", out[f"{mode}_to_first_step_s"])
         return {**out, "ratio": out["unified_to_first_step_s"] / out["native_to_first_step_s"]}
     raise ValueError(name)
 
@@ -190,11 +198,17 @@ def main() -> None:
     failed = False
     for name in a.only.split(","):
         started = time.perf_counter()
+        partial = results["measurements"][name] = {"partial": True}
+
+        def note(key, value, partial=partial):
+            partial[key] = value
+            a.json.write_text(json.dumps(results, indent=1))
+
         try:
-            results["measurements"][name] = measure(name, a, a.work)
+            results["measurements"][name] = measure(name, a, a.work, note)
         except Exception as e:  # recorded; the next measurement goes on
             failed = True
-            results["measurements"][name] = {"error": f"{type(e).__name__}: {e}"}
+            results["measurements"][name] = {**partial, "error": f"{type(e).__name__}: {e}"}
         results["measurements"][name]["seconds"] = round(time.perf_counter() - started, 1)
         a.json.write_text(json.dumps(results, indent=1))
         print(name, json.dumps(results["measurements"][name]), flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -49,20 +50,33 @@ def _spec(work: Path, engine: str, device: str, tag: str, resume: str | None = N
     return spec
 
 
-def _launch(work: Path, runs: list[dict], nproc: int, name: str) -> tuple[bool, str]:
+def _launch(work: Path, runs: list[dict], nproc: int, name: str, device: str) -> subprocess.Popen:
+    """Start one torchrun launch of `runs` (the suite's worker), its output in work/<name>.log."""
     spec = work / f"spec-{name}.json"
-    spec.write_text(json.dumps({"runs": runs}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    # on a GPU: deterministic kernels (embedding backward and friends use atomics otherwise), so that a resume at the
+    # same device and world size can be compared bit for bit
+    spec.write_text(json.dumps({"runs": runs, "deterministic": device == "cuda"}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(TESTS / "dist_worker.py"), str(spec)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    return proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return subprocess.Popen(cmd, env=env, stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _wait(work: Path, launches: dict[str, subprocess.Popen]) -> dict:
+    """Wait for the launches; {name: True, or the end of its log}."""
+    out = {}
+    for name, proc in launches.items():
+        ok = proc.wait(timeout=900) == 0
+        out[name] = True if ok else (work / f"{name}.log").read_text()[-3000:]
+    return out
 
 
 def _compare(resumed: Path, baseline: Path, exact: bool) -> dict:
     import torch
 
+    if not (resumed.exists() and baseline.exists()):  # its launch failed before or during these runs
+        return {"ok": False, "missing": [str(p.name) for p in (resumed, baseline) if not p.exists()]}
     a, b = torch.load(resumed, weights_only=False), torch.load(baseline, weights_only=False)
     steps = [s for s in b["losses"] if s > 3]
     loss = max(abs(a["losses"][s] - b["losses"][s]) / max(abs(b["losses"][s]), 1e-12) for s in steps)
@@ -73,35 +87,42 @@ def _compare(resumed: Path, baseline: Path, exact: bool) -> dict:
             "ok": same if exact else (loss <= CROSS_TOL and weight <= CROSS_TOL)}
 
 
-def run_cell(cell: str, device: str, work: Path) -> dict:
-    """One cell (see the module docstring): its comparisons, or why it failed."""
-    work.mkdir(parents=True, exist_ok=True)
+def _pair(work: Path, cell: str, device: str) -> list[dict]:
+    """The uninterrupted run of `cell` and the run resumed from its step 3."""
+    return [_spec(work, cell, device, f"{cell}-base"),
+            _spec(work, cell, device, f"{cell}-resumed", str(work / f"{cell}-base/checkpoint-3"))]
+
+
+def run_cells(cells: list[str], device: str, work: Path) -> dict:
+    """Every cell (see the module docstring) in at most four launches: the device runs at world size 1 without and
+    with DeepSpeed side by side (a crash in one leaves the other's results), then the CPU processes at world size 2,
+    then the device run resumed from them. A cell is judged from the result files its runs left."""
+    shutil.rmtree(work, ignore_errors=True)  # no result file of an earlier run may stand in for a missing one
+    work.mkdir(parents=True)
     started = time.perf_counter()
-    if cell != "cross":
-        runs = [_spec(work, cell, device, "base"), _spec(work, cell, device, "resumed", str(work / "base/checkpoint-3"))]
-        ok, tail = _launch(work, runs, 1, cell)
-        out = {"launch_ok": ok} if ok else {"launch_ok": False, "output_tail": tail}
-        if ok:
-            out["same_device_ws1"] = _compare(work / "resumed.pt", work / "base.pt", exact=True)
-    else:  # the device at world size 1 <-> CPU processes at world size 2 (DDP, gloo), both ways
-        out = {}
-        steps = [("dev", [_spec(work, "single", device, "dev")], 1),
-                 ("cpu", [_spec(work, "single", "cpu", "cpu")], 2),
-                 ("dev-to-cpu", [_spec(work, "single", "cpu", "dev-to-cpu", str(work / "dev/checkpoint-3"))], 2),
-                 ("cpu-to-dev", [_spec(work, "single", device, "cpu-to-dev", str(work / "cpu/checkpoint-3"))], 1)]
-        for name, runs, nproc in steps:
-            ok, tail = _launch(work, runs, nproc, name)
-            out[f"{name}_launch_ok"] = ok
-            if not ok:
-                out[f"{name}_output_tail"] = tail
-                break
+    plain = [c for c in cells if c in ("single", "fsdp2")] or (["single"] if "cross" in cells else [])
+    deep = [c for c in cells if c in ("zero2", "zero3")]
+    first = {"device_plain": [r for c in plain for r in _pair(work, c, device)],
+             "device_deepspeed": [r for c in deep for r in _pair(work, c, device)]}
+    launches = _wait(work, {n: _launch(work, runs, 1, n, device) for n, runs in first.items() if runs})
+    if "cross" in cells:  # the device at world size 1 <-> CPU processes at world size 2 (DDP, gloo), both ways
+        cpu = [_spec(work, "single", "cpu", "cpu"),
+               _spec(work, "single", "cpu", "dev-to-cpu", str(work / "single-base/checkpoint-3"))]
+        launches.update(_wait(work, {"cpu_ws2": _launch(work, cpu, 2, "cpu_ws2", device)}))
+        back = [_spec(work, "single", device, "cpu-to-dev", str(work / "cpu/checkpoint-3"))]
+        launches.update(_wait(work, {"cpu_to_device": _launch(work, back, 1, "cpu_to_device", device)}))
+    out: dict = {"launches": {n: v is True for n, v in launches.items()},
+                 "launch_failures": {n: v for n, v in launches.items() if v is not True}, "cells": {}}
+    for cell in cells:
+        if cell == "cross":  # another world size (and device): another reduction order, so a stated tolerance
+            out["cells"][cell] = {
+                "device_ws1_to_cpu_ws2": _compare(work / "dev-to-cpu.pt", work / "single-base.pt", exact=False),
+                "cpu_ws2_to_device_ws1": _compare(work / "cpu-to-dev.pt", work / "cpu.pt", exact=False)}
         else:
-            # other world size (and device): another reduction order, so a stated tolerance, not bit-exactness
-            out["device_ws1_to_cpu_ws2"] = _compare(work / "dev-to-cpu.pt", work / "dev.pt", exact=False)
-            out["cpu_ws2_to_device_ws1"] = _compare(work / "cpu-to-dev.pt", work / "cpu.pt", exact=False)
+            out["cells"][cell] = {"same_device_ws1": _compare(work / f"{cell}-resumed.pt", work / f"{cell}-base.pt",
+                                                              exact=True)}
+        out["cells"][cell]["ok"] = all(v["ok"] for v in out["cells"][cell].values())
     out["seconds"] = round(time.perf_counter() - started, 1)
-    out["ok"] = all(v.get("ok", True) for v in out.values() if isinstance(v, dict)) and all(
-        v for k, v in out.items() if k.endswith("launch_ok"))
     return out
 
 
@@ -112,13 +133,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/hf_uc_gpu_resume"))
     parser.add_argument("--json", type=Path, required=True)
     a = parser.parse_args()
-    results = {"device": a.device, "cells": {}}
-    for cell in a.cells.split(","):
-        results["cells"][cell] = run_cell(cell, a.device, a.work / cell)
-        a.json.write_text(json.dumps(results, indent=1))  # after every cell: a cut-off run keeps what it measured
-        print(f"{cell}: {'ok' if results['cells'][cell]['ok'] else 'FAILED'}", flush=True)
+    results = {"device": a.device, **run_cells(a.cells.split(","), a.device, a.work)}
+    a.json.write_text(json.dumps(results, indent=1))
+    for cell, record in results["cells"].items():
+        print(f"{cell}: {'ok' if record['ok'] else 'FAILED'}", flush=True)
     sys.exit(0 if all(c["ok"] for c in results["cells"].values()) else 1)
-
 
 if __name__ == "__main__":
     main()

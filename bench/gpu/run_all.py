@@ -1,6 +1,6 @@
 """Everything issue 34's part 2 measures on a GPU, in three parts of at most 10 minutes each (`run_all.sh` runs one).
 
-    python bench/gpu/run_all.py --part 1|2|3 [--device cuda|cpu] [--dry-run] [--out DIR]
+    python bench/gpu/run_all.py --part 1|2|3|all [--device cuda|cpu] [--dry-run] [--out DIR]
 
 Part 1, correctness (~5 min): the device path of background copies (`device_check.py`), resume equivalence at world
 size 1 for one process, DeepSpeed ZeRO-2/3 bf16 and FSDP2, and across devices (`resume_check.py`), the demo.
@@ -8,6 +8,9 @@ Part 2, the figures (at most 10 min: the steps' limits add up to 600 s): the 100
 vs native, time blocked by async and flash saves vs a synchronous one, throughput with saves vs none, resume vs
 native (`bench_gpu.py`).
 Part 3, if device time is left (~5 min): blocked time and throughput on the 100M model.
+Part "all", for a session lent 15 minutes of device time in all (one command): the device check, resume equivalence
+(every cell, in four launches), the 1B save, blocked time (2 saves per mode) and throughput (40 steps), the 100M
+save, the 1B resume, in that order, with a 570 s deadline that cuts the tail; the CPU demo is left to the test suite.
 
 Each step runs in a process of its own with its own time limit; a failed or cut-off step is recorded and the next
 goes on. `gpu_part<N>.json` in `--out` ($OUT where the device tool sets it) is rewritten after every step, so a
@@ -52,10 +55,20 @@ def steps(part: str, device: str, dry: bool, out: Path) -> list[tuple[str, list[
         return [("bench_100m_save", [*bench, "--size", "100m", *small, "--only", "save", *json_of("bench_100m_save")],
                  60, {})] + [(f"bench_1b_{m}", [*bench, "--size", "1b", *small, "--only", m, *json_of(f"bench_1b_{m}")],
                               limit, {}) for m, limit in limits.items()]
+    if part == "all":  # one command for a 15-minute device budget, most telling first; the deadline cuts the tail
+        fewer = [] if dry else ["--saves", "2", "--steps", "40"]
+        one = lambda size, m, limit: (f"bench_{size}_{m}", [*bench, "--size", size, *small, *fewer, "--only", m,  # noqa
+                                                            *json_of(f"bench_{size}_{m}")], limit, {})
+        return [("device_check", [py, str(HERE / "device_check.py"), "--device", device, "--mb", "8" if dry else "1024",
+                                  *json_of("device_check")], 60, {}),
+                ("resume_check", [py, str(HERE / "resume_check.py"), "--device", device, *json_of("resume_check")],
+                 150, {}),
+                one("1b", "save", 100), one("1b", "blocked", 120), one("1b", "throughput", 130),
+                one("100m", "save", 45), one("1b", "resume", 90)]
     if part == "3":
         return [(f"bench_100m_{m}", [*bench, "--size", "100m", *small, "--only", m, *json_of(f"bench_100m_{m}")], 200,
                  {}) for m in ("blocked", "throughput")]
-    raise ValueError(f"no part {part!r}: parts are 1, 2 and 3")
+    raise ValueError(f"no part {part!r}: parts are 1, 2, 3 and all")
 
 
 def run_step(name: str, cmd: list[str], limit: int, env: dict, out: Path) -> dict:
@@ -82,8 +95,11 @@ def run_step(name: str, cmd: list[str], limit: int, env: dict, out: Path) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", required=True, choices=("1", "2", "3"))
+    parser.add_argument("--part", required=True, choices=("1", "2", "3", "all"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--deadline", type=int, default=570,
+                        help="seconds for the whole part: a step gets at most what is left (the device's command "
+                             "limit is 600 s)")
     parser.add_argument("--dry-run", action="store_true", help="every step on the CPU, tiny sizes")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "results" / "gpu"))
     a = parser.parse_args()
@@ -102,9 +118,14 @@ def main() -> None:
         report["transformers"] = transformers.__version__
     except Exception as e:  # recorded; the steps say what fails
         report["import_error"] = f"{type(e).__name__}: {e}"
+    deadline = time.perf_counter() + a.deadline
     for name, cmd, limit, env in steps(a.part, device, a.dry_run, a.out):
+        left = int(deadline - time.perf_counter())
+        if left < 10:
+            report["steps"][name] = {"rc": f"not run: the {a.deadline} s deadline was reached", "seconds": 0}
+            continue
         print(f"== {name}", flush=True)
-        report["steps"][name] = run_step(name, cmd, limit, env, a.out)
+        report["steps"][name] = run_step(name, cmd, min(limit, left), env, a.out)
         summary.write_text(json.dumps(report, indent=1))
         step = report["steps"][name]
         print(f"   rc {step['rc']} in {step['seconds']} s", flush=True)

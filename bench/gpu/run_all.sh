@@ -3,11 +3,12 @@
 #     bash bench/gpu/run_all.sh 1      # correctness: device copies, resume equivalence, the demo
 #     bash bench/gpu/run_all.sh 2      # the 1B figures
 #     bash bench/gpu/run_all.sh 3      # the 100M figures (growth)
+#     bash bench/gpu/run_all.sh all    # the most telling of 1 and 2 in one command (a 15-minute device budget)
 # Extra arguments go to run_all.py (--dry-run: the CPU rehearsal). The wheels of `make gpu-wheels` (.whl/, carried
 # with the tree) are installed beside the machine's own torch, never over it. PYTHON picks the interpreter.
 set -u
 if [ $# -lt 1 ]; then
-    echo "usage: bash bench/gpu/run_all.sh 1|2|3 [--dry-run] [--out DIR]" >&2
+    echo "usage: bash bench/gpu/run_all.sh 1|2|3|all [--dry-run] [--out DIR]" >&2
     exit 2
 fi
 cd "$(dirname "$0")/../.."
