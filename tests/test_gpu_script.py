@@ -1,7 +1,7 @@
 """The GPU script of issue 34 (`bench/gpu/run_all.sh`), rehearsed on the CPU so that it cannot rot before a GPU
-machine runs it: parts 1 and 2 as `--dry-run` end to end (tiny model, every step), part 3's steps as commands, and
-the step runner's promises (a failed or cut-off step is recorded, the next goes on, the JSON is rewritten after
-every step) with real processes."""
+machine runs it: the one-command part ("all") as `--dry-run` end to end (tiny model, every step), the other parts'
+steps as commands, and the step runner's promises (a failed or cut-off step is recorded, the next goes on, the JSON is
+rewritten after every step) with real processes."""
 
 import json
 import os
@@ -25,26 +25,43 @@ def _part(part: str, out: Path) -> dict:
 
 
 @pytest.mark.dist  # resume_check launches torchrun
-def test_part_1_dry_run_checks_the_copies_and_resume_equivalence(tmp_path):
-    report = _part("1", tmp_path)
-    assert report["device"] == "cpu" and list(report["steps"]) == ["device_check", "resume_check", "demo"]
+def test_the_one_command_part_dry_run_checks_copies_resumes_and_measures_every_figure(tmp_path):
+    report = _part("all", tmp_path)
+    assert report["device"] == "cpu" and list(report["steps"]) == [
+        "device_check", "resume_check", "bench_1b_save", "bench_1b_blocked", "bench_1b_throughput", "bench_100m_save",
+        "bench_1b_resume"]
     check = report["steps"]["device_check"]["result"]
     assert check["float32_copy_equal"] and check["bfloat16_copy_equal"] and not check["float32_buffer_pinned"]
-    single = report["steps"]["resume_check"]["result"]["cells"]["single"]["same_device_ws1"]
-    assert single["bit_exact"] and single["steps_compared"] == [4, 5, 6]
-
-
-def test_part_2_dry_run_measures_every_figure(tmp_path):
-    report = _part("2", tmp_path)
-    assert list(report["steps"]) == ["bench_100m_save", "bench_1b_save", "bench_1b_blocked", "bench_1b_throughput",
-                                     "bench_1b_resume"]
+    resumes = report["steps"]["resume_check"]["result"]
+    assert all(resumes["launches"].values()) and set(resumes["cells"]) == {"single", "zero2", "zero3", "fsdp2", "cross"}
+    for cell in ("single", "zero2", "zero3", "fsdp2"):
+        same = resumes["cells"][cell]["same_device_ws1"]
+        assert same["bit_exact"] and same["steps_compared"] == [4, 5, 6], (cell, same)
+    assert all(c["ok"] for c in resumes["cells"]["cross"].values() if isinstance(c, dict))
     for step, record in report["steps"].items():
-        name = step.rsplit("_", 1)[1]
-        figures = record["result"]["measurements"][name]
-        assert "error" not in figures and figures["seconds"] > 0, figures
-    assert report["steps"]["bench_1b_save"]["result"]["measurements"]["save"]["ours_s"] > 0
+        if step.startswith("bench_"):
+            figures = record["result"]["measurements"][step.rsplit("_", 1)[1]]
+            assert "error" not in figures and "partial" not in figures and figures["seconds"] > 0, figures
+    save = report["steps"]["bench_1b_save"]["result"]["measurements"]["save"]
+    assert save["ours_s"] > 0 and save["native_then_fsync_s"] >= save["native_s"]
     assert {"async_ratio", "flash_ratio"} <= set(report["steps"]["bench_1b_throughput"]["result"]["measurements"][
         "throughput"])
+
+
+def test_a_missing_result_file_fails_its_cell_not_the_check(tmp_path):
+    import resume_check
+
+    judged = resume_check._compare(tmp_path / "resumed.pt", tmp_path / "base.pt", exact=True)
+    assert judged == {"ok": False, "missing": ["resumed.pt", "base.pt"]}
+
+
+def test_parts_1_and_2_list_their_steps(tmp_path):
+    one = run_all.steps("1", "cuda", False, tmp_path)
+    assert [name for name, *_ in one] == ["device_check", "resume_check", "demo"]
+    two = run_all.steps("2", "cuda", False, tmp_path)
+    assert [name for name, *_ in two] == ["bench_100m_save", "bench_1b_save", "bench_1b_blocked",
+                                         "bench_1b_throughput", "bench_1b_resume"]
+    assert sum(limit for _, _, limit, _ in two) <= 600  # one device command
 
 
 def test_part_3_runs_the_other_measurements_on_the_100m_model(tmp_path):

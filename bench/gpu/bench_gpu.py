@@ -5,11 +5,16 @@ precision (fp32 weights and AdamW state, bf16 autocast), trained by the plain Tr
 
 Measurements (each run a fresh Trainer on the same seeded model; the device is synchronized around every timing):
 - save: the time of a save (the Trainer's `_save_checkpoint`, which returns once the checkpoint is complete) after
-  training steps: ours (unified) / the native Trainer save of the same state (`unified_checkpoint=False`);
+  training steps: ours (unified) / the native Trainer save of the same state (`unified_checkpoint=False`), and / the
+  native save plus an fsync of its files (ours returns with the checkpoint on disk, the native save with its bytes in
+  the page cache);
 - blocked: what training waits for per save with `async_save` and with `flash` (the save call plus the extra time of
-  the step after it, over the median step) / a synchronous unified save;
-- throughput: the whole `train()` with an async save every 20 steps, and with a flash save every 5 steps (persisting
-  every 4th), / no saves;
+  the step after it, over the median step) / a synchronous unified save; each save first waits, untimed, for the
+  previous one's writes (on a GPU a 1B model's 11 GB take longer to write than 5 steps take to train: measured
+  together, the figure was the disk's, not the save's);
+- throughput: the whole `train()` with an async save every `--async-every` steps (20), and with a flash save every
+  `--flash-every` steps (5; persisting every 4th), / no saves; the ratio is bound by the write bandwidth where the
+  saves' bytes take longer to write than the steps between them take to train;
 - resume: `train(resume_from_checkpoint=...)` to the first step, from our checkpoint / from the native one.
 Sizes: "tiny" (the CPU dry run), "100m", "1b". A JSON is written after every measurement.
 """
@@ -65,15 +70,18 @@ def build(size: str, device: str, out: Path, steps: int, every: int | None, mode
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in data])
     if mode != "native":
         hf_unified_ckpt.attach(trainer)
+    trainer._bench_native = mode == "native"
     trainer._bench_params = sum(p.numel() for p in model.parameters())
     return trainer
 
 
-def timed_train(trainer, device: str, resume: str | None = None) -> dict:
-    """Train; return the total, the time to the first step, every step's time and every save call's time."""
+def timed_train(trainer, device: str, resume: str | None = None, isolate: bool = False) -> dict:
+    """Train; return the total, the time to the first step, every step's time and every save call's time. With
+    `isolate`, each save first waits (untimed, recorded apart) for the previous background save to finish writing, so
+    that a save call's time is what it blocks by itself, not the wait for the disk behind an earlier one."""
     from transformers import TrainerCallback
 
-    steps, saves, marks = [], [], {}
+    steps, saves, synced, waited, marks = [], [], [], [], {}
 
     class Steps(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -90,10 +98,17 @@ def timed_train(trainer, device: str, resume: str | None = None) -> dict:
 
     def timed_save(*args, **kwargs):
         _sync(device)
+        saver = getattr(trainer, "_uc_saver", None)
+        if isolate and saver is not None:
+            started = time.perf_counter()
+            saver.wait()
+            waited.append(time.perf_counter() - started)
         started = time.perf_counter()
         save(*args, **kwargs)
         _sync(device)
         saves.append(time.perf_counter() - started)
+        if trainer._bench_native:  # native: what making its files durable adds (ours fsyncs)
+            synced.append(saves[-1] + _fsync_tree(trainer.args.output_dir))
         tier = getattr(trainer, "_uc_flash", None)
         marks["flash_active"] = tier is not None and tier.active  # False: saves fell back to durable storage
 
@@ -102,13 +117,28 @@ def timed_train(trainer, device: str, resume: str | None = None) -> dict:
     trainer.train(resume_from_checkpoint=resume)
     _sync(device)
     return {"total_s": time.perf_counter() - started, "to_first_step_s": marks["first"] - started, "steps_s": steps,
-            "saves_s": saves, "flash_active": marks.get("flash_active")}
+            "saves_s": saves, "saves_synced_s": synced, "waited_for_previous_s": waited, "flash_active": marks.get("flash_active")}
 
 
-def run(size, device, work: Path, mode, steps, every, batch, seq, resume=None, keep=False) -> dict:
+def _fsync_tree(folder: str) -> float:
+    """Seconds to fsync every file under `folder` (the native save returns with its bytes in the page cache)."""
+    import os
+
+    started = time.perf_counter()
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return time.perf_counter() - started
+
+
+def run(size, device, work: Path, mode, steps, every, batch, seq, resume=None, keep=False, isolate=False) -> dict:
     out = work / f"{mode}-{uuid.uuid4().hex[:6]}"
     trainer = build(size, device, out, steps, every, mode, batch, seq)
-    result = {**timed_train(trainer, device, resume), "params": trainer._bench_params, "output_dir": str(out)}
+    result = {**timed_train(trainer, device, resume, isolate), "params": trainer._bench_params, "output_dir": str(out)}
     memory = trainer.args.unified_checkpoint_memory_dir  # the run's own folder: empty once train() returned
     del trainer
     shutil.rmtree(memory, ignore_errors=True)
@@ -132,11 +162,13 @@ def _free(device: str) -> None:
     AcceleratorState._reset_state(reset_partial_state=False)
 
 
-def _after_save_cost(r: dict, every: int) -> float:
-    """Each save call plus the extra time of the step after it over the median step, averaged over the saves."""
-    median = statistics.median(r["steps_s"])
-    after = [r["steps_s"][i] - median for i in range(every, len(r["steps_s"]), every)]
-    return (sum(r["saves_s"]) + sum(after)) / max(1, len(r["saves_s"]))
+def _after_save_cost(r: dict, every: int) -> tuple[float, float]:
+    """Each save call plus the extra time of the step after it over the median step: (the mean over the saves after
+    the first, the steady state where host buffers are reused; the first save's)."""
+    median, steps = statistics.median(r["steps_s"]), r["steps_s"]
+    costs = [save + (steps[(k + 1) * every] - median if (k + 1) * every < len(steps) else 0.0)
+             for k, save in enumerate(r["saves_s"])]
+    return statistics.mean(costs[1:] or costs), costs[0]
 
 
 def measure(name: str, a, work: Path, note=lambda key, value: None) -> dict:
@@ -149,23 +181,28 @@ def measure(name: str, a, work: Path, note=lambda key, value: None) -> dict:
         note("ours_s", ours["saves_s"][0])
         native = run(*args, "native", 3, 2, **common)
         return {"ours_s": ours["saves_s"][0], "native_s": native["saves_s"][0],
-                "ratio": ours["saves_s"][0] / native["saves_s"][0], "params": ours["params"]}
+                "ratio": ours["saves_s"][0] / native["saves_s"][0], "native_then_fsync_s": native["saves_synced_s"][0],
+                "ratio_to_durable_native": ours["saves_s"][0] / native["saves_synced_s"][0], "params": ours["params"]}
     if name == "blocked":
         every, steps = 5, 5 * a.saves + 1
-        out = {}
+        out, firsts = {}, {}
         for mode in ("unified", "async", "flash"):
-            out[mode] = _after_save_cost(run(*args, mode, steps, every, **common), every)
+            r = run(*args, mode, steps, every, isolate=True, **common)
+            out[mode], firsts[mode] = _after_save_cost(r, every)  # the first allocates host buffers (pinned on a GPU)
             note(f"{mode}_s", out[mode])
-        return {**{f"{m}_s": v for m, v in out.items()}, "async_over_sync": out["async"] / out["unified"],
+            note(f"{mode}_first_save_s", firsts[mode])
+        return {**{f"{m}_s": v for m, v in out.items()}, **{f"{m}_first_save_s": v for m, v in firsts.items()},
+                "async_over_sync": out["async"] / out["unified"],
                 "flash_over_sync": out["flash"] / out["unified"], "saves": a.saves}
     if name == "throughput":
         none = run(*args, "none", a.steps, None, **common)["total_s"]
         note("none_s", none)
-        asy = run(*args, "async", a.steps, 20, **common)["total_s"]
-        note("async_every_20_s", asy)
-        flash = run(*args, "flash", a.steps, 5, **common)["total_s"]
-        return {"none_s": none, "async_every_20_s": asy, "flash_every_5_s": flash, "steps": a.steps,
-                "async_ratio": none / asy, "flash_ratio": none / flash, "target": 0.97}
+        asy = run(*args, "async", a.steps, a.async_every, **common)["total_s"]
+        note("async_s", asy)
+        flash = run(*args, "flash", a.steps, a.flash_every, **common)["total_s"]
+        return {"none_s": none, "async_s": asy, "flash_s": flash, "steps": a.steps, "async_every": a.async_every,
+                "flash_every": a.flash_every, "step_s": none / a.steps, "async_ratio": none / asy,
+                "flash_ratio": none / flash, "target": 0.97}
     if name == "resume":  # to the first step, from a checkpoint of step 2 written by each
         out = {}
         for mode in ("unified", "native"):
@@ -184,6 +221,8 @@ def main() -> None:
     parser.add_argument("--size", choices=list(SIZES), default="1b")
     parser.add_argument("--only", default=",".join(MEASUREMENTS))
     parser.add_argument("--steps", type=int, default=60, help="throughput: steps per run")
+    parser.add_argument("--async-every", type=int, default=20, help="throughput: steps between async saves")
+    parser.add_argument("--flash-every", type=int, default=5, help="throughput: steps between flash saves")
     parser.add_argument("--saves", type=int, default=3, help="blocked: saves per run")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)

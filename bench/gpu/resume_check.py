@@ -77,7 +77,7 @@ def _compare(resumed: Path, baseline: Path, exact: bool) -> dict:
 
     if not (resumed.exists() and baseline.exists()):  # its launch failed before or during these runs
         return {"ok": False, "missing": [str(p.name) for p in (resumed, baseline) if not p.exists()]}
-    a, b = torch.load(resumed, weights_only=False), torch.load(baseline, weights_only=False)
+    a, b = (torch.load(p, weights_only=False, map_location="cpu") for p in (resumed, baseline))
     steps = [s for s in b["losses"] if s > 3]
     loss = max(abs(a["losses"][s] - b["losses"][s]) / max(abs(b["losses"][s]), 1e-12) for s in steps)
     weight = max(float((a["state"][k].double() - v.double()).abs().max()) for k, v in b["state"].items())
