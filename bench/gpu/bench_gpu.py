@@ -30,7 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
-#: Llama shapes (vocab 32000, untied embeddings): ~4.6M, ~110M, ~1.1B parameters.
+#: Llama shapes (vocab 32000, untied embeddings): ~8.5M, 134M, 953M parameters (measured).
 SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4),
          "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12),
          "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16)}
