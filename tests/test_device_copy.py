@@ -46,3 +46,25 @@ def test_cpu_tensors_never_touch_cuda():
     transfers.fence()
     transfers.settle()
     assert torch.equal(out, torch.arange(4.0)) and not torch.cuda.is_initialized()
+
+
+def test_pinned_buffers_are_exact_whole_pages_registered_while_they_live():
+    """The CUDA branch of `host_buffer` page-locks an exact-size allocation (torch's pinned allocator would round
+    it up to a power of two); here the registration is recorded instead of calling the CUDA runtime, which this
+    torch lacks. The real call runs in bench/gpu/device_check.py (its buffers must be pinned)."""
+    import gc
+
+    from hf_unified_ckpt.checkpoint.device_copy import PAGE, registered_buffer
+
+    locked: dict[int, int] = {}
+    buffer = registered_buffer((3, 3001), torch.bfloat16, lambda a, n: locked.setdefault(a, n) == n, locked.pop)
+    (address, length), = locked.items()
+    assert buffer.shape == (3, 3001) and buffer.dtype == torch.bfloat16 and buffer.is_contiguous()
+    assert buffer.data_ptr() == address and address % PAGE == 0
+    assert buffer.nbytes == 18006 and length == 5 * PAGE  # whole pages: 20480 bytes, where torch's would take 32768
+    buffer.copy_(torch.ones(3, 3001))  # writable
+    assert float(buffer.float().sum()) == 9003
+    del buffer
+    gc.collect()
+    assert locked == {}  # unregistered once the buffer is gone
+    assert registered_buffer((4,), torch.float32, lambda a, n: False, locked.pop) is None  # refused: the caller pins

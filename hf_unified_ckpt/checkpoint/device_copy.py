@@ -14,7 +14,16 @@ The CUDA branch runs on a GPU machine only (bench/gpu/); on CPU its absence is w
 
 from __future__ import annotations
 
+import logging
+import math
+import weakref
+from collections.abc import Callable
+
 import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE = 4096
 
 
 def _cuda_in_use() -> bool:
@@ -22,8 +31,44 @@ def _cuda_in_use() -> bool:
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """An empty host buffer for copies of `like`: pinned where `like` lives on a CUDA device, pageable otherwise."""
-    return torch.empty(shape, dtype=dtype, pin_memory=like.device.type == "cuda")
+    """An empty host buffer for copies of `like`: pinned where `like` lives on a CUDA device, pageable otherwise.
+
+    Pinned memory is page-locked in place (`cudaHostRegister`) over an allocation of the exact size: torch's pinned
+    allocator (`pin_memory=True`) rounds every allocation up to a power of two and keeps it cached, so a snapshot
+    would hold up to twice its bytes (a 262 MB embedding takes 512 MB). Where registering fails, `pin_memory=True`."""
+    if like.device.type != "cuda":
+        return torch.empty(shape, dtype=dtype)
+    buffer = registered_buffer(shape, dtype, _register, _unregister)
+    if buffer is None:
+        logger.debug("cudaHostRegister failed; a pinned buffer from torch's allocator instead")
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return buffer
+
+
+def registered_buffer(shape: tuple[int, ...], dtype: torch.dtype, register: Callable[[int, int], bool],
+                      unregister: Callable[[int], object]) -> torch.Tensor | None:
+    """An empty tensor of `shape` and `dtype` on whole pages of an exact-size host allocation, locked by
+    `register(address, length)` (False: not locked, None returned) and unlocked by `unregister(address)` once the
+    tensor is gone (before its memory is freed: its views keep the memory, unlocked, valid)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    span = -(-max(nbytes, 1) // PAGE) * PAGE
+    raw = torch.empty(span + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    region = raw[start:start + span]
+    if not register(region.data_ptr(), span):
+        return None
+    buffer = region[:nbytes].view(dtype).view(shape)
+    weakref.finalize(buffer, unregister, region.data_ptr())
+    return buffer
+
+
+def _register(address: int, length: int) -> bool:
+    cudart = torch.cuda.cudart()
+    return cudart.cudaHostRegister(address, length, 0) == cudart.cudaError.success
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 class Transfers:

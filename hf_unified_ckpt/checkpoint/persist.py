@@ -62,7 +62,7 @@ class HostBuffers:
     training stream, and `Background` drives it)."""
 
     def __init__(self):
-        self._buffers: dict[object, torch.Tensor] = {}
+        self._buffers: dict[object, tuple[torch.Tensor, bool]] = {}  # key -> (buffer, whether pinned)
         self.transfers = Transfers()
 
     def copy(self, key, tensor: torch.Tensor, dtype: torch.dtype | None = None, flat: bool = False) -> torch.Tensor:
@@ -70,14 +70,15 @@ class HostBuffers:
         CUDA tensor: queued, there once `transfers.settle()` returned)."""
         shape = (tensor.numel(),) if flat else tuple(tensor.shape)
         dtype = dtype or tensor.dtype
-        buffer = self._buffers.get(key)
-        pinned = tensor.device.type == "cuda"
-        if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype or buffer.is_pinned() != pinned:
-            buffer = self._buffers[key] = host_buffer(shape, dtype, tensor)
+        buffer, pinned = self._buffers.get(key, (None, False))
+        on_device = tensor.device.type == "cuda"  # its buffer must be pinned (asking a buffer costs a CUDA call)
+        if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype or pinned != on_device:
+            buffer = host_buffer(shape, dtype, tensor)
+            self._buffers[key] = (buffer, on_device)
         return self.transfers.copy(buffer, tensor, shape, dtype)
 
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
+        return sum(b.nbytes for b, _ in self._buffers.values())
 
 
 class Background:
