@@ -516,7 +516,7 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("die_mid_write"):
         with die_mid_write(*run["die_mid_write"]):
             return run_spec({k: v for k, v in run.items() if k != "die_mid_write"}, world_size)
-    if run.get("memory_full_from") is not None:  # 0: full before the first step
+    if run.get("memory_full_from"):
         with memory_full_from(run["memory_full_from"]):
             return run_spec({k: v for k, v in run.items() if k != "memory_full_from"}, world_size)
     if run.get("record_reuse"):  # how many files the saves wrote over spare files (the memory tier's reuse)
@@ -849,16 +849,14 @@ def stop_after_save(trainer, step: int, marker: str, mode: str):
 
 @contextlib.contextmanager
 def record_reuse():
-    """Count, in a list [reused, tried], the files this rank's saves wrote over a spare file (`writer.reuse_spare`)
-    and the files they could have (written by this rank alone into the memory tier)."""
+    """Count, in a list of one int, the files this rank's saves wrote over a spare file (`writer.reuse_spare`)."""
     from hf_unified_ckpt.checkpoint import writer
 
-    original, count = writer.reuse_spare, [0, 0]
+    original, count = writer.reuse_spare, [0]
 
     def reuse(spare, ref):
         used = original(spare, ref)
         count[0] += used
-        count[1] += 1
         return used
 
     writer.reuse_spare = reuse

@@ -64,13 +64,11 @@ def runs(tmp_path_factory, memory):
     """One launch of DDP x 2: a plain flash run (the baseline every resume is compared with), the same with
     evaluation, load_best_model_at_end, rotation and save_model, one whose memory folder is full from the
     save of step 4 on, one keeping a single memory checkpoint (its evicted files are overwritten by the next
-    save), one whose memory folder is full from before the first step (the first saves' memory cannot be taken
-    there), and one whose persister is killed while it trains."""
+    save), and one whose persister is killed while it trains."""
     tmp = tmp_path_factory.mktemp("flash")
     specs = [_spec(tmp, memory, "ddp", unified_checkpoint_persist_every=2),
              loop_spec(_spec(tmp, memory, "loop", unified_checkpoint_persist_every=2), tmp / "loop-model"),
              {**_spec(tmp, memory, "full"), "memory_full_from": 4},
-             {**_spec(tmp, memory, "full0"), "memory_full_from": 0},
              {**_spec(tmp, memory, "reuse", unified_checkpoint_persist_every=2, unified_checkpoint_memory_keep=1),
               "record_reuse": True},
              {**_spec(tmp, memory, "revive", unified_checkpoint_persist_every=1), "kill_persister": [3, 5, "checkpoint-4"]}]
@@ -100,13 +98,10 @@ def test_every_mth_save_and_the_last_are_durable_and_memory_is_freed(runs, memor
 def test_an_evicted_checkpoints_memory_is_overwritten_by_the_next_save(runs, memory):
     """memory_keep=1: the save of step 4 evicts checkpoint-2, whose tensor files are kept as spare files; the save
     of step 6 writes its files over them (each written by one rank here: DDP), reusing their memory instead of
-    taking fresh pages; the saves of steps 2 and 4 write over the two sets of spare files made before the first
-    step (`AsyncSaver.prefault`): every file of every save lands in memory already taken. What it wrote is what the
-    baseline wrote: the training is the same bit for bit, and the durable copies verify and load the same
-    weights."""
+    taking fresh pages. What it wrote is what the baseline wrote: the training is the same bit for bit, and the
+    durable copies verify and load the same weights."""
     tmp, out, _ = runs
-    reused, tried = out["reuse"]["reused"]
-    assert tried >= 3 and reused == tried  # each of the 3 saves wrote at least one file alone
+    assert out["reuse"]["reused"][0] > 0
     assert_resumed_matches(out["reuse"], out["ddp"], range(1, 7), exact=True, loss_rtol=0, state_atol=0)
     assert _durable(tmp / "reuse") == ["checkpoint-4", "checkpoint-6"]
     from transformers import AutoModelForCausalLM
@@ -151,8 +146,7 @@ def test_a_full_memory_folder_saves_to_durable_storage_instead(runs, memory):
     tmp, out, proc = runs
     assert _durable(tmp / "full") == ["checkpoint-4", "checkpoint-6"]
     verify_checkpoint(str(tmp / "full" / "checkpoint-4"))
-    said = proc.stderr.count("flash: the memory folder") + proc.stdout.count("flash: the memory folder")
-    assert said == 2  # once in this run, once in "full0"
+    assert proc.stderr.count("flash: the memory folder") + proc.stdout.count("flash: the memory folder") == 1
     assert_resumed_matches(out["full"], out["ddp"], range(1, 7), exact=True, loss_rtol=0, state_atol=0)
     from transformers import AutoModelForCausalLM
 
@@ -160,19 +154,6 @@ def test_a_full_memory_folder_saves_to_durable_storage_instead(runs, memory):
     a = AutoModelForCausalLM.from_pretrained(tmp / "full" / "checkpoint-4").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp / "ddp" / "checkpoint-4").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
-def test_memory_full_before_the_first_step_trains_on_and_saves_to_durable_storage(runs, memory):
-    """ENOSPC already when the first saves' memory is taken before step 1 (`AsyncSaver.prefault`): that is given
-    up (its spare files removed), training starts, and the first save finds the folder full and goes to output_dir,
-    as every later one; the training is the baseline's, bit for bit."""
-    tmp, out, _ = runs
-    assert _durable(tmp / "full0") == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    for name in _durable(tmp / "full0"):
-        verify_checkpoint(str(tmp / "full0" / name))
-    assert_resumed_matches(out["full0"], out["ddp"], range(1, 7), exact=True, loss_rtol=0, state_atol=0)
-    assert not os.path.exists(run_folder(memory, str(tmp / "full0")))
 
 
 def _kill_launcher_and_workers(launcher: int) -> list[int]:

@@ -31,8 +31,7 @@ from .persist import Background, HostBuffers, PersistJob
 from ..format.planning import FilePlan
 from .save import (SaveRequest, SmallFiles, Staging, assembled_files, begin_multipart, conclude, discard, guarded,
                    open_staging, plan_save, raise_if_failed)
-from ..store import as_ref, join, name_of, remove, store_for
-from .writer import SPARE_NEXT, SharedFileWriter
+from ..store import as_ref, name_of
 
 logger = logging.getLogger(__name__)
 
@@ -86,28 +85,6 @@ class AsyncSaver:
                                                            fallback),
                                label=name_of(final))
         return final
-
-    def prefault(self, engine: EngineAdapter, request: SaveRequest, spare: str) -> bool:
-        """Before the first step of a memory-tier run, while the cores are idle: stage a save of `request` as
-        `start` does (this rank's host buffers are allocated and filled) and write it twice as spare files, into
-        `spare` and `spare`/`SPARE_NEXT`, so that the first two saves copy into memory in use and write over pages
-        already taken (fresh memory costs 5-7 times more once training runs). Nothing is committed; `request`'s
-        folder is a scratch one, removed. Where memory runs out, the spare files made are removed and the saves
-        take fresh memory as before. Returns whether it was done. Collective: all ranks must call it."""
-        staging = open_staging(as_ref(request.final_dir))
-        plan = plan_save(engine, dataclasses.replace(request, spare=None), shared=staging.in_place)
-        mine = list(assembled_files(engine, plan.writer, plan.files, "", False))
-        job = PersistJob(staging.path, plan.writer)
-        outcome = guarded(lambda: self.stage(engine, job, mine))
-        if isinstance(plan.writer, SharedFileWriter):  # the writer that reuses spare files
-            for folder in (spare, join(spare, SPARE_NEXT)):
-                outcome = guarded(lambda f=folder: _write_as_spare(job, f)) if outcome[0] else outcome
-        done = all(ok for ok, _ in dist.all_gather_object(outcome))
-        if staging.is_leader:
-            discard(staging.path)
-            if not done:
-                remove(spare)
-        return done
 
     def stage(self, engine, job: PersistJob, mine: list[FilePlan]) -> PersistJob:
         """Copy this rank's tensors of the files it writes into the reused host buffers: `job`, ready to run."""
@@ -166,13 +143,3 @@ class AsyncSaver:
             self.wait()
         except UnifiedCheckpointError as e:
             logger.error("%s", e)
-
-
-def _write_as_spare(job: PersistJob, folder: str) -> None:
-    """Write `job`, then move the files this rank wrote alone into `folder` (spare files). Local I/O only."""
-    job.run()
-    store = store_for(folder)
-    store.make_folder(folder)
-    for file, _ in job.files:
-        if file.writers == {dist.rank()}:
-            store.move(join(job.folder, file.name), join(folder, file.name))

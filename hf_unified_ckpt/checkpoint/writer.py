@@ -148,26 +148,20 @@ class SharedFileWriter:
             done.result()
 
 
-#: A second set of spare files inside the spare folder (made before the first step, `AsyncSaver.prefault`): used
-#: once the first set is.
-SPARE_NEXT = "next"
-
-
 def reuse_spare(spare: str, ref: str) -> bool:
-    """Move the spare file named like `ref` (left in `spare` by an evicted checkpoint, or in `spare`/`SPARE_NEXT`)
-    to `ref`, so that writing `ref` overwrites memory already in use instead of taking fresh pages (on a VM that
-    hands free pages back to its host, writing into fresh ones costs several times a copy: measured 2.0 s against
-    0.2-0.4 s for 600 MB in /dev/shm). Only for a file one rank writes alone (no other process may have opened
-    `ref`). Returns whether a spare file was used."""
-    for source in (join(spare, name_of(ref)), join(spare, SPARE_NEXT, name_of(ref))):
-        if not is_file(source):
-            continue
-        try:
-            store_for(ref).move(source, ref)
-        except OSError:  # taken meanwhile, or on another filesystem (a save that fell back to durable storage)
-            return False
-        return True
-    return False
+    """Move the spare file named like `ref` (left in `spare` by an evicted checkpoint) to `ref`, so that writing
+    `ref` overwrites memory already in use instead of taking fresh pages (on a VM that hands free pages back to its
+    host, writing into fresh ones costs several times a copy: measured 2.0 s against 0.2-0.4 s for 600 MB in
+    /dev/shm). Only for a file one rank writes alone (no other process may have opened `ref`). Returns whether a
+    spare file was used."""
+    source = join(spare, name_of(ref))
+    if not is_file(source):
+        return False
+    try:
+        store_for(ref).move(source, ref)
+    except OSError:  # taken meanwhile, or on another filesystem (a save that fell back to durable storage)
+        return False
+    return True
 
 
 def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],

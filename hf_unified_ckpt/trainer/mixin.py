@@ -211,9 +211,8 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         if options.enabled:
             engine = self._uc_engine()
             engine.specs(MODEL.name)
-            if self._uc_flash is not None and self._uc_flash.start(
-                    checkpoint_bytes(engine, include_optimizer=not self.args.save_only_model)):
-                self._uc_prefault_memory(engine)
+            if self._uc_flash is not None:
+                self._uc_flash.start(checkpoint_bytes(engine, include_optimizer=not self.args.save_only_model))
             if options.ema:
                 engine.parameter_fragments()  # refuses an engine the EMA cannot follow (FSDP1)
                 engine_of(self).step_barrier(self, self._uc_wait_for_copies)
@@ -221,18 +220,6 @@ class UnifiedCheckpointMixin(PreemptionMixin):
                 logger.warning("residual_master_weight has no effect in this run: it keeps no fp32 master weights "
                                "apart from its weights (only DeepSpeed bf16 training does), so there is nothing to "
                                "store as a residual.")
-
-    def _uc_prefault_memory(self, engine) -> None:
-        """flash: the first two saves' memory (host buffers, spare files) taken now, while the cores are idle
-        (`AsyncSaver.prefault`); where memory is short, skipped, said at debug level. Collective."""
-        flash = self._uc_flash
-        request = SaveRequest(flash.final_dir(0), 0, self.args.unified_checkpoint_options,
-                              include_optimizer=not self.args.save_only_model, show_progress=False)
-        started = time.monotonic()
-        done = self._uc_saver.prefault(engine, request, flash.spare)
-        if dist.rank() == 0:
-            logger.debug("flash: the first saves' memory %s in %.1f s", "taken" if done else "not taken (memory short)",
-                         time.monotonic() - started)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """A unified checkpoint was loaded into the prepared engine already (`_prepare_for_training`). A checkpoint
