@@ -63,8 +63,9 @@ def registered_buffer(shape: tuple[int, ...], dtype: torch.dtype, register: Call
 
 
 def _register(address: int, length: int) -> bool:
-    cudart = torch.cuda.cudart()
-    return cudart.cudaHostRegister(address, length, 0) == cudart.cudaError.success
+    """Page-lock a host range for every device (`cudaHostRegisterPortable`), as torch's own
+    `distributed._state_dict_utils` does for its pinned CPU state dicts (`cuda._pin_memory_utils`, private)."""
+    return int(torch.cuda.cudart().cudaHostRegister(address, length, 1)) == 0
 
 
 def _unregister(address: int) -> None:
