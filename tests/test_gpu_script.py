@@ -28,13 +28,12 @@ def _part(part: str, out: Path) -> dict:
 def test_the_one_command_part_dry_run_checks_copies_resumes_and_measures_every_figure(tmp_path):
     report = _part("all", tmp_path)
     assert report["device"] == "cpu" and list(report["steps"]) == [
-        "device_check", "resume_check", "bench_1b_save", "bench_1b_blocked", "bench_1b_throughput", "bench_100m_save",
-        "bench_1b_resume"]
+        "device_check", "resume_check", "bench_1b_save", "bench_1b_blocked", "bench_1b_throughput", "bench_1b_resume"]
     check = report["steps"]["device_check"]["result"]
     assert check["float32_copy_equal"] and check["bfloat16_copy_equal"] and not check["float32_buffer_pinned"]
     resumes = report["steps"]["resume_check"]["result"]
-    assert all(resumes["launches"].values()) and set(resumes["cells"]) == {"single", "zero2", "zero3", "fsdp2", "cross"}
-    for cell in ("single", "zero2", "zero3", "fsdp2"):
+    assert all(resumes["launches"].values()) and set(resumes["cells"]) == {"single", "zero2", "fsdp2", "cross"}
+    for cell in ("single", "zero2", "fsdp2"):
         same = resumes["cells"][cell]["same_device_ws1"]
         assert same["bit_exact"] and same["steps_compared"] == [4, 5, 6], (cell, same)
     assert all(c["ok"] for c in resumes["cells"]["cross"].values() if isinstance(c, dict))
@@ -55,7 +54,11 @@ def test_a_missing_result_file_fails_its_cell_not_the_check(tmp_path):
     assert judged == {"ok": False, "missing": ["resumed.pt", "base.pt"]}
 
 
-def test_parts_1_and_2_list_their_steps(tmp_path):
+def test_parts_1_2_and_all_list_their_steps(tmp_path):
+    every = run_all.steps("all", "cuda", False, tmp_path)
+    assert [name for name, *_ in every] == ["device_check", "resume_check", "bench_1b_save", "bench_1b_blocked",
+                                           "bench_1b_throughput", "bench_100m_save", "bench_1b_resume"]
+    assert "--cells" not in every[1][1]  # every cell on the GPU
     one = run_all.steps("1", "cuda", False, tmp_path)
     assert [name for name, *_ in one] == ["device_check", "resume_check", "demo"]
     two = run_all.steps("2", "cuda", False, tmp_path)
