@@ -117,21 +117,20 @@ def timed_train(trainer, device: str, resume: str | None = None, isolate: bool =
     trainer.train(resume_from_checkpoint=resume)
     _sync(device)
     return {"total_s": time.perf_counter() - started, "to_first_step_s": marks["first"] - started, "steps_s": steps,
-            "saves_s": saves, "saves_synced_s": synced, "waited_for_previous_s": waited, "flash_active": marks.get("flash_active")}
+            "saves_s": saves, "saves_synced_s": synced, "waited_for_previous_s": waited,
+            "flash_active": marks.get("flash_active")}
 
 
 def _fsync_tree(folder: str) -> float:
     """Seconds to fsync every file under `folder` (the native save returns with its bytes in the page cache)."""
     import os
 
+    from hf_unified_ckpt.store.local_io import fsync_file
+
     started = time.perf_counter()
     for root, _, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(root, name))
     return time.perf_counter() - started
 
 

@@ -60,7 +60,8 @@ def _launch(work: Path, runs: list[dict], nproc: int, name: str, device: str) ->
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(TESTS / "dist_worker.py"), str(spec)]
-    return subprocess.Popen(cmd, env=env, stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    with open(work / f"{name}.log", "w") as log:  # the launch keeps its own copy of the handle
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait(work: Path, launches: dict[str, subprocess.Popen]) -> dict:

@@ -10,7 +10,8 @@ native (`bench_gpu.py`).
 Part 3, if device time is left (~5 min): blocked time and throughput on the 100M model.
 Part "all", for a session lent 15 minutes of device time in all (one command): the device check, resume equivalence
 (every cell, in four launches), the 1B save, blocked time (2 saves per mode) and throughput (200 steps, an async save
-every 100, a flash save every 25), the 100M save, the 1B resume, in that order, with a 570 s deadline that cuts the tail; the CPU demo is left to the test suite.
+every 100, a flash save every 25), the 100M save, the 1B resume, in that order, with a 570 s deadline that cuts the
+tail; the CPU demo is left to the test suite.
 
 Each step runs in a process of its own with its own time limit; a failed or cut-off step is recorded and the next
 goes on. `gpu_part<N>.json` in `--out` ($OUT where the device tool sets it) is rewritten after every step, so a
@@ -41,13 +42,18 @@ def steps(part: str, device: str, dry: bool, out: Path) -> list[tuple[str, list[
     bench = [py, str(HERE / "bench_gpu.py"), "--device", device]
     small = ["--size", "tiny", "--steps", "10", "--saves", "1", "--batch", "2", "--seq", "32"] if dry else []
     json_of = lambda name: ["--json", str(out / f"{name}.json")]  # noqa: E731
+    def checks(device_limit: int, resume_limit: int, dry_cells: str) -> list:
+        """The device copy check and the resume-equivalence cells (in a dry run: `dry_cells` only)."""
+        return [("device_check", [py, str(HERE / "device_check.py"), "--device", device, "--mb", "8" if dry else "1024",
+                                  *json_of("device_check")], device_limit, {}),
+                ("resume_check", [py, str(HERE / "resume_check.py"), "--device", device,
+                                  *(["--cells", dry_cells] if dry else []), *json_of("resume_check")],
+                 resume_limit, {})]
+
     if part == "1":
         demo = ([py, "-c", "print('dry run: the demo runs in tests/test_cli_and_demo.py')"] if dry
                 else [py, str(ROOT / "examples" / "demo.py")])
-        return [("device_check", [py, str(HERE / "device_check.py"), "--device", device, "--mb", "8" if dry else "1024",
-                                  *json_of("device_check")], 120, {}),
-                ("resume_check", [py, str(HERE / "resume_check.py"), "--device", device,
-                                  *(["--cells", "single"] if dry else []), *json_of("resume_check")], 360, {}),
+        return [*checks(120, 360, "single"),
                 # the README's demo is the CPU one (2 processes, gloo): DeepSpeed is told so on a GPU machine
                 ("demo", demo, 240, {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})]
     if part == "2":  # the 100M save first (seconds): with the 1B one, how the save time grows
@@ -62,11 +68,7 @@ def steps(part: str, device: str, dry: bool, out: Path) -> list[tuple[str, list[
                     limit, {})
 
         # the dry run leaves out what repeats the same code at the same tiny size (ZeRO-3's cell, the 100M save)
-        cells = ["--cells", "single,zero2,fsdp2,cross"] if dry else []
-        return [("device_check", [py, str(HERE / "device_check.py"), "--device", device, "--mb", "8" if dry else "1024",
-                                  *json_of("device_check")], 60, {}),
-                ("resume_check", [py, str(HERE / "resume_check.py"), "--device", device, *cells,
-                                  *json_of("resume_check")], 150, {}),
+        return [*checks(60, 150, "single,zero2,fsdp2,cross"),
                 one("1b", "save", 100), one("1b", "blocked", 130),
                 # a save every 100 steps (~18 s of training on an H200) outlasts its write; every 20 cannot (2026-11-26)
                 one("1b", "throughput", 170, "--steps", "200", "--async-every", "100", "--flash-every", "25"),
