@@ -20,11 +20,12 @@ printed with the absolute figures beside every ratio:
     A trainer trained one step; then a flash tier is opened by hand on it (`FlashTier(...).open()` and `.start(...)`,
     what `train()` does before its first step: the persister is started and the lease's heartbeat runs) and saves are
     made with `trainer._save_checkpoint(trainer.model, None)` at increasing `global_step`s. Blocked = that call +
-    `trainer._uc_saver.wait_for_snapshot()` (the snapshot copy into the reused host buffers, which the next optimizer
-    step waits for), per rank after a barrier, slowest rank. Memcpy = one `torch.Tensor.copy_` of
-    `trainer._uc_saver.host_buffer_bytes()` bytes (what this rank snapshots) between two preallocated, already
-    touched uint8 tensors, all ranks at once, slowest rank. One untimed round first (the first save allocates the
-    host buffers and the save's gloo group). Outside the timing, between repetitions: `trainer._uc_saver.wait()`
+    `trainer._uc_saver.wait_for_snapshot()` (the snapshot copy, straight into the memory files an evicted checkpoint
+    left, through mappings kept from save to save, which the next optimizer step waits for), per rank after a barrier,
+    slowest rank. Memcpy = one `torch.Tensor.copy_` of `trainer._uc_saver.snapshot_bytes` bytes (what this rank
+    snapshots) between two preallocated, already touched uint8 tensors, all ranks at once, slowest rank. K + 1
+    untimed rounds first (the save's gloo group made; the tier's memory taken: saves into fresh memory copy into
+    host buffers instead, and their cost is (2)'s first saves). Outside the timing, between repetitions: `trainer._uc_saver.wait()`
     (the background write into memory) and, when the save was an Mth one, the persister's durable copy of it, so
     each save starts on an idle machine (the persister's competition for the CPU is what (2) measures).
 (2) training throughput with flash saves / without saves                  target >= 0.95
@@ -248,12 +249,14 @@ def blocked_worker(a: argparse.Namespace) -> None:
     saved: list[int] = []
     src = dst = None
     try:
-        for rep in range(-1, a.reps):  # rep -1: untimed (host buffers allocated, the save's gloo group made)
-            order = ("flash", "memcpy") if rep == -1 or rep % 2 == 0 else ("memcpy", "flash")
+        # untimed rounds first (rep < 0): the save's gloo group made, and K + 1 sets of memory files taken, so that
+        # every timed save writes over an evicted checkpoint's files, as a run's saves do once its memory is in use
+        for rep in range(-(a.memory_keep + 1), a.reps):
+            order = ("flash", "memcpy") if rep < 0 or rep % 2 == 0 else ("memcpy", "flash")
             for kind in order:
                 if kind == "memcpy":
                     if src is None:
-                        nbytes = saver.host_buffer_bytes()
+                        nbytes = saver.snapshot_bytes
                         src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
                         dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
                         results["rank_bytes"] = [int(x) for x in dist_gather(nbytes)]

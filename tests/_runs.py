@@ -803,7 +803,7 @@ def memory_full_from(step: int):
 
     from hf_unified_ckpt.store.local import LocalStore
 
-    originals = LocalStore.write_whole, LocalStore.write_at
+    originals = LocalStore.write_whole, LocalStore.write_at, LocalStore.map_writable
 
     def full(ref) -> bool:
         match = re.search(r"/hf_unified_ckpt/.*checkpoint-(\d+)", str(ref))
@@ -816,11 +816,11 @@ def memory_full_from(step: int):
             return original(self, ref, *args, **kwargs)
         return write
 
-    LocalStore.write_whole, LocalStore.write_at = wrap(originals[0]), wrap(originals[1])
+    LocalStore.write_whole, LocalStore.write_at, LocalStore.map_writable = map(wrap, originals)
     try:
         yield
     finally:
-        LocalStore.write_whole, LocalStore.write_at = originals
+        LocalStore.write_whole, LocalStore.write_at, LocalStore.map_writable = originals
 
 
 def stop_after_save(trainer, step: int, marker: str, mode: str):
@@ -849,21 +849,44 @@ def stop_after_save(trainer, step: int, marker: str, mode: str):
 
 @contextlib.contextmanager
 def record_reuse():
-    """Count, in a list of one int, the files this rank's saves wrote over a spare file (`writer.reuse_spare`)."""
+    """Record what this rank's saves did with the memory tier's files: how many files were written over a spare
+    file (`writer.reuse_spare`), written (`SharedFileWriter.write`), of them placed by the snapshot's copy straight
+    into the file (`SharedFileWriter.place`), copied into through a mapping made earlier; and the bytes of the
+    snapshot's host buffers after each save's snapshot."""
     from hf_unified_ckpt.checkpoint import writer
+    from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
+    from hf_unified_ckpt.store import WritableMaps
 
-    original, count = writer.reuse_spare, [0]
+    originals = writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, AsyncSaver.stage
+    record = {"spare": 0, "written": 0, "placed": 0, "mapped_before": 0, "host_buffer_bytes": []}
+    seen = []
 
     def reuse(spare, ref):
-        used = original(spare, ref)
-        count[0] += used
+        used = originals[0](spare, ref)
+        record["spare"] += used
         return used
 
-    writer.reuse_spare = reuse
+    def write(self, folder, file, tensors):
+        record["written"] += 1
+        record["placed"] += isinstance(tensors, writer.Placed)
+        return originals[1](self, folder, file, tensors)
+
+    def view(self, path, size):
+        mapped = originals[2](self, path, size)
+        record["mapped_before"] += any(mapped.obj is old for old in seen)
+        seen.append(mapped.obj)
+        return mapped
+
+    def stage(self, *args):
+        job = originals[3](self, *args)
+        record["host_buffer_bytes"].append(self.host_buffer_bytes())
+        return job
+
+    writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, AsyncSaver.stage = reuse, write, view, stage
     try:
-        yield count
+        yield record
     finally:
-        writer.reuse_spare = original
+        writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, AsyncSaver.stage = originals
 
 
 @contextlib.contextmanager

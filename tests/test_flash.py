@@ -7,6 +7,7 @@ checkpoints (`_runs.memory_full_from`). Tolerance when the world size changes: f
 test_resume_equivalence.py (LOSS_RTOL = STATE_ATOL = 1e-5); the same engine and world size must be bit-exact.
 """
 
+import errno
 import os
 import shutil
 import signal
@@ -98,10 +99,15 @@ def test_every_mth_save_and_the_last_are_durable_and_memory_is_freed(runs, memor
 def test_an_evicted_checkpoints_memory_is_overwritten_by_the_next_save(runs, memory):
     """memory_keep=1: the save of step 4 evicts checkpoint-2, whose tensor files are kept as spare files; the save
     of step 6 writes its files over them (each written by one rank here: DDP), reusing their memory instead of
-    taking fresh pages. What it wrote is what the baseline wrote: the training is the same bit for bit, and the
+    taking fresh pages, and copying its snapshot straight into them through mappings kept from save to save. What it wrote is what the baseline wrote: the training is the same bit for bit, and the
     durable copies verify and load the same weights."""
     tmp, out, _ = runs
-    assert out["reuse"]["reused"][0] > 0
+    reuse = out["reuse"]["reused"]
+    # step 6 wrote every file over a spare file, its snapshot copied straight into it (no host buffer, no pwrite)
+    # through the mapping made in the background after step 2 wrote it; steps 2 and 4 (fresh memory) copied into
+    # host buffers, which step 6 freed
+    assert reuse["written"] > reuse["spare"] == reuse["placed"] == reuse["mapped_before"] > 0
+    assert reuse["host_buffer_bytes"][0] > 0 and reuse["host_buffer_bytes"][-1] == 0
     assert_resumed_matches(out["reuse"], out["ddp"], range(1, 7), exact=True, loss_rtol=0, state_atol=0)
     assert _durable(tmp / "reuse") == ["checkpoint-4", "checkpoint-6"]
     from transformers import AutoModelForCausalLM
@@ -414,9 +420,42 @@ def test_bad_memory_tier_fields_are_refused_when_the_arguments_are_built(field, 
                                    unified_checkpoint_config="flash", **{field: value})
 
 
+def test_a_snapshot_copied_into_memory_files_is_saved_elsewhere_when_memory_runs_out_later(tmp_path, memory,
+                                                                                          monkeypatch, caplog):
+    """One process, memory_keep=1: the save of step 6 copies its snapshot straight into the spare files step 2
+    left, then memory runs out for one of its small files (ENOSPC): the save goes to output_dir, its tensor files
+    written from the memory files' mappings (their folder already discarded). checkpoint-6 there verifies and holds
+    the trained weights, bit for bit."""
+    from _runs import record_reuse, train
+    from hf_unified_ckpt.store.local import LocalStore
+
+    put = LocalStore.put
+
+    def full(self, ref, data, exclusive=False):
+        if memory in str(ref) and "checkpoint-6" in str(ref) and str(ref).endswith("trainer_state.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ref))
+        return put(self, ref, data, exclusive)
+
+    monkeypatch.setattr(LocalStore, "put", full)
+    with record_reuse() as reuse, caplog.at_level("WARNING", logger="hf_unified_ckpt"):
+        trainer, _ = train(tmp_path / "out", **{**FLASH, "unified_checkpoint_memory_dir": memory,
+                                                "unified_checkpoint_memory_keep": 1,
+                                                "unified_checkpoint_persist_every": 100})
+    assert reuse["placed"] > 0, reuse
+    said = [r.getMessage() for r in caplog.records if "flash: the memory folder" in r.getMessage()]
+    assert len(said) == 1 and "checkpoint-6 was saved to" in said[0], said
+    assert _durable(tmp_path / "out") == ["checkpoint-6"]
+    verify_checkpoint(str(tmp_path / "out" / "checkpoint-6"))
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-6").state_dict()
+    final = trainer.model.state_dict()
+    assert all(torch.equal(saved[k], final[k]) for k in saved)
+    assert not os.path.exists(run_folder(memory, str(tmp_path / "out")))
+
+
 @pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_nothing_is_left_in_the_memory_folder(runs, memory):
     """Runs last in this module: every run that ended normally, or was resumed and ended, freed its memory."""
     left = [os.path.join(d, n) for d, _, names in os.walk(memory) for n in names]
     assert left == [], left
-

@@ -670,3 +670,35 @@ def test_exclusive_put_without_hard_links(tmp_path, monkeypatch):
     with pytest.raises(FileExistsError):
         store_for(ref).put(ref, b"second", exclusive=True)
     assert store_for(ref).read(ref) == b"first" and sorted(os.listdir(tmp_path)) == ["m.json"]
+
+
+def test_writable_maps_follow_a_file_through_renames_and_let_go_of_removed_ones(tmp_path):
+    """The memory tier's mappings (`local_io.WritableMaps`): a file renamed (a spare file moved back into a save) is
+    written through the mapping it already had, and its bytes are the file's; a removed file's mapping is released
+    (its memory freed), and a new file is never written through an old file's mapping, even where the filesystem
+    hands the old inode number to the new file; a size change maps again."""
+    from hf_unified_ckpt.store import LocalStore, WritableMaps
+
+    store, maps = LocalStore(), WritableMaps()
+    first = store.map_writable(str(tmp_path / "a"), 10_000, maps)
+    first[:5] = b"hello"
+    os.replace(tmp_path / "a", tmp_path / "b")
+    again = store.map_writable(str(tmp_path / "b"), 10_000, maps)
+    assert again.obj is first.obj and len(maps) == 1
+    again[9_995:] = b"world"
+    data = (tmp_path / "b").read_bytes()
+    assert len(data) == 10_000 and data[:5] == b"hello" and data[-5:] == b"world"
+    old = first.obj
+    del first, again
+    os.unlink(tmp_path / "b")
+    other = store.map_writable(str(tmp_path / "c"), 10_000, maps)  # a new file (maybe the old inode number)
+    other[:3] = b"new"
+    assert other.obj is not old and (tmp_path / "c").read_bytes()[:3] == b"new"
+    maps.prune()
+    assert len(maps) == 1 and old.closed
+    smaller = store.map_writable(str(tmp_path / "c"), 4_000, maps)
+    assert smaller.obj is not other.obj and os.path.getsize(tmp_path / "c") == 4_000
+    assert bytes(smaller[:3]) == b"new" and len(maps) == 1
+    del other, smaller
+    maps.close()
+    assert len(maps) == 0

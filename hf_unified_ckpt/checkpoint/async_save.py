@@ -3,8 +3,8 @@
 On the training thread (what training waits for): the staging folder, the plan, the assembly of sharded tensors
 on their writers (collectives on the default group), and an in-memory capture of the small non-tensor state
 (RNG, trainer state, scheduler), which the background thread writes with the tensors.
-A background thread then copies this rank's tensors into host buffers that are reused from save to save, writes
-the files, and concludes the save with the same collectives as a synchronous save, on a second gloo group so
+A background thread then copies this rank's tensors into host buffers that are reused from save to save (or, for
+the memory tier's files, straight into the files through mappings kept from save to save), writes the files, and concludes the save with the same collectives as a synchronous save, on a second gloo group so
 they never interleave with training's. The copy reads live parameters and optimizer state, which only the next
 optimizer step changes: `wait_for_snapshot` (called from the `on_pre_optimizer_step` callback) blocks that step
 until the copy is done, so the copy overlaps the next forward and backward passes. DeepSpeed steps inside
@@ -31,7 +31,7 @@ from .persist import Background, HostBuffers, PersistJob
 from ..format.planning import FilePlan
 from .save import (SaveRequest, SmallFiles, Staging, assembled_files, begin_multipart, conclude, discard, guarded,
                    open_staging, plan_save, raise_if_failed)
-from ..store import as_ref, name_of
+from ..store import WritableMaps, as_ref, name_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class AsyncSaver:
 
     def __init__(self):
         self._buffers = HostBuffers()
+        self._maps = WritableMaps()  # mappings of the files saves copy into directly (`SharedFileWriter.place`)
+        self.snapshot_bytes = 0  # what the last save copied of this rank's tensors (into buffers or files)
         self._background = Background("save", self._buffers.transfers)
 
     @property
@@ -65,7 +67,8 @@ class AsyncSaver:
         return self._background.in_flight
 
     def host_buffer_bytes(self) -> int:
-        """Host memory held by the reused snapshot buffers (the extra memory async_save costs)."""
+        """Host memory held by the reused snapshot buffers (the extra memory async_save costs; none for the files
+        a flash save copies straight into its memory files)."""
         return self._buffers.nbytes()
 
     def start(self, engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, after_commit=None,
@@ -87,18 +90,46 @@ class AsyncSaver:
         return final
 
     def stage(self, engine, job: PersistJob, mine: list[FilePlan]) -> PersistJob:
-        """Copy this rank's tensors of the files it writes into the reused host buffers: `job`, ready to run."""
+        """Copy this rank's tensors of the files it writes: straight into the files where the writer can place
+        them (the memory tier's reused files, mapped), else into the reused host buffers. `job`, ready to run."""
+        self._maps.prune()
+        self.snapshot_bytes = 0
         for file in mine:
-            tensors = {name: self._buffers.copy((file.component, name), tensor)
-                       for name, tensor in job.writer.local_tensors(engine, file).items()}
-            job.files.append((file, tensors))
+            tensors = job.writer.local_tensors(engine, file)
+            placed = self._place(job, file, tensors)
+            if placed is not None:  # its host buffers, if an earlier save made them, are not needed any more
+                self._buffers.drop((file.component, name) for name in tensors)
+            else:
+                tensors = {name: self._buffers.copy((file.component, name), tensor) for name, tensor in tensors.items()}
+            self.snapshot_bytes += sum(t.nbytes for t in tensors.values())
+            job.files.append((file, placed if placed is not None else tensors))
         return job
+
+    def _place(self, job: PersistJob, file: FilePlan, tensors):
+        place = getattr(job.writer, "place", None)  # SharedFileWriter's; whole-file writers copy into buffers
+        return place(job.folder, file, tensors, self._maps) if place is not None else None
+
+    def _keep_mapped(self, job: PersistJob) -> None:
+        """Map the files `job` wrote from host buffers that a later save may copy into (`place`). Best effort."""
+        keep = getattr(job.writer, "keep_mapped", None)
+        try:
+            for file, tensors in job.files if keep is not None else ():
+                keep(job.folder, file, tensors, self._maps)
+        except OSError as e:  # the next save over them maps them itself
+            logger.debug("Not mapped ahead: %s", e)
+
+    def release_mappings(self) -> None:
+        """Unmap the files the saves wrote through mappings (a run's end: the memory tier's files may be freed).
+        Call with no save in flight."""
+        self._maps.close()
 
     def _finish(self, staged, plan, staging: Staging, request: SaveRequest, after_commit, group,
                 fallback: Fallback | None = None) -> tuple[list, Staging]:
         """Run the staged job, then conclude the save on the save's own group (collectives); out of space with a
         `fallback`: the same job again, into the fallback folder."""
         outcome = staged if not staged[0] else guarded(staged[1].run)
+        if outcome[0]:
+            self._keep_mapped(staged[1])
         try:
             reports = conclude(plan, staging, request, outcome, group=group, after_commit=after_commit)
             if fallback is not None and staged[0] and out_of_space(reports):
@@ -143,3 +174,4 @@ class AsyncSaver:
             self.wait()
         except UnifiedCheckpointError as e:
             logger.error("%s", e)
+        self.release_mappings()

@@ -77,6 +77,11 @@ class HostBuffers:
             self._buffers[key] = (buffer, on_device)
         return self.transfers.copy(buffer, tensor, shape, dtype)
 
+    def drop(self, keys) -> None:
+        """Free the buffers of `keys` (their copies go elsewhere now)."""
+        for key in keys:
+            self._buffers.pop(key, None)
+
     def nbytes(self) -> int:
         return sum(b.nbytes for b, _ in self._buffers.values())
 

@@ -6,6 +6,7 @@ from .base import (Capabilities, Store, as_ref, canonical, is_file, is_folder, j
                    read_bytes, register_store, remove, scheme_of, sibling, store_for)
 from .fsspec_store import FsspecStore
 from .local import LocalStore
+from .local_io import WritableMaps
 from .s3 import S3Store, refuse_scheme
 
 register_store("", LocalStore)
@@ -18,4 +19,4 @@ for _scheme in ("gs", "gcs", "az", "abfs", "abfss"):
 __all__ = ["Capabilities", "FsspecStore", "LocalStore", "S3Store", "Store", "as_ref", "canonical", "is_file",
            "is_folder", "join", "listing",
            "name_of", "parent_of", "put_bytes", "read_bytes", "register_store", "remove", "scheme_of", "sibling",
-           "store_for"]
+           "store_for", "WritableMaps"]

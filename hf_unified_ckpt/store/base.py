@@ -120,6 +120,11 @@ class Store(Protocol):
     def abort_uploads(self, prefix: str, keep=()) -> list[str]:
         """Abort the uploads under `prefix` that crashed saves left, except the IDs in `keep`."""
 
+    def map_writable(self, ref: str, size: int, maps) -> memoryview:
+        """Only where `capabilities.local_paths`: a writable shared mapping of file `ref` (created if missing) of
+        `size` bytes, its blocks taken (ENOSPC raised here), kept in `maps` (`local_io.WritableMaps`) for the next
+        write of the same file. Bytes copied into it are in the file; `sync` makes them durable."""
+
     def sync(self, ref: str) -> None:
         """Make the bytes written to file `ref` durable."""
 

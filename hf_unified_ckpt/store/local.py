@@ -97,6 +97,9 @@ class LocalStore(NoMultipart):
     def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
         local_io.write_at(self._path(ref), ranges, size)
 
+    def map_writable(self, ref: str, size: int, maps: local_io.WritableMaps) -> memoryview:
+        return maps.view(self._path(ref), size)
+
     def sync(self, ref: str) -> None:
         local_io.fsync_file(self._path(ref))
 

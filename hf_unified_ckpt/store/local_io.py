@@ -145,3 +145,62 @@ def write_whole(path: str | os.PathLike, ranges, size: int) -> list[tuple[int, i
     if end != size:
         raise ValueError(f"{path}: the ranges end at {end}, the file is {size} bytes")
     return written
+
+
+class WritableMaps:
+    """Shared writable mappings of files, each kept from one save to the next while its file lives: a file written
+    again (the memory tier's spare files keep their inode through every rename) is copied into through the mapping
+    it already has, which costs a plain memory copy; mapping it afresh costs a page fault per page, and `pwrite`
+    from a host buffer a second copy (per 600 MB in /dev/shm on the 2-core VM, idle: 0.064 s, 0.32 s and 0.17 s).
+    One thread uses an instance at a time; `close` releases every mapping."""
+
+    def __init__(self):
+        self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # (st_dev, st_ino) -> (fd, mapping)
+
+    def view(self, path: str | os.PathLike, size: int) -> memoryview:
+        """A writable view of file `path` (created if missing) of exactly `size` bytes. A new mapping first takes
+        the file's blocks (`posix_fallocate`): a full filesystem raises ENOSPC here, not SIGBUS at the copy."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            held = self._maps.get(key)
+            if held is not None and len(held[1]) == size == st.st_size and os.fstat(held[0]).st_nlink:
+                # the same live file (a removed one's inode number may come back with a new file)
+                os.close(fd)
+                return memoryview(held[1])
+            if st.st_size > size:
+                os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                               mmap.PROT_READ | mmap.PROT_WRITE)  # populated: one call, not a fault per page
+        except BaseException:
+            os.close(fd)
+            raise
+        self._release(key)
+        self._maps[key] = (fd, mapped)  # the descriptor tells `prune` whether the file still exists
+        return memoryview(mapped)
+
+    def prune(self) -> None:
+        """Release the mappings of files removed since (their memory is freed once unmapped)."""
+        for key, (fd, _) in list(self._maps.items()):
+            if os.fstat(fd).st_nlink == 0:
+                self._release(key)
+
+    def close(self) -> None:
+        for key in list(self._maps):
+            self._release(key)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def _release(self, key) -> None:
+        held = self._maps.pop(key, None)
+        if held is None:
+            return
+        fd, mapped = held
+        os.close(fd)
+        try:
+            mapped.close()
+        except BufferError:  # a view of it is still held (a job not yet dropped): unmapped when that view goes
+            pass

@@ -122,6 +122,7 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         if getattr(self, "_uc_flash", None) is not None:
             self._uc_flash.close()
         if not self._uc_saver.in_flight:
+            self._uc_saver.release_mappings()
             dist.release_groups()
             storage = self.args.unified_checkpoint_options.storage
             if storage is not None:  # its client session ends with the run (made again on next use)
