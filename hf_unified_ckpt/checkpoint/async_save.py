@@ -109,15 +109,6 @@ class AsyncSaver:
         place = getattr(job.writer, "place", None)  # SharedFileWriter's; whole-file writers copy into buffers
         return place(job.folder, file, tensors, self._maps) if place is not None else None
 
-    def _keep_mapped(self, job: PersistJob) -> None:
-        """Map the files `job` wrote from host buffers that a later save may copy into (`place`). Best effort."""
-        keep = getattr(job.writer, "keep_mapped", None)
-        try:
-            for file, tensors in job.files if keep is not None else ():
-                keep(job.folder, file, tensors, self._maps)
-        except OSError as e:  # the next save over them maps them itself
-            logger.debug("Not mapped ahead: %s", e)
-
     def release_mappings(self) -> None:
         """Unmap the files the saves wrote through mappings (a run's end: the memory tier's files may be freed).
         Call with no save in flight."""
@@ -128,8 +119,6 @@ class AsyncSaver:
         """Run the staged job, then conclude the save on the save's own group (collectives); out of space with a
         `fallback`: the same job again, into the fallback folder."""
         outcome = staged if not staged[0] else guarded(staged[1].run)
-        if outcome[0]:
-            self._keep_mapped(staged[1])
         try:
             reports = conclude(plan, staging, request, outcome, group=group, after_commit=after_commit)
             if fallback is not None and staged[0] and out_of_space(reports):

@@ -131,13 +131,17 @@ class SharedFileWriter:
               maps: WritableMaps) -> Placed | None:
         """Copy the header and `tensors` (`local_tensors`' result) straight into file `folder/file.name` through a
         mapping kept in `maps` (`Store.map_writable`): a snapshot that is already the written file, where this rank
-        writes it whole, without a codec, from host tensors, over a spare file of the memory tier (memory in use:
-        a file's first pages cost several times a copy, which the host buffers' background write pays instead of
-        the copy training waits for). None where not (the caller copies into host buffers), or where the folder is
-        full (that copy's write then fails the same way, and the save goes to its fallback). Local."""
+        writes it whole, without a codec, from host tensors, into the memory tier (`spare`: the file is taken over
+        the spare file of its name where an evicted checkpoint left one). None where not (the caller copies into
+        host buffers), or where the folder is full (that copy's write then fails the same way, and the save goes to
+        its fallback). Local."""
         ref = join(folder, file.name)
-        if not self._placeable(ref, file, tensors) or not reuse_spare(self.spare, ref):
+        items = sorted(file.items_of(self.rank), key=lambda item: item.start)
+        if (self.spare is None or file.codec is not None or not store_for(ref).capabilities.local_paths
+                or not _writes_whole(file, self.rank, items)
+                or any(tensors[item.name].device.type != "cpu" for item in items)):
             return None
+        reuse_spare(self.spare, ref)
         try:
             view = store_for(ref).map_writable(ref, file.size, maps)
         except OSError as e:
@@ -146,25 +150,9 @@ class SharedFileWriter:
             raise
         head = file.header_bytes
         view[:len(head)] = head
-        for item in sorted(file.items_of(self.rank), key=lambda item: item.start):
+        for item in items:
             _copy_into(view, len(head) + item.start, item, tensors[item.name])
         return Placed(ref, view)
-
-    def keep_mapped(self, folder: str, file: FilePlan, tensors: Mapping[str, torch.Tensor],
-                    maps: WritableMaps) -> None:
-        """Map file `folder/file.name`, just written from host buffers, where a later save could `place` its
-        snapshot over it (once it is a spare file): the mapping's page tables are filled here, in the background,
-        not in the copy training waits for (0.09 s per 600 MB here). Local."""
-        ref = join(folder, file.name)
-        if self._placeable(ref, file, tensors) and not isinstance(tensors, Placed):
-            store_for(ref).map_writable(ref, file.size, maps)
-
-    def _placeable(self, ref: str, file: FilePlan, tensors) -> bool:
-        """Whether `place` may copy `file`'s snapshot straight into it (see there), `tensors` being its tensors."""
-        items = sorted(file.items_of(self.rank), key=lambda item: item.start)
-        return (self.spare is not None and file.codec is None and store_for(ref).capabilities.local_paths
-                and _writes_whole(file, self.rank, items)
-                and (isinstance(tensors, Placed) or all(tensors[i.name].device.type == "cpu" for i in items)))
 
     def write(self, folder: str, file: FilePlan, tensors: Mapping | Placed) -> list[FileRecord | RangeRecord]:
         ref = join(folder, file.name)
