@@ -419,6 +419,51 @@ def test_bad_memory_tier_fields_are_refused_when_the_arguments_are_built(field, 
                                    unified_checkpoint_config="flash", **{field: value})
 
 
+def test_evicted_checkpoints_files_are_kept_as_two_spare_sets_and_taken_oldest_first(tmp_path):
+    """Eviction keeps each evicted checkpoint's tensor files as a set of spare files, the newest two sets (a
+    checkpoint still being persisted is evicted together with the one after it: three sets were in use, and the
+    next saves must find both, not take fresh memory); each file of a save takes the oldest set's file of its name,
+    the same inode (memory in use), and a set emptied or beyond two is removed."""
+    from types import SimpleNamespace
+
+    from hf_unified_ckpt.checkpoint.commit import COMMIT_FILE
+    from hf_unified_ckpt.checkpoint.writer import reuse_spare
+    from hf_unified_ckpt.trainer.flash import FlashTier
+
+    tier = SimpleNamespace(spare=str(tmp_path / "spare"))
+    inodes = {}
+    for step in (2, 4, 6, 8):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        for name in ("model.safetensors", "optimizer.safetensors", COMMIT_FILE, "trainer_state.json"):
+            (folder / name).write_bytes(f"{name} of {step}".encode())
+        inodes[step] = (folder / "model.safetensors").stat().st_ino
+    evict = lambda step: FlashTier._keep_as_spare(tier, str(tmp_path / f"checkpoint-{step}"))  # noqa: E731
+    evict(2)
+    evict(4)
+    assert sorted(os.listdir(tier.spare)) == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(os.listdir(tmp_path / "spare" / "checkpoint-2")) == ["model.safetensors", "optimizer.safetensors"]
+    assert not (tmp_path / "checkpoint-2").exists()
+    evict(6)  # beyond two sets: the oldest goes
+    assert sorted(os.listdir(tier.spare)) == ["checkpoint-4", "checkpoint-6"]
+    saving = tmp_path / "saving"
+    saving.mkdir()
+    for expected in (4, 6):
+        target = saving / f"model-{expected}.safetensors"
+        assert reuse_spare(tier.spare, str(saving / "model.safetensors"))
+        os.replace(saving / "model.safetensors", target)
+        assert target.read_bytes() == f"model.safetensors of {expected}".encode()
+        assert target.stat().st_ino == inodes[expected]
+    assert not reuse_spare(tier.spare, str(saving / "model.safetensors"))  # none left: fresh memory
+    evict(8)  # the sets left with only their optimizer file stay; none beyond two
+    assert sorted(os.listdir(tier.spare)) == ["checkpoint-6", "checkpoint-8"]
+    (tmp_path / "spare" / "checkpoint-6" / "optimizer.safetensors").unlink()
+    (tmp_path / "checkpoint-10").mkdir()
+    (tmp_path / "checkpoint-10" / "model.safetensors").write_bytes(b"x")
+    evict(10)  # an emptied set is removed first
+    assert sorted(os.listdir(tier.spare)) == ["checkpoint-10", "checkpoint-8"]
+
+
 def test_a_snapshot_copied_into_memory_files_is_saved_elsewhere_when_memory_runs_out_later(tmp_path, memory,
                                                                                           monkeypatch, caplog):
     """One process, memory_keep=1: the save of step 6 copies its snapshot straight into the spare files step 2

@@ -32,7 +32,10 @@ CHECKPOINTS = "checkpoints"
 SAVES = "saves"
 DURABLE = "durable"
 FAILED = "failed"
-SPARE = "spare"  # the tensor files of the last evicted memory checkpoint, overwritten by the next save
+SPARE = "spare"  # the tensor files of evicted memory checkpoints (a folder each), overwritten by the next saves
+#: Sets of spare files kept: two, so that a checkpoint still being persisted while the next saves commit (three
+#: sets in use at once) does not make a later save take fresh memory once it is evicted with the one after it.
+SPARE_SETS = 2
 LOCK_FILE = "persister.lock"
 PID_FILE = "persister.pid"
 LOG_FILE = "persister.log"

@@ -27,10 +27,11 @@ import uuid
 from .. import dist
 from ..checkpoint.commit import COMMIT_FILE, list_checkpoints
 from ..checkpoint.layout import detect_layout
+from ..checkpoint.writer import natural_order
 from ..errors import UnsupportedCheckpointError
 from ..format.components import Role
 from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE, SAVES,
-                            SPARE, SaveInfo, checkpoint_name, run_folder, save_info, write_record)
+                            SPARE, SPARE_SETS, SaveInfo, checkpoint_name, run_folder, save_info, write_record)
 from ..options import FlashOptions
 from ..store import is_file, join, name_of, parent_of, read_bytes, remove, store_for
 from ..store.node import is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
@@ -222,20 +223,24 @@ class FlashTier:
 
     @property
     def spare(self) -> str:
-        """Where the tensor files of the last evicted memory checkpoint wait for the next save to overwrite them
-        (`SaveRequest.spare`: its memory is reused rather than freed and taken again)."""
+        """Where the tensor files of evicted memory checkpoints (a folder each) wait for the next saves to overwrite
+        them (`SaveRequest.spare`: their memory is reused rather than freed and taken again)."""
         return join(self.run, SPARE)
 
     def _keep_as_spare(self, checkpoint: str) -> None:
-        """Evict `checkpoint`: uncommit it (manifest first), keep its tensor files as the spare ones (replacing
-        the previous spare files), remove the rest. Local."""
+        """Evict `checkpoint`: uncommit it (manifest first), keep its tensor files as a set of spare files (the
+        newest `SPARE_SETS` sets are kept, older and emptied ones removed), remove the rest. Local."""
         store = store_for(checkpoint)
         store.remove(join(checkpoint, COMMIT_FILE))
-        store.remove(self.spare)
-        store.make_folder(self.spare)
+        sets = sorted((n for n, size in store.list(self.spare).items() if size is None), key=natural_order)
+        full = [n for n in sets if store.list(join(self.spare, n))]
+        for name in [n for n in sets if n not in full] + full[:max(len(full) - SPARE_SETS + 1, 0)]:
+            store.remove(join(self.spare, name))
+        kept = join(self.spare, name_of(checkpoint))
+        store.make_folder(kept)
         for name, size in store.list(checkpoint).items():
             if size is not None and name.endswith(".safetensors"):
-                store.move(join(checkpoint, name), join(self.spare, name))
+                store.move(join(checkpoint, name), join(kept, name))
         store.retire(checkpoint, COMMIT_FILE)
 
     # ---- the end -------------------------------------------------------------------------------------------------
