@@ -215,6 +215,38 @@ def test_a_rank_with_a_signal_stops_waiting_for_a_vote_after_half_the_grace():
     assert 0.2 <= time.monotonic() - began < 2.0
 
 
+class ArrivesAsTheWaitTimesOut:
+    """A vote whose timed wait runs out just as it completes (gloo raises "Operation timed out!", and the work is
+    complete by the time it is asked); waited on again, it returns or, with `fails`, raises its failure."""
+
+    def __init__(self, fails: bool = False):
+        self.fails, self.completed = fails, False
+
+    def wait(self, timeout=None):
+        if not self.completed:
+            self.completed = True
+            raise RuntimeError("Operation timed out!")
+        if self.fails:
+            raise RuntimeError("Connection closed by peer")
+        return True
+
+    def is_completed(self):
+        return self.completed
+
+
+def test_a_vote_that_arrives_as_its_timed_wait_runs_out_is_taken_not_a_lost_peer():
+    """The race that ended a rank quietly with status 1 mid-training (a `TrainingPreempted` for "a lost peer", its
+    peer then failing on a closed connection): a vote completing between the timed wait's timeout and the check is a
+    vote; only one that failed is a lost peer."""
+    from hf_unified_ckpt.trainer.preemption import Agreement, PeerLost
+    from hf_unified_ckpt.trainer.signals import SignalFlag
+
+    agreement = Agreement(SignalFlag((signal.SIGTERM,)), agree_timeout=60)
+    agreement._wait(ArrivesAsTheWaitTimesOut())
+    with pytest.raises(PeerLost, match="the vote failed: RuntimeError: Operation timed out!"):
+        agreement._wait(ArrivesAsTheWaitTimesOut(fails=True))
+
+
 @pytest.mark.parametrize("kind, extra", [("gpt2", {}), ("lora", {}), ("llama", {"bf16": True})],
                          ids=["tied-gpt2", "lora", "bf16"])
 def test_preempted_then_resumed_equals_the_uninterrupted_run(tmp_path, kind, extra):

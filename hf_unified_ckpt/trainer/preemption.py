@@ -138,12 +138,24 @@ class Agreement:
                 work.wait(timeout=WAIT_SLICE)
                 return
             except RuntimeError as e:
-                if work.is_completed():  # it failed rather than took long: a peer's connection closed
+                if work.is_completed() and not self._succeeded(work):  # failed, not slow: a peer's connection closed
                     self._pending = None
                     raise PeerLost(f"the vote failed: {type(e).__name__}: {e}") from e
+                if work.is_completed():  # the timed wait ran out just as the vote arrived
+                    return
             if self.flag.received and self.flag.elapsed() > self.agree_timeout:
                 raise PeerLost(f"no agreement within {self.agree_timeout:.0f} s of the signal: a peer did not "
                                "vote (it may have died)")
+
+
+    @staticmethod
+    def _succeeded(work) -> bool:
+        """Whether completed `work` succeeded: waited on again it returns at once, or raises its failure."""
+        try:
+            work.wait()
+        except RuntimeError:
+            return False
+        return True
 
 
 class Watch:
@@ -189,7 +201,8 @@ class Watch:
 
     def ended(self, number: int, step: int, checkpoint: str | None, saved: bool, where: str,
               save_seconds: float | None = None) -> TrainingPreempted:
-        """The exception `train()` raises; said once (rank 0); the SLURM job requeued (rank 0) when asked."""
+        """The exception `train()` raises; said once (rank 0; for a lost peer, by every rank that lost one); the
+        SLURM job requeued (rank 0) when asked."""
         name = signal_name(number) if number else "a lost peer"
         if saved:
             what = f"saved {checkpoint}" + (f" in {save_seconds:.1f} s" if save_seconds is not None else "")
@@ -199,7 +212,7 @@ class Watch:
             what = "nothing saved (there is no checkpoint yet)"
         message = (f"Training preempted by {name} at step {step} ({where}): {what}. Exiting with status "
                    f"{128 + number if number else 1}; resume with train(resume_from_checkpoint='auto').")
-        if dist.rank() == 0:
+        if dist.rank() == 0 or not number:  # a lost peer may be rank 0: every rank that lost one says so
             logger.warning("%s", message)
             if self.options.requeue:
                 requeue()
