@@ -24,10 +24,11 @@ printed with the absolute figures beside every ratio:
     left, through mappings kept from save to save, which the next optimizer step waits for), per rank after a barrier,
     slowest rank. Memcpy = one `torch.Tensor.copy_` of `trainer._uc_saver.snapshot_bytes` bytes (what this rank
     snapshots) between two preallocated, already touched uint8 tensors, all ranks at once, slowest rank. K + 1
-    untimed rounds first (the save's gloo group made; the tier's memory taken: saves into fresh memory copy into
-    host buffers instead, and their cost is (2)'s first saves). Outside the timing, between repetitions: `trainer._uc_saver.wait()`
-    (the background write into memory) and, when the save was an Mth one, the persister's durable copy of it, so
-    each save starts on an idle machine (the persister's competition for the CPU is what (2) measures).
+    untimed rounds first (the save's gloo group made; the tier's memory taken: a save into fresh memory waits for
+    its fresh pages in the copy, a cost (2) counts in its first saves). Outside the timing, between repetitions:
+    `trainer._uc_saver.wait()` (the background write into memory) and, when the save was an Mth one, the
+    persister's durable copy of it, so each save starts on an idle machine (the persister's competition for the CPU
+    is what (2) measures).
 (2) training throughput with flash saves / without saves                  target >= 0.95
     Fresh trainers, `--steps` steps each (default 20), alternating: no saves (`save_strategy="no"`, no flash) vs a
     flash save every `--save-every` steps (default 5) with M and K as above. Time = the whole `trainer.train()`,

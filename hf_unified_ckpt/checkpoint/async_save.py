@@ -4,7 +4,8 @@ On the training thread (what training waits for): the staging folder, the plan, 
 on their writers (collectives on the default group), and an in-memory capture of the small non-tensor state
 (RNG, trainer state, scheduler), which the background thread writes with the tensors.
 A background thread then copies this rank's tensors into host buffers that are reused from save to save (or, for
-the memory tier's files, straight into the files through mappings kept from save to save), writes the files, and concludes the save with the same collectives as a synchronous save, on a second gloo group so
+the memory tier's files, straight into the files through mappings kept from save to save), writes the files, and
+concludes the save with the same collectives as a synchronous save, on a second gloo group so
 they never interleave with training's. The copy reads live parameters and optimizer state, which only the next
 optimizer step changes: `wait_for_snapshot` (called from the `on_pre_optimizer_step` callback) blocks that step
 until the copy is done, so the copy overlaps the next forward and backward passes. DeepSpeed steps inside
