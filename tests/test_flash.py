@@ -464,6 +464,22 @@ def test_evicted_checkpoints_files_are_kept_as_two_spare_sets_and_taken_oldest_f
     assert sorted(os.listdir(tier.spare)) == ["checkpoint-10", "checkpoint-8"]
 
 
+@pytest.mark.parametrize("kind, extra", [("gpt2", {"bf16": True}), ("lora", {})], ids=["tied-gpt2-bf16", "lora"])
+def test_snapshots_of_tied_bf16_and_lora_models_go_straight_into_memory_files(tmp_path, memory, kind, extra):
+    """One process, memory_keep=1: every file of every save of a tied-embedding GPT-2 under bf16, and of a LoRA
+    model, is copied straight into its memory file (no host buffer), the last save over step 2's files; the durable
+    checkpoint verifies, and memory is freed at the end."""
+    from _runs import record_reuse, train
+
+    with record_reuse() as reuse:
+        train(tmp_path / "out", model_kind=kind, **{**FLASH, "unified_checkpoint_memory_dir": memory,
+                                                    "unified_checkpoint_memory_keep": 1}, **extra)
+    assert reuse["written"] == reuse["placed"] > reuse["spare"] == reuse["mapped_before"] > 0, reuse
+    assert reuse["host_buffer_bytes"] == [0, 0, 0]
+    verify_checkpoint(str(tmp_path / "out" / "checkpoint-6"))
+    assert not os.path.exists(run_folder(memory, str(tmp_path / "out")))
+
+
 def test_a_snapshot_copied_into_memory_files_is_saved_elsewhere_when_memory_runs_out_later(tmp_path, memory,
                                                                                           monkeypatch, caplog):
     """One process, memory_keep=1: the save of step 6 copies its snapshot straight into the spare files step 2
