@@ -61,10 +61,13 @@ def test_pinned_buffers_are_exact_whole_pages_registered_while_they_live():
     (address, length), = locked.items()
     assert buffer.shape == (3, 3001) and buffer.dtype == torch.bfloat16 and buffer.is_contiguous()
     assert buffer.data_ptr() == address and address % PAGE == 0
+    assert buffer.untyped_storage().data_ptr() == address  # what CUDA's is_pinned() looks up: the storage's start
     assert buffer.nbytes == 18006 and length == 5 * PAGE  # whole pages: 20480 bytes, where torch's would take 32768
     buffer.copy_(torch.ones(3, 3001))  # writable
     assert float(buffer.float().sum()) == 9003
+    view = buffer[1]
     del buffer
     gc.collect()
     assert locked == {}  # unregistered once the buffer is gone
+    assert float(view.float().sum()) == 3001  # a view outliving it still reads its memory
     assert registered_buffer((4,), torch.float32, lambda a, n: False, locked.pop) is None  # refused: the caller pins

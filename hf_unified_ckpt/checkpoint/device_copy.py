@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import weakref
 from collections.abc import Callable
 
@@ -47,14 +48,17 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) 
 
 def registered_buffer(shape: tuple[int, ...], dtype: torch.dtype, register: Callable[[int, int], bool],
                       unregister: Callable[[int], object]) -> torch.Tensor | None:
-    """An empty tensor of `shape` and `dtype` on whole pages of an exact-size host allocation, locked by
-    `register(address, length)` (False: not locked, None returned) and unlocked by `unregister(address)` once the
-    tensor is gone (before its memory is freed: its views keep the memory, unlocked, valid)."""
+    """An empty tensor of `shape` and `dtype` on whole pages of an exact-size host allocation (an anonymous memory
+    map), locked by `register(address, length)` (False: not locked, None returned) and unlocked by
+    `unregister(address)` once the tensor is gone (before its memory is freed: its views keep the memory, unlocked,
+    valid).
+
+    The tensor's storage begins where the locked range does: CUDA's `Tensor.is_pinned()` looks up the storage's first
+    byte, so a page-aligned view into a larger allocation (as an H100 run of bench/gpu/device_check.py found) is
+    copied as pinned memory yet reported as pageable."""
     nbytes = math.prod(shape) * dtype.itemsize
     span = -(-max(nbytes, 1) // PAGE) * PAGE
-    raw = torch.empty(span + PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE
-    region = raw[start:start + span]
+    region = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)  # the storage keeps the map alive
     if not register(region.data_ptr(), span):
         return None
     buffer = region[:nbytes].view(dtype).view(shape)
