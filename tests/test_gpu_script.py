@@ -28,7 +28,7 @@ def _part(part: str, out: Path) -> dict:
 def test_the_one_command_part_dry_run_checks_copies_resumes_and_measures_every_figure(tmp_path):
     report = _part("all", tmp_path)
     assert report["device"] == "cpu" and list(report["steps"]) == [
-        "device_check", "resume_check", "bench_1b_save", "bench_1b_blocked", "bench_1b_throughput", "bench_1b_resume"]
+        "device_check", "resume_check", "bench_1b_blocked", "bench_1b_throughput", "bench_1b_resume", "bench_1b_save"]
     check = report["steps"]["device_check"]["result"]
     assert check["float32_copy_equal"] and check["bfloat16_copy_equal"] and not check["float32_buffer_pinned"]
     resumes = report["steps"]["resume_check"]["result"]
@@ -43,8 +43,8 @@ def test_the_one_command_part_dry_run_checks_copies_resumes_and_measures_every_f
             assert "error" not in figures and "partial" not in figures and figures["seconds"] > 0, figures
     save = report["steps"]["bench_1b_save"]["result"]["measurements"]["save"]
     assert save["ours_s"] > 0 and save["native_then_fsync_s"] >= save["native_s"]
-    assert {"async_ratio", "flash_ratio"} <= set(report["steps"]["bench_1b_throughput"]["result"]["measurements"][
-        "throughput"])
+    throughput = report["steps"]["bench_1b_throughput"]["result"]["measurements"]["throughput"]
+    assert {"async_ratio", "flash_ratio", "async_ratio_to_last_step", "flash_ratio_to_last_step"} <= set(throughput)
 
 
 def test_a_missing_result_file_fails_its_cell_not_the_check(tmp_path):
@@ -56,8 +56,8 @@ def test_a_missing_result_file_fails_its_cell_not_the_check(tmp_path):
 
 def test_parts_1_2_and_all_list_their_steps(tmp_path):
     every = run_all.steps("all", "cuda", False, tmp_path)
-    assert [name for name, *_ in every] == ["device_check", "resume_check", "bench_1b_save", "bench_1b_blocked",
-                                           "bench_1b_throughput", "bench_100m_save", "bench_1b_resume"]
+    assert [name for name, *_ in every] == ["device_check", "resume_check", "bench_1b_blocked", "bench_1b_throughput",
+                                           "bench_1b_resume", "bench_1b_save", "bench_100m_save"]
     assert "--cells" not in every[1][1]  # every cell on the GPU
     one = run_all.steps("1", "cuda", False, tmp_path)
     assert [name for name, *_ in one] == ["device_check", "resume_check", "demo"]

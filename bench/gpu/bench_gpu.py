@@ -13,8 +13,9 @@ Measurements (each run a fresh Trainer on the same seeded model; the device is s
   previous one's writes (on a GPU a 1B model's 11 GB take longer to write than 5 steps take to train: measured
   together, the figure was the disk's, not the save's);
 - throughput: the whole `train()` with an async save every `--async-every` steps (20), and with a flash save every
-  `--flash-every` steps (5; persisting every 4th), / no saves; the ratio is bound by the write bandwidth where the
-  saves' bytes take longer to write than the steps between them take to train;
+  `--flash-every` steps (5; persisting every 4th), / no saves, and the same to the end of the last step (a run whose
+  last save falls on its last step waits for that save's write at the end: once per run, not per save); the ratio is
+  bound by the write bandwidth where the saves' bytes take longer to write than the steps between them take to train;
 - resume: `train(resume_from_checkpoint=...)` to the first step, from our checkpoint / from the native one.
 Sizes: "tiny" (the CPU dry run), "100m", "1b". A JSON is written after every measurement.
 """
@@ -91,7 +92,8 @@ def timed_train(trainer, device: str, resume: str | None = None, isolate: bool =
 
         def on_step_end(self, args, state, control, **kwargs):
             _sync(device)
-            steps.append(time.perf_counter() - marks["step"])
+            marks["last"] = time.perf_counter()
+            steps.append(marks["last"] - marks["step"])
 
     trainer.add_callback(Steps())
     save = trainer._save_checkpoint
@@ -116,7 +118,8 @@ def timed_train(trainer, device: str, resume: str | None = None, isolate: bool =
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     _sync(device)
-    return {"total_s": time.perf_counter() - started, "to_first_step_s": marks["first"] - started, "steps_s": steps,
+    return {"total_s": time.perf_counter() - started, "to_first_step_s": marks["first"] - started,
+            "to_last_step_s": marks["last"] - started, "steps_s": steps,
             "saves_s": saves, "saves_synced_s": synced, "waited_for_previous_s": waited,
             "flash_active": marks.get("flash_active")}
 
@@ -193,15 +196,20 @@ def measure(name: str, a, work: Path, note=lambda key, value: None) -> dict:
         return {**{f"{m}_s": v for m, v in out.items()}, **{f"{m}_first_save_s": v for m, v in firsts.items()},
                 "async_over_sync": out["async"] / out["unified"],
                 "flash_over_sync": out["flash"] / out["unified"], "saves": a.saves}
-    if name == "throughput":
-        none = run(*args, "none", a.steps, None, **common)["total_s"]
-        note("none_s", none)
-        asy = run(*args, "async", a.steps, a.async_every, **common)["total_s"]
-        note("async_s", asy)
-        flash = run(*args, "flash", a.steps, a.flash_every, **common)["total_s"]
-        return {"none_s": none, "async_s": asy, "flash_s": flash, "steps": a.steps, "async_every": a.async_every,
-                "flash_every": a.flash_every, "step_s": none / a.steps, "async_ratio": none / asy,
-                "flash_ratio": none / flash, "target": 0.97}
+    if name == "throughput":  # the whole train(), and to the end of its last step (before the last save's wait)
+        runs = {}
+        for mode, every in (("none", None), ("async", a.async_every), ("flash", a.flash_every)):
+            r = run(*args, mode, a.steps, every, **common)
+            runs[mode] = (r["total_s"], r["to_last_step_s"])
+            note(f"{mode}_s", r["total_s"])
+            note(f"{mode}_to_last_step_s", r["to_last_step_s"])
+        (none, none_last), ratios = runs["none"], {}
+        for mode in ("async", "flash"):
+            ratios[f"{mode}_ratio"] = none / runs[mode][0]
+            ratios[f"{mode}_ratio_to_last_step"] = none_last / runs[mode][1]
+        return {**{f"{m}_s": t for m, (t, _) in runs.items()},
+                **{f"{m}_to_last_step_s": t for m, (_, t) in runs.items()}, **ratios, "steps": a.steps,
+                "async_every": a.async_every, "flash_every": a.flash_every, "step_s": none / a.steps, "target": 0.97}
     if name == "resume":  # to the first step, from a checkpoint of step 2 written by each
         out = {}
         for mode in ("unified", "native"):
