@@ -37,8 +37,8 @@ printed with the absolute figures beside every ratio:
     the run's one-time costs (the first two saves into fresh memory, the end of train(): the last save made durable
     and waited for, then the persister freeing the memory and exiting; the persister process being started). With
     20 steps, a save every 5 and M=4, the only durable copy is that of step 20, made while nothing trains: the time
-    up to the end of the last step is printed beside (and the ratio without the end). For reference, async_save every 20 steps measured 0.92
-    on this machine. The step time printed in the header is the median step (on_step_begin -> on_step_end,
+    up to the end of the last step is printed beside (and the ratio without the end). For reference, async_save
+    every 20 steps measured 0.92 on this machine. The step time printed in the header is the median step (on_step_begin -> on_step_end,
     slowest rank) of the no-save runs.
 (3) restart to the first step: resume from memory / resume from disk     (no target)
     A trainer trains `--resume-step` k steps (default 2, no saves), a flash tier is opened by hand on it
