@@ -38,8 +38,8 @@ printed with the absolute figures beside every ratio:
     and waited for, then the persister freeing the memory and exiting; the persister process being started). With
     20 steps, a save every 5 and M=4, the only durable copy is that of step 20, made while nothing trains: the time
     up to the end of the last step is printed beside (and the ratio without the end). For reference, async_save
-    every 20 steps measured 0.92 on this machine. The step time printed in the header is the median step (on_step_begin -> on_step_end,
-    slowest rank) of the no-save runs.
+    every 20 steps measured 0.92 on this machine. The step time printed in the header is the median step
+    (on_step_begin -> on_step_end, slowest rank) of the no-save runs.
 (3) restart to the first step: resume from memory / resume from disk     (no target)
     A trainer trains `--resume-step` k steps (default 2, no saves), a flash tier is opened by hand on it
     (persist_every=1) and `_save_checkpoint` writes checkpoint-k into memory; the persister makes it durable at
