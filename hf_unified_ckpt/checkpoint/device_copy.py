@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 
 
 def _cuda_in_use() -> bool:

@@ -27,7 +27,7 @@ import uuid
 from .. import dist
 from ..checkpoint.commit import COMMIT_FILE, list_checkpoints
 from ..checkpoint.layout import detect_layout
-from ..checkpoint.writer import natural_order
+from ..checkpoint.writer import spare_sets
 from ..errors import UnsupportedCheckpointError
 from ..format.components import Role
 from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE, SAVES,
@@ -232,7 +232,7 @@ class FlashTier:
         newest `SPARE_SETS` sets are kept, older and emptied ones removed), remove the rest. Local."""
         store = store_for(checkpoint)
         store.remove(join(checkpoint, COMMIT_FILE))
-        sets = sorted((n for n, size in store.list(self.spare).items() if size is None), key=natural_order)
+        sets = spare_sets(self.spare)
         full = [n for n in sets if store.list(join(self.spare, n))]
         for name in [n for n in sets if n not in full] + full[:max(len(full) - SPARE_SETS + 1, 0)]:
             store.remove(join(self.spare, name))
