@@ -23,7 +23,7 @@ from ..format.components import MASTER, MODEL, OPTIMIZER, Component, saved_by
 from ..errors import UnsupportedCheckpointError, count_and_first
 from .hf_model import naming_policy, model_config_files
 from ..format.names import optimizer_key, split_optimizer_key
-from ..format.optim_state import OptimizerStateDecoder, OptimizerStateEncoder
+from ..format.optim_state import OptimizerStateDecoder, OptimizerStateEncoder, in_group_order
 from ..format.planning import TensorSpec
 from .base import Fragment, component_source
 
@@ -181,9 +181,8 @@ class FSDPEngine:
         Collective on first call: all ranks must call it."""
         if self._encoded is None:
             osd, encoder = self._optim_state(), OptimizerStateEncoder()
-            for name, per_param in osd["state"].items():
-                for key, value in per_param.items():
-                    encoder.add(name, key, value, stored=value if _is_sharded(value) else None)
+            for name, key, value in in_group_order(osd["state"], [g["params"] for g in osd["param_groups"]]):
+                encoder.add(name, key, value, stored=value if _is_sharded(value) else None)
             for group in osd["param_groups"]:
                 encoder.add_group(group, group["params"])
             self._encoded = encoder

@@ -128,9 +128,19 @@ class OptimizerStateDecoder:
         return self.state_types.get(key)
 
     def value(self, key: str):
-        """The saved value: None, a Python scalar of its saved type, or the tensor (read whole)."""
+        """The saved value: None, a Python scalar of its saved type, or the tensor (read whole) in memory this
+        process owns. An optimizer keeps the tensors `load_state_dict` is given (`.to()` returns the same tensor
+        when dtype and device match), and a reader's tensor may be a view of a mapped checkpoint file, which the
+        memory tier reuses later: a kept view would change with the file, or die with SIGBUS once it shrinks."""
         kind = self.kind(key)
-        return None if kind == "none" else decode_scalar(self.reader.get(key), kind)
+        if kind == "none":
+            return None
+        return decode_scalar(owned(self.reader.get(key)), kind)
+
+
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a tensor a reader returned, in memory the process owns (never in a file mapping)."""
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def flatten_optimizer_state(
@@ -141,12 +151,26 @@ def flatten_optimizer_state(
     `index_to_name` maps the integer ids of `state_dict["param_groups"][*]["params"]` to canonical names.
     """
     encoder = OptimizerStateEncoder()
-    for index, per_param in state_dict["state"].items():
-        for state_name, value in per_param.items():
-            encoder.add(index_to_name[index], state_name, value)
+    groups = [group["params"] for group in state_dict["param_groups"]]
+    for index, state_name, value in in_group_order(state_dict["state"], groups):
+        encoder.add(index_to_name[index], state_name, value)
     for group in state_dict["param_groups"]:
         encoder.add_group(group, [index_to_name[i] for i in group["params"]])
     return encoder.entries, encoder.metadata()
+
+
+def in_group_order(state: Mapping, groups: Sequence[Sequence]):
+    """(parameter, state name, value) of every per-parameter state value: parameters in param-group order (the
+    order the optimizer was built with), each parameter's states by name. The component is planned in this order,
+    so the files, their sizes and their writers do not depend on the order the state dict happens to have (a fresh
+    optimizer creates state at its first step, a loaded one in the order it was loaded); a parameter in no group
+    comes last, in the state's order."""
+    listed = [p for params in groups for p in params]
+    known = set(listed)
+    for param in [p for p in listed if p in state] + [p for p in state if p not in known]:
+        per_param = state[param]
+        for state_name in sorted(per_param):
+            yield param, state_name, per_param[state_name]
 
 
 def group_param_names(metadata: Mapping) -> list[list[str]]:
