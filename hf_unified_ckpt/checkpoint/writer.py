@@ -16,7 +16,8 @@ or in the background after a snapshot).
   range it wrote; rank 0 combines them into the file's record (`combine_ranges`), checking they tile the file.
   Into the memory tier (whose files are reused: `spare`), an async save's snapshot of a file one rank writes whole
   is copied straight into the file (`place`, through a mapping kept from save to save), and `write` only checksums
-  it: one copy instead of a copy into host buffers and a `pwrite` of them.
+  it: one copy instead of a copy into host buffers and a `pwrite` of them. A spare file is taken only at exactly
+  the planned size (`take_spare`): no file that may be mapped is ever shrunk.
 - `WholeFileWriter` (machine-local folders: a rank cannot write into another machine's file; or a store without
   positional writes): each file is written whole by its one writer, streamed in offset order
   (`safetensors_io.write_shard`: the bytes of safetensors' `save_file`), after its tensors were assembled there.
@@ -142,7 +143,7 @@ class SharedFileWriter:
                 or not _writes_whole(file, self.rank, items)
                 or any(tensors[item.name].device.type != "cpu" for item in items)):
             return None
-        reuse_spare(self.spare, ref)
+        take_spare(self.spare, ref, file.size)
         try:
             view = store_for(ref).map_writable(ref, file.size, maps)
         except OSError as e:
@@ -161,7 +162,7 @@ class SharedFileWriter:
             records = tensors.records(ref, file)
         else:
             if self.spare is not None and file.writers == {self.rank}:
-                reuse_spare(self.spare, ref)
+                take_spare(self.spare, ref, file.size)
             records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
         store = store_for(ref)
         if self._pool is None:
@@ -214,12 +215,27 @@ def _copy_into(view: memoryview, offset: int, item: WriteItem, tensor: torch.Ten
         target.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
 
 
+def take_spare(spare: str, ref: str, size: int) -> bool:
+    """`reuse_spare` for a file of exactly `size` bytes: a spare file of another size is removed instead of being
+    resized (fresh memory is taken for `ref` then). A file is never shrunk or truncated, because it may still be
+    mapped: by the persister copying it, or by a process holding tensors read from it (a shrunk file drops even
+    the privately written pages of a copy-on-write mapping beyond its new end: SIGBUS, issue 47). Removing a file
+    is safe: its memory lives on until the last mapping of it goes. Returns whether a spare file was used."""
+    store = store_for(ref)
+    while reuse_spare(spare, ref):
+        if store.size(ref) == size:
+            return True
+        store.remove(ref)
+    return False
+
+
 def reuse_spare(spare: str, ref: str) -> bool:
     """Move a spare file named like `ref` (an evicted checkpoint's, in a set folder of `spare`, the oldest set
     first) to `ref`, so that writing `ref` overwrites memory already in use instead of taking fresh pages (on a VM
     that hands free pages back to its host, writing into fresh ones costs several times a copy: measured 2.0 s
     against 0.2-0.4 s for 600 MB in /dev/shm). Only for a file one rank writes alone (no other process may have
-    opened `ref`). Returns whether a spare file was used."""
+    opened `ref`). Returns whether a spare file was used; the writers call it through `take_spare`, which takes
+    one of the planned size only."""
     for source in (join(spare, s, name_of(ref)) for s in spare_sets(spare)):
         if not is_file(source):
             continue

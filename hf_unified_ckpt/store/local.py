@@ -87,6 +87,7 @@ class LocalStore(NoMultipart):
 
     def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
         path = self._path(ref)
+        local_io.unlink_existing(path)  # a new file: one that may be mapped is never truncated (direct I/O's open does)
         if direct_io:
             ranges = iter(ranges)
             written = write_whole_direct(path, ranges, size)

@@ -116,20 +116,44 @@ def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) 
 
 
 def write_at(path: str | os.PathLike, ranges, size: int | None) -> None:
-    """Write (offset, bytes) ranges into `path`, created if missing and never truncated; sized to `size` first."""
+    """Write (offset, bytes) ranges into `path`, created if missing and never truncated; grown to `size` first."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         if size is not None:
-            os.ftruncate(fd, size)
+            grow_to(fd, size, path)
         for offset, data in ranges:
             pwrite_all(fd, data, offset)
     finally:
         os.close(fd)
 
 
+def grow_to(fd: int, size: int, path) -> None:
+    """Size the open file `fd` to `size` bytes by growing it; a file already larger is refused, never shrunk: a
+    file may be mapped by another process (the persister's copy) or hold tensors a process read from it, and
+    shrinking it drops even the privately written pages of a copy-on-write mapping beyond the new end (SIGBUS on
+    their next access). Writers take a fresh file (`unlink_existing`) or one of exactly the planned size."""
+    current = os.fstat(fd).st_size
+    if current > size:
+        raise ValueError(f"{path} is {current} bytes, larger than the {size} planned: a file that may be mapped is "
+                         "never shrunk (take a fresh file instead).")
+    if current < size:
+        os.ftruncate(fd, size)
+
+
+def unlink_existing(path: str | os.PathLike) -> None:
+    """Remove the file at `path` if there is one, so that what is written there next is a new file: whoever has the
+    old one open or mapped keeps its bytes intact (truncating it in place would pull them from under them)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def write_whole(path: str | os.PathLike, ranges, size: int) -> list[tuple[int, int, int]]:
-    """Create `path` from (offset, bytes) ranges tiling [0, size), written in order through the page cache, each
-    range's CRC-32 computed from memory once it is written."""
+    """Create `path` (a new file: an existing one is unlinked, never truncated) from (offset, bytes) ranges tiling
+    [0, size), written in order through the page cache, each range's CRC-32 computed from memory once it is
+    written."""
+    unlink_existing(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     written, end = [], 0
     try:
@@ -158,8 +182,9 @@ class WritableMaps:
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # (st_dev, st_ino) -> (fd, mapping)
 
     def view(self, path: str | os.PathLike, size: int) -> memoryview:
-        """A writable view of file `path` (created if missing) of exactly `size` bytes. A new mapping first takes
-        the file's blocks (`posix_fallocate`): a full filesystem raises ENOSPC here, not SIGBUS at the copy."""
+        """A writable view of file `path` (created if missing, or of exactly `size` bytes: a larger one is refused,
+        never shrunk, see `grow_to`) of `size` bytes. A new mapping first takes the file's blocks
+        (`posix_fallocate`): a full filesystem raises ENOSPC here, not SIGBUS at the copy."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             st = os.fstat(fd)
@@ -169,8 +194,7 @@ class WritableMaps:
                 # the same live file (a removed one's inode number may come back with a new file)
                 os.close(fd)
                 return memoryview(held[1])
-            if st.st_size > size:
-                os.ftruncate(fd, size)
+            grow_to(fd, size, path)
             os.posix_fallocate(fd, 0, size)
             mapped = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                mmap.PROT_READ | mmap.PROT_WRITE)  # populated: one call, not a fault per page
