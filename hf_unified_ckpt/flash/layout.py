@@ -9,6 +9,8 @@ leave each other. Names and small JSON records only (read and written through th
         saves/checkpoint-N.json  one `SaveInfo` per committed flash save (whether to persist it, where, and how)
         durable/checkpoint-N     the persister's mark: checkpoint-N is durable (holds the durable reference)
         failed/checkpoint-N      the persister's mark: persisting it failed (holds why)
+        copying/checkpoint-N     a lock (flock) the persister holds while it copies checkpoint-N and eviction
+                                 takes before it removes checkpoint-N: a checkpoint is never evicted mid-copy
         persister.lock|.pid|.log the persister's lock (held while it runs), process id and output
 
 The run id is derived from the durable root, so a restarted job of the same run finds its memory and two runs
@@ -32,6 +34,7 @@ CHECKPOINTS = "checkpoints"
 SAVES = "saves"
 DURABLE = "durable"
 FAILED = "failed"
+COPYING = "copying"
 SPARE = "spare"  # the tensor files of evicted memory checkpoints (a folder each), overwritten by the next saves
 #: Sets of spare files kept: two, so that a checkpoint still being persisted while the next saves commit (three
 #: sets in use at once) does not make a later save take fresh memory once it is evicted with the one after it.
@@ -110,3 +113,10 @@ def save_info(run: str, step: int) -> SaveInfo | None:
         return SaveInfo.from_bytes(read_bytes(join(run, SAVES, f"{checkpoint_name(step)}.json")))
     except (OSError, ValueError, TypeError, KeyError):
         return None
+
+
+def copy_lock(run: str, step: int) -> str:
+    """The lock that keeps checkpoint-`step` of `run` from being evicted while the persister copies it (and from
+    being copied once eviction began): `copying/checkpoint-N`. Whoever holds it checks that the checkpoint is still
+    committed (the copier) or uncommits it (eviction) before letting go."""
+    return join(run, COPYING, checkpoint_name(step))

@@ -24,11 +24,11 @@ import time
 
 from ..checkpoint.commit import list_checkpoints
 from ..checkpoint.layout import detect_layout, newest_complete
-from ..store import is_file, join, listing, parent_of, put_bytes, remove
+from ..store import is_file, join, listing, parent_of, put_bytes, remove, store_for
 from ..store.node import Lock, age, pid_alive, remove_if_empty
 from .copy import persist_checkpoint
-from .layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, PID_FILE, RUN_FILE, SaveInfo,
-                     checkpoint_name, read_record, save_info, write_record)
+from .layout import (CHECKPOINTS, COPYING, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, PID_FILE, RUN_FILE, SAVES, SaveInfo,
+                     checkpoint_name, copy_lock, read_record, save_info, write_record)
 
 logger = logging.getLogger(__name__)
 POLL = 0.2
@@ -69,6 +69,23 @@ class Persister:
         return [i for i in infos if i is not None and i.persist and not self.settled(i.step)]
 
     def persist(self, info: SaveInfo, still_wanted=lambda: True) -> None:
+        """Make checkpoint `info.step` durable, holding its copy lock (`layout.copy_lock`) from before it checks that
+        the checkpoint is still committed until its mark is written: a trainer evicts it only by taking the same
+        lock (a restarted job's eviction leaves it to a later save instead of overwriting what this copy reads). A checkpoint
+        evicted before the lock was taken is not copied."""
+        name = checkpoint_name(info.step)
+        store_for(self.run).make_folder(join(self.run, COPYING))
+        lock = Lock(copy_lock(self.run, info.step))
+        lock.acquire(wait=True)
+        try:
+            if info.step not in self.committed():
+                logger.info("%s was evicted before its copy began; not made durable.", name)
+                return
+            self._copy(info, still_wanted)
+        finally:
+            lock.release()
+
+    def _copy(self, info: SaveInfo, still_wanted) -> None:
         name = checkpoint_name(info.step)
         started = time.monotonic()
         try:
@@ -91,7 +108,10 @@ class Persister:
         if durable is not None and durable.global_step is not None and durable.global_step >= step:
             return None
         info = save_info(self.run, step) or SaveInfo(step, True, join(self.durable_root, checkpoint_name(step)))
-        return SaveInfo(**{**info.__dict__, "persist": True})
+        info = SaveInfo(**{**info.__dict__, "persist": True})
+        # recorded where a restarted job reads it: a checkpoint due to be made durable is not evicted
+        write_record(join(self.run, SAVES, f"{checkpoint_name(step)}.json"), info.to_bytes())
+        return info
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> bool:

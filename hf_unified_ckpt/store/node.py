@@ -94,11 +94,11 @@ class Lock:
         self.path = path
         self._fd: int | None = None
 
-    def acquire(self) -> bool:
-        """Take the lock without waiting; False if another process holds it."""
+    def acquire(self, wait: bool = False) -> bool:
+        """Take the lock; without `wait`, False at once if another process holds it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
             return False

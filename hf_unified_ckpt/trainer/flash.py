@@ -30,11 +30,13 @@ from ..checkpoint.layout import detect_layout
 from ..checkpoint.writer import spare_sets
 from ..errors import UnsupportedCheckpointError
 from ..format.components import Role
-from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE, SAVES,
-                            SPARE, SPARE_SETS, SaveInfo, checkpoint_name, run_folder, save_info, write_record)
+from ..flash.layout import (CHECKPOINTS, COPYING, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE,
+                            SAVES, SPARE, SPARE_SETS, SaveInfo, checkpoint_name, copy_lock, run_folder, save_info,
+                            write_record)
+from ..flash.orphans import clear, holds_checkpoints, orphaned_runs
 from ..options import FlashOptions
 from ..store import is_file, join, name_of, parent_of, read_bytes, remove, store_for
-from ..store.node import is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
+from ..store.node import Lock, is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,22 @@ class FlashTier:
         self._find_machines()
         self._refuse_unshared_durable()
         if self.is_machine_leader:
+            self._clear_orphans()
             self._write_lease(ended=False)
+
+    def _clear_orphans(self) -> None:
+        """Run folders in this machine's memory that no live job or persister owns (`flash.orphans`): removed, or
+        served by a persister of their own when they hold memory checkpoints (made durable, then freed). This run's
+        own folder is left to this job (it may resume from it). Local."""
+        for run in orphaned_runs(self.options.memory_dir):
+            if run == self.run:
+                continue
+            if holds_checkpoints(run):
+                logger.warning("flash: %s holds memory checkpoints that no process serves (its job and persister were "
+                               "killed?); starting a persister that makes the newest durable, then frees it.", run)
+                _spawn_persister(run)
+            else:
+                clear(run)
 
     def start(self, checkpoint_bytes: int) -> bool:
         """Before the first step: if every machine's memory holds a checkpoint of `checkpoint_bytes` (`fits`), write
@@ -153,10 +170,7 @@ class FlashTier:
     def _ensure_persister(self) -> None:
         if is_locked(join(self.run, LOCK_FILE)):
             return  # a persister serves this run already (a restarted job): it reads the new lease
-        with open_log(join(self.run, LOG_FILE)) as log:
-            self._process = subprocess.Popen([sys.executable, "-m", "hf_unified_ckpt.flash.persister", self.run],
-                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True, close_fds=True)
+        self._process = _spawn_persister(self.run)
         deadline = time.monotonic() + 30
         while not is_locked(join(self.run, LOCK_FILE)) and self._process.poll() is None:
             if time.monotonic() > deadline:
@@ -215,11 +229,28 @@ class FlashTier:
             pending = info is not None and info.persist and not is_file(join(self.run, DURABLE, name))
             if name == best_name or pending or is_file(join(self.run, FAILED, name)):
                 continue
+            if self._evict_unless_copied(step):
+                evicted.append(step)
+        return evicted
+
+    def _evict_unless_copied(self, step: int) -> bool:
+        """Evict checkpoint-`step` holding its copy lock (`layout.copy_lock`), unless the persister holds it: a
+        checkpoint being made durable (an earlier job's newest, copied when that job died) stays until a later save.
+        Uncommitting it under the lock keeps a copy from starting on it afterwards. Local."""
+        store_for(self.run).make_folder(join(self.run, COPYING))
+        lock = Lock(copy_lock(self.run, step))
+        if not lock.acquire():
+            logger.debug("flash: checkpoint-%d is being made durable; evicted at a later save.", step)
+            return False
+        try:
+            name = checkpoint_name(step)
             self._keep_as_spare(join(self.root, name))
             for record in (join(self.run, SAVES, f"{name}.json"), join(self.run, DURABLE, name)):
                 remove(record)
-            evicted.append(step)
-        return evicted
+        finally:
+            lock.release()
+        remove(copy_lock(self.run, step))  # after uncommitting: a copier that locks a new file finds it evicted
+        return True
 
     @property
     def spare(self) -> str:
@@ -307,6 +338,14 @@ class FlashTier:
         deadline = time.monotonic() + 60  # a persister an earlier job started (not this process's child)
         while pid and pid.isdigit() and pid_alive(int(pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _spawn_persister(run: str) -> subprocess.Popen:
+    """Start the persister of memory folder `run`, in a session of its own (it outlives this process)."""
+    with open_log(join(run, LOG_FILE)) as log:
+        return subprocess.Popen([sys.executable, "-m", "hf_unified_ckpt.flash.persister", run],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
 
 
 def checkpoint_bytes(engine, include_optimizer: bool = True) -> int:
