@@ -17,7 +17,8 @@ _PUBLIC = {
     "attach": "trainer.attach",
     "Layout": "checkpoint.layout", "detect_layout": "checkpoint.layout", "newest_complete": "checkpoint.layout",
     "UnifiedCheckpointOptions": "options", "parse_options": "options",
-    "TrainingPreempted": "errors", "RESUME_AUTO": "trainer.resume",
+    "TrainingPreempted": "errors", "CheckpointNotFoundError": "errors", "RESUME_AUTO": "trainer.resume",
+    "wait_for_saves": "trainer.attach",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -19,6 +19,13 @@ class UnsupportedCheckpointError(UnifiedCheckpointError):
     """The folder, engine or option is recognised but cannot be handled (yet); nothing was loaded."""
 
 
+class CheckpointNotFoundError(UnifiedCheckpointError, ValueError):
+    """`resume_from_checkpoint` names no checkpoint: a missing path, a folder without checkpoint files, or (`True`)
+    an output directory without a complete checkpoint. A `ValueError`, as the native Trainer raises for the same
+    mistake, and its message begins with the native wording (`Can't find a valid checkpoint at ...` / `No valid
+    checkpoint found in output directory (...)`), the plugin's explanation after it."""
+
+
 class UnsupportedOptionError(ValueError):
     """An option is valid in the format but not implemented by this version of the library."""
 

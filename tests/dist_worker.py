@@ -18,6 +18,13 @@ import torch.distributed as dist  # noqa: E402
 from _runs import free_process_group_users, freeze_imports, run_spec  # noqa: E402
 
 
+def run_parity(run: dict, world: int) -> dict:
+    """A native-parity scenario (`parity.py`): natively, then with the plugin, in `run["output_dir"]`."""
+    from parity import run_pair
+
+    return run_pair(run["parity"], run["output_dir"], world)
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -26,7 +33,7 @@ def main(spec_path: str) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
     freeze_imports()
     for run in spec["runs"]:
-        result = run_spec(run, world)
+        result = run_parity(run, world) if run.get("parity") else run_spec(run, world)
         if dist.get_rank() == 0 and run.get("result"):
             torch.save(result, run["result"])
     free_process_group_users()

@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import dist
 from ..format.components import MASTER, MODEL, OPTIMIZER, Component, saved_by
-from ..errors import UnsupportedCheckpointError, count_and_first, missing_and_unexpected
+from ..errors import UnsupportedCheckpointError, missing_and_unexpected
 from .hf_model import is_peft_model, live_model_state, naming_policy, parameter_names, model_config_files
 from ..format.optim_state import flatten_optimizer_state, unflatten_optimizer_state
 from ..format.planning import TensorSpec
@@ -101,13 +101,17 @@ class ReplicatedEngine:
             self.load_optimizer(sources.get(OPTIMIZER))
 
     def load_model(self, reader: ComponentReader, master: ComponentReader | None = None) -> None:
-        """Weights from `reader`; fp32 trainable parameters from `master` (exact fp32 values) when given."""
+        """Weights from `reader`; fp32 trainable parameters from `master` (exact fp32 values) when given. Applied
+        by the module's own `load_state_dict`, as the native Trainer's resume and best-model load do (a module
+        that overrides it, e.g. to take a buffer of another shape, gets what it expects). Unlike native, which
+        loads with `strict=False` and only warns, missing or unexpected keys are refused (the checkpoint is of
+        another model)."""
         if is_peft_model(self.module):
             return self._load_adapter(reader)
-        targets = self.module.state_dict()
+        names = list(self.module.state_dict())
         fp32_trainable = {self._names[id(p)] for p in self.module.parameters() if p.requires_grad
                           and p.dtype == torch.float32}
-        sources = {name: self.naming.stored_key(name) for name in targets}
+        sources = {name: self.naming.stored_key(name) for name in names}
         missing = sorted({s for s in sources.values() if s not in reader})
         unexpected = sorted(set(reader.keys()) - set(sources.values()))
         if missing or unexpected:
@@ -115,12 +119,14 @@ class ReplicatedEngine:
                 f"the checkpoint's model weights do not match the model: {missing_and_unexpected(missing, unexpected)}. "
                 "Build the same architecture (config) as the run that saved it."
             )
-        _check_shapes(reader, {n: (tuple(t.shape), sources[n]) for n, t in targets.items()})
-        with torch.no_grad():
-            for name, target in targets.items():
-                src = master if master is not None and sources[name] in fp32_trainable and sources[name] in master \
-                    else reader
-                target.copy_(src.get(sources[name]))
+        state = {name: (master if master is not None and src in fp32_trainable and src in master else reader).get(src)
+                 for name, src in sources.items()}
+        try:
+            self.module.load_state_dict(state, strict=False)
+        except RuntimeError as e:
+            raise UnsupportedCheckpointError(
+                f"the model's load_state_dict refused the checkpoint's weights: {e}. Build the same architecture "
+                "(config) as the run that saved it.") from e
 
     def _load_adapter(self, reader: ComponentReader) -> None:
         from peft import set_peft_model_state_dict
@@ -144,11 +150,3 @@ class ReplicatedEngine:
         self.optimizer.load_state_dict(state)
         self._optim = None
 
-
-def _check_shapes(reader: ComponentReader, wanted: dict[str, tuple[tuple[int, ...], str]]) -> None:
-    specs = reader.specs()
-    bad = [f"{name}: checkpoint {specs[src][0]} vs model {shape}" for name, (shape, src) in wanted.items()
-           if tuple(specs[src][0]) != shape]
-    if bad:
-        raise UnsupportedCheckpointError(f"shape mismatch between checkpoint and model in {count_and_first(bad)}. "
-                                         "Build the same architecture (config) as the run that saved it.")

@@ -20,7 +20,7 @@ SUPPORTED_TRANSFORMERS_MAJOR = 5
 _REQUIRED_METHODS = ("train", "_prepare_for_training", "_load_from_checkpoint", "_load_rng_state",
                      "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler", "_load_best_model",
                      "save_model", "push_to_hub", "_maybe_log_save_evaluate", "get_train_dataloader",
-                     "get_eval_dataloader")
+                     "get_eval_dataloader", "_finalize_training")
 
 
 class UnifiedCheckpointCallback(TrainerCallback):
@@ -142,6 +142,15 @@ def _at_exit() -> None:
     for saver in list(_SAVERS):
         saver.close()
     dist.destroy_default_group()
+
+
+def wait_for_saves() -> None:
+    """Wait until every background save of this process (`async_save`, `flash`) has committed, raising a save's
+    error. With them, `on_save` runs once the snapshot is taken, before the folder is complete: a callback that
+    reads the checkpoint folder in `on_save` calls this first (with `flash` the folder committed is the memory
+    one; the durable copy follows every `persist_every`-th save). Local: each rank waits for its own saves."""
+    for saver in list(_SAVERS):
+        saver.wait()
 
 
 def _check_transformers(trainer) -> None:

@@ -29,7 +29,7 @@ from ..checkpoint.commit import COMMIT_FILE, list_checkpoints
 from ..checkpoint.layout import detect_layout
 from ..checkpoint.writer import spare_sets
 from ..errors import UnsupportedCheckpointError
-from ..format.components import Role
+from ..format.components import MODEL, Role
 from ..flash.layout import (CHECKPOINTS, COPYING, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE,
                             SAVES, SPARE, SPARE_SETS, SaveInfo, checkpoint_name, copy_lock, run_folder, save_info,
                             write_record)
@@ -348,11 +348,21 @@ def _spawn_persister(run: str) -> subprocess.Popen:
                                 start_new_session=True, close_fds=True)
 
 
-def checkpoint_bytes(engine, include_optimizer: bool = True) -> int:
+def checkpoint_bytes(engine, include_optimizer: bool = True, optimizer_has_state: bool = True) -> int:
     """The bytes of one checkpoint of `engine`'s state, from the shapes and dtypes it would save (an estimate: a
-    codec makes the optimizer's smaller)."""
-    return sum(spec.nbytes for c in engine.components() if include_optimizer or c.role is not Role.OPTIMIZER
-               for spec in engine.specs(c.name))
+    codec makes the optimizer's smaller). An optimizer without state yet (before the first step) is not asked for
+    its tensors -- under FSDP that creates its state by a step on zero gradients (torch DCP's `_init_optim_state`),
+    which changes the first real step's bias correction -- and counts as two fp32 moments per trained weight."""
+    total = 0
+    for component in engine.components():
+        if component.role is Role.OPTIMIZER:
+            if include_optimizer and optimizer_has_state:
+                total += sum(spec.nbytes for spec in engine.specs(component.name))
+            elif include_optimizer:
+                total += sum(8 * spec.nbytes // spec.dtype.itemsize for spec in engine.specs(MODEL.name))
+        else:
+            total += sum(spec.nbytes for spec in engine.specs(component.name))
+    return total
 
 
 def _read(ref: str) -> str | None:

@@ -35,7 +35,7 @@ from ..checkpoint.placement import judge_path
 from ..checkpoint.retention import rotate_checkpoints
 from ..checkpoint.rng import restore_rng_state
 from ..checkpoint.save import SaveRequest, save_checkpoint, save_model_weights
-from ..checkpoint.layout import UNIFIED
+from ..checkpoint.layout import UNIFIED, detect_layout
 from ..engines.base import LoadSources
 from ..engines.conversion import WithConversion, live_groups, weight_conversion
 from ..errors import TrainingPreempted, UnsupportedCheckpointError
@@ -101,7 +101,6 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             output = super().train(resume_from_checkpoint=path, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             self._uc_after_training(trial)
-            self._uc_flash_finish()
             return output
         except TrainingPreempted:  # its save went to durable storage: the persister ends what is pending and frees
             if getattr(self, "_uc_flash", None) is not None:  # the memory (a spot VM's RAM goes with the VM anyway)
@@ -191,8 +190,17 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         self._load_scaler(alias.path if alias is not None else str(folder))
         if alias is not None and alias.best_model_checkpoint and is_folder(alias.best_model_checkpoint):
             self.state.best_model_checkpoint = alias.best_model_checkpoint  # the stand-in's state left it out
+        self._uc_find_memory_best()
         logger.info("Resumed from %s checkpoint %s", resume.layout.kind, folder)
         return model, train_dataloader
+
+    def _uc_find_memory_best(self) -> None:
+        """With `flash`, a resumed best checkpoint saved in memory is that memory folder: gone after a restart on
+        another machine (the Trainer then drops it), its durable copy is the same checkpoint. Collective."""
+        flash = getattr(self, "_uc_flash", None)
+        best = self.state.best_model_checkpoint
+        if flash is not None and self.state.best_global_step and (best is None or not is_folder(best)):
+            self.state.best_model_checkpoint = self._uc_locate_best(flash.durable_root) or best
 
     def _uc_load_scheduler(self, folder: str, saved_groups: list[list[str]] | None, engine) -> None:
         """Load the scheduler the checkpoint holds, its per-group values fitted to this optimizer's param groups
@@ -213,7 +221,9 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             engine = self._uc_engine()
             engine.specs(MODEL.name)
             if self._uc_flash is not None:
-                self._uc_flash.start(checkpoint_bytes(engine, include_optimizer=not self.args.save_only_model))
+                fresh = self.optimizer is not None and not getattr(self.optimizer, "state", True)  # no step yet
+                self._uc_flash.start(checkpoint_bytes(engine, include_optimizer=not self.args.save_only_model,
+                                                      optimizer_has_state=not fresh))
             if options.ema:
                 engine.parameter_fragments()  # refuses an engine the EMA cannot follow (FSDP1)
                 engine_of(self).step_barrier(self, self._uc_wait_for_copies)
@@ -284,10 +294,12 @@ class UnifiedCheckpointMixin(PreemptionMixin):
             self.store_flos()
         run_dir = checkpoint_root(self, trial)
         output_dir = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        saver = self._uc_saver
-        saver.wait()  # one save in flight: the previous one commits (or raises) before this one starts
+        self._uc_wait()  # one save in flight: the previous one commits (or raises) before this one starts
         self._uc_ema_ready()
-        self._uc_track_best(run_dir)
+        flash = getattr(self, "_uc_flash", None)
+        background = not getattr(self, "_uc_preempting", False)
+        into_memory = flash is not None and flash.active and background
+        before = self._uc_track_best(run_dir, flash.final_dir(self.state.global_step) if into_memory else output_dir)
         self._uc_export_callback_states()
         request = SaveRequest(output_dir, self.state.global_step, options,
                               include_optimizer=not self.args.save_only_model,
@@ -300,19 +312,43 @@ class UnifiedCheckpointMixin(PreemptionMixin):
 
         small = small_files(self, engine)
         self._uc_saved_step = self.state.global_step
-        flash = getattr(self, "_uc_flash", None)
-        if flash is not None and flash.active and not getattr(self, "_uc_preempting", False):
-            self._uc_flash_save(flash, engine, request, small, rotate)
-            return
-        if options.async_save and not getattr(self, "_uc_preempting", False):
-            engine_of(self).step_barrier(self, self._uc_wait_for_copies)
-            saver.start(engine, request, small, after_commit=rotate)
-            return
-        started = time.monotonic()
-        save_checkpoint(engine, request, small, after_commit=rotate)
-        self._uc_save_seconds = time.monotonic() - started
-        if self.args.push_to_hub:
+        try:
+            if into_memory:
+                self._uc_flash_save(flash, engine, request, small, rotate)
+            elif options.async_save and background:
+                engine_of(self).step_barrier(self, self._uc_wait_for_copies)
+                self._uc_saver.start(engine, request, small, after_commit=rotate)
+            else:
+                started = time.monotonic()
+                save_checkpoint(engine, request, small, after_commit=rotate)
+                self._uc_save_seconds = time.monotonic() - started
+        except BaseException:
+            self.state.best_model_checkpoint = before  # the folder it may name was not committed
+            raise
+        self._uc_best_before = (before,) if self._uc_saver.in_flight else None
+        if self.args.push_to_hub and not self._uc_saver.in_flight:
             self._push_from_checkpoint(str(output_dir))
+
+    def _uc_wait(self) -> None:
+        """Wait for the in-flight save and raise its error; a save that failed leaves `best_model_checkpoint` as it
+        was before that save (it may name the folder that was never committed). Local (`AsyncSaver.wait`)."""
+        try:
+            self._uc_saver.wait()
+        except BaseException:
+            undo = getattr(self, "_uc_best_before", None)
+            if undo is not None:
+                self.state.best_model_checkpoint = undo[0]
+            raise
+        finally:
+            self._uc_best_before = None
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        """After the last step, before the Trainer's end steps that read checkpoint folders (`_load_best_model`,
+        the `save_total_limit=1` clean-up): the in-flight save commits, and with `flash` the last and the best
+        checkpoints are made durable (the best then names the durable folder). Collective."""
+        self._uc_wait()
+        self._uc_flash_finish()
+        return super()._finalize_training(trial, num_train_samples, start_time)
 
     def _uc_flash_save(self, flash, engine, request: SaveRequest, small, rotate) -> None:
         """A save into the memory tier: snapshot as `async_save` does, written to memory in the background; the
@@ -338,7 +374,7 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         flash = getattr(self, "_uc_flash", None)
         if flash is None:
             return
-        self._uc_saver.wait()
+        self._uc_wait()
         best = self.state.best_model_checkpoint
         steps = [s for s in (self._uc_saved_step, self.state.best_global_step if best else None) if s]
         flash.finish(sorted(set(steps)) if flash.active else [])
@@ -400,17 +436,29 @@ class UnifiedCheckpointMixin(PreemptionMixin):
         if getattr(self, "_uc_updates", None) is not None:
             self._uc_updates.wait_for_copy()
 
-    def _uc_track_best(self, run_dir: str) -> None:
-        """Same bookkeeping as the native `_save_checkpoint` for `best_model_checkpoint` (with `flash`, a best
-        checkpoint not durable yet is the memory one)."""
-        if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:
-            dist.barrier()
-            flash = getattr(self, "_uc_flash", None)
-            for root in [run_dir] + ([flash.root] if flash is not None else []):
-                best = join(root, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-                if is_folder(best):
-                    self.state.best_model_checkpoint = best
-                    break
+    def _uc_track_best(self, run_dir: str, final_dir: str) -> str | None:
+        """The native `_save_checkpoint`'s bookkeeping of `best_model_checkpoint`, decided before this save's small
+        files are captured, so its `trainer_state.json`, rotation's protected set and the memory tier's hold the
+        same value: the folder of `best_global_step` -- this save's own `final_dir` when the best evaluation is
+        this step's (native records it once the model files exist; a unified save writes them with everything
+        else), else that step's committed folder (`_uc_locate_best`), else unchanged. Returns the value before,
+        which a failed save puts back. Collective: all ranks call it."""
+        before = self.state.best_model_checkpoint
+        step = self.state.best_global_step
+        if self.args.save_strategy in ("steps", "epoch", "best") and step:
+            here = step == self.state.global_step
+            self.state.best_model_checkpoint = final_dir if here else (self._uc_locate_best(run_dir) or before)
+        return before
+
+    def _uc_locate_best(self, run_dir: str) -> str | None:
+        """The committed folder of `best_global_step`: in `run_dir`, else (`flash`) in the memory tier; None if
+        neither holds it. Rank 0 looks, every rank gets its answer. Collective: all ranks call it."""
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+        flash = getattr(self, "_uc_flash", None)
+        roots = [run_dir] + ([flash.root] if flash is not None else [])
+        found = next((join(r, name) for r in roots if detect_layout(join(r, name)).committed),
+                     None) if dist.rank() == 0 else None
+        return dist.broadcast_object(found)
 
     def _uc_export_callback_states(self) -> None:
         """Same as the native `_save_checkpoint`: store `ExportableState` callbacks in the trainer state."""

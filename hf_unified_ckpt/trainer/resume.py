@@ -14,7 +14,8 @@ from ..checkpoint.layout import (DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_I
                                  newest_complete)
 from ..checkpoint.load import fetch_small_files, verify_checkpoint
 from ..checkpoint.placement import Placement, judge_path, newest_across_machines, placement_of
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                      UnsupportedCheckpointError)
 from ..legacy import check_readable, open_legacy
 from ..store import as_ref, canonical, join, parent_of
 from .capture import TRAINER_STATE_FILE
@@ -64,9 +65,10 @@ def resolve(trainer, value) -> tuple[str | None, Resume | None]:
                             run_dir)
             return None, None
         if verdict is None:
-            raise ValueError(f"resume_from_checkpoint=True but {run_dir} holds no complete "
-                             "checkpoint-N folder (unified or legacy). Start without resuming, pass a path, or pass "
-                             f"resume_from_checkpoint={RESUME_AUTO!r} (resume when there is one, else start fresh).")
+            raise CheckpointNotFoundError(
+                f"No valid checkpoint found in output directory ({run_dir}): resume_from_checkpoint=True, but it holds "
+                "no complete checkpoint-N folder (unified or legacy). Start without resuming, pass a path, or pass "
+                f"resume_from_checkpoint={RESUME_AUTO!r} (resume when there is one, else start fresh).")
         path = join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
     else:
         path = as_ref(value)
@@ -145,7 +147,8 @@ def check_loadable(layout: Layout) -> None:
         if not layout.complete:
             raise IncompleteCheckpointError(f"{layout.path} ({layout.kind}) is incomplete: {layout.reason}.")
         return
-    raise UnsupportedCheckpointError(f"{layout.path} is not a checkpoint this library knows: {layout.reason}.")
+    raise CheckpointNotFoundError(f"Can't find a valid checkpoint at {layout.path}: it is not a checkpoint this "
+                                  f"library knows ({layout.reason}).")
 
 
 def refuse_without_trainer_state(path: str, verdict) -> None:

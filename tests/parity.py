@@ -1,0 +1,251 @@
+"""The native-parity harness: one scenario run twice, once with the plain Trainer, once with the plugin, and what a
+user sees afterwards recorded the same way for both (`record`), so the test compares them field by field.
+
+A scenario is a dict: `model` ("llama", "gpt2", "lora", "regression", "growing"), `args` (TrainingArguments),
+`scores` ({step: value}: a scripted `eval_score` metric per evaluation, so where the best lands is chosen),
+`engine` ({} one process / DDP, {"zero": 3}, {"fsdp": 2}), `plugin` (extra plugin arguments such as
+`unified_checkpoint_config`), `first` (a run before the recorded one, in the same output folder: `{"args": ...}`),
+`resume` (the recorded run's `resume_from_checkpoint`: True, "checkpoint-N", a missing or an empty path),
+`train_twice` (a second `train()` on the same Trainer), `read_on_save` (a callback that reads the checkpoint folder
+in `on_save`; `wait` first calls `hf_unified_ckpt.wait_for_saves()`).
+
+Every run computes with `_runs.THREADS` threads, so both runs of a scenario round alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from _runs import (TokenDataset, build_model, disable_deepspeed_jit, final_state, fsdp_args, fsdp_on_cpu, make_args,
+                   reset_accelerate_state, zero_config, assert_sharded)
+
+#: Log keys that measure time, not training: never compared.
+TIMING = ("runtime", "per_second")
+
+
+class RegressionDataset(Dataset):
+    """y = 2x + 3 + noise, the Trainer's own regression test data (x of 5 features)."""
+
+    def __init__(self, n: int = 48, seed: int = 42):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 5, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True) * 2 + 3 + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_x": self.x[i], "labels": self.y[i]}
+
+
+class RegressionModel(nn.Module):
+    """A plain `nn.Module` (not a PreTrainedModel), uneven sizes (5 -> 7 -> 1), as the Trainer's tests use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = nn.Linear(5, 7)
+        self.out = nn.Linear(7, 1)
+
+    def forward(self, input_x, labels=None, **kwargs):
+        y = self.out(torch.tanh(self.hidden(input_x)))
+        return (y,) if labels is None else (nn.functional.mse_loss(y, labels), y)
+
+
+class GrowingBufferModel(RegressionModel):
+    """A module whose buffer grows in `forward` (one loss per training step) and whose `load_state_dict` takes
+    the saved buffer's shape: the native Trainer resumes it through that override."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("history", torch.zeros(0))
+
+    def forward(self, input_x, labels=None, **kwargs):
+        out = super().forward(input_x, labels)
+        if labels is not None and self.training:
+            self.history = torch.cat([self.history, out[0].detach().reshape(1)])
+        return out
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        if "history" in state_dict:
+            self.history = torch.empty_like(state_dict["history"])
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _model(kind: str):
+    if kind == "regression":
+        return RegressionModel()
+    if kind == "growing":
+        return GrowingBufferModel()
+    return build_model(kind)
+
+
+def _datasets(kind: str):
+    if kind in ("regression", "growing"):
+        return RegressionDataset(), RegressionDataset(12, seed=7)
+    return TokenDataset(), TokenDataset(12, seed=7)
+
+
+class _Recorder:
+    """What the runs saw: the content of every training batch (in order), and what `on_save` found in the
+    checkpoint folder."""
+
+    def __init__(self):
+        self.batches: list[str] = []
+        self.on_save: list[dict] = []
+
+
+def trainer_class(recorder: _Recorder):
+    """A Trainer that records the batches it trains on (their content, hashed), for both runs of a scenario."""
+    from transformers import Trainer
+
+    class RecordingTrainer(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            digest = hashlib.sha256()
+            for key in sorted(inputs):
+                digest.update(inputs[key].detach().cpu().numpy().tobytes())
+            recorder.batches.append(digest.hexdigest()[:16])
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return RecordingTrainer
+
+
+def _scripted_metric(scores: dict, holder: dict):
+    """`compute_metrics` returning `eval_score` = scores[the step being evaluated]."""
+    scores = {int(step): value for step, value in scores.items()}  # JSON keys (a launch's spec) are strings
+
+    def compute_metrics(_prediction):
+        return {"score": float(scores[holder["trainer"].state.global_step])}
+
+    return compute_metrics
+
+
+def _read_on_save(recorder: _Recorder, wait: bool):
+    from transformers import TrainerCallback
+
+    class ReadOnSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if wait:
+                import hf_unified_ckpt
+
+                hf_unified_ckpt.wait_for_saves()
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            seen = {"step": state.global_step, "folder": os.path.isdir(folder),
+                    "trainer_state": os.path.isfile(os.path.join(folder, "trainer_state.json"))}
+            if seen["trainer_state"]:
+                with open(os.path.join(folder, "trainer_state.json")) as f:
+                    saved = json.load(f)
+                seen["saved_step"] = saved["global_step"]
+                seen["saved_best"] = _name(saved.get("best_model_checkpoint"))
+            recorder.on_save.append(seen)
+
+    return ReadOnSave()
+
+
+def _sharded_while_training(holder: dict):
+    """FSDP really sharded the model (`_runs.assert_sharded`), checked at the first step of each run."""
+    from transformers import TrainerCallback
+
+    class Sharded(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                assert_sharded(holder["trainer"])
+
+    return Sharded()
+
+
+def _name(path):
+    return None if path is None else os.path.basename(os.path.normpath(str(path)))
+
+
+def build(scenario: dict, output_dir: str, plugin: bool, recorder: _Recorder, args: dict, world_size: int):
+    """The Trainer of one run of `scenario` (plugin attached or not)."""
+    import hf_unified_ckpt
+
+    reset_accelerate_state()
+    overrides = {**args}
+    engine = scenario.get("engine", {})
+    if engine.get("zero"):
+        disable_deepspeed_jit()
+        overrides["deepspeed"] = zero_config(engine["zero"])
+    if engine.get("fsdp"):
+        overrides.update(fsdp_args(engine["fsdp"], "SHARDED_STATE_DICT", scenario.get("model", "llama")))
+    if scenario.get("scores"):
+        overrides.setdefault("metric_for_best_model", "score")
+    if plugin:
+        overrides.update(scenario.get("plugin", {}))
+        if "flash" in overrides.get("unified_checkpoint_config", ""):
+            overrides["unified_checkpoint_memory_dir"] = f"{output_dir}-memory"
+    training_args = make_args(output_dir, world_size=world_size, unified_checkpoint=plugin, **overrides)
+    kind = scenario.get("model", "llama")
+    model = _model(kind)
+    train_set, eval_set = _datasets(kind)
+    holder = {}
+    callbacks = [_read_on_save(recorder, scenario["read_on_save"] == "wait")] if scenario.get("read_on_save") else []
+    if engine.get("fsdp"):
+        callbacks.append(_sharded_while_training(holder))
+    trainer = trainer_class(recorder)(
+        model=model, args=training_args, train_dataset=train_set,
+        eval_dataset=eval_set if training_args.eval_strategy != "no" else None,
+        compute_metrics=_scripted_metric(scenario["scores"], holder) if scenario.get("scores") else None,
+        callbacks=callbacks)
+    holder["trainer"] = trainer
+    if plugin:
+        hf_unified_ckpt.attach(trainer)
+    return trainer
+
+
+def run(scenario: dict, output_dir: str, plugin: bool, world_size: int = 1) -> dict:
+    """Run `scenario` natively or with the plugin in `output_dir`; what a user sees afterwards (`record`)."""
+    shim = fsdp_on_cpu() if scenario.get("engine", {}).get("fsdp") else contextlib.nullcontext()
+    recorder = _Recorder()
+    error = None
+    with shim:
+        if scenario.get("first"):
+            first = build(scenario, output_dir, plugin, _Recorder(), {**scenario["args"], **scenario["first"]},
+                          world_size)
+            first.train()
+        trainer = build(scenario, output_dir, plugin, recorder, scenario["args"], world_size)
+        resume = scenario.get("resume")
+        if isinstance(resume, str) and resume != "missing":
+            resume = os.path.join(output_dir, resume)
+        elif resume == "missing":
+            resume = os.path.join(output_dir, "no-such-checkpoint")
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+            if scenario.get("train_twice"):
+                trainer.train()
+        except Exception as e:  # noqa: BLE001 - the type and message are what is compared
+            error = {"type": type(e).__name__, "value_error": isinstance(e, ValueError),
+                     "message": str(e).replace(output_dir, "<output_dir>")}
+    return record(trainer, recorder, output_dir, error)
+
+
+def record(trainer, recorder: _Recorder, output_dir: str, error: dict | None) -> dict:
+    """What the harness compares: weights and buffers, the trainer state, the checkpoints left, the batches, what
+    `on_save` saw, the error. Collective under ZeRO-3 and FSDP (the weights are gathered)."""
+    state = trainer.state
+    history = [{k: v for k, v in entry.items() if not any(t in k for t in TIMING)} for entry in state.log_history]
+    return {
+        "weights": {k: v.detach().cpu().clone() for k, v in final_state(trainer).items()},
+        "best_metric": state.best_metric, "best_global_step": state.best_global_step,
+        "best_model_checkpoint": _name(state.best_model_checkpoint),
+        "best_exists": state.best_model_checkpoint is not None and os.path.isdir(state.best_model_checkpoint),
+        "global_step": state.global_step, "epoch": state.epoch, "log_history": history,
+        "checkpoints": sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint-"))
+        if os.path.isdir(output_dir) else [],
+        "batches": recorder.batches, "on_save": recorder.on_save, "error": error,
+    }
+
+
+def run_pair(scenario: dict, workdir: str, world_size: int = 1) -> dict:
+    """The scenario natively, then with the plugin, each in a folder of its own."""
+    return {"native": run(scenario, os.path.join(workdir, "native"), False, world_size),
+            "plugin": run(scenario, os.path.join(workdir, "plugin"), True, world_size)}
