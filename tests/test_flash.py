@@ -45,6 +45,25 @@ def _spec(tmp, memory, tag, output=None, **overrides):
             "overrides": {**FLASH, "unified_checkpoint_memory_dir": memory, **overrides}}
 
 
+#: The optimizer split over both ranks in 5 files (each rank writes some; a resumed job once planned them in the
+#: loaded state's order, which shrank two of them), one memory checkpoint kept, 10 steps: a job resumed at step 4
+#: evicts checkpoint-4 at the save of step 6 and writes the save of step 8 over its files (issue 47).
+SPLIT = {**FLASH, "max_steps": 10, "unified_checkpoint_memory_keep": 1, "unified_checkpoint_persist_every": 100,
+         "unified_checkpoint_max_shard_size": 40000}
+
+
+def _split_spec(tmp, memory, tag, **extra):
+    return {**_spec(tmp, memory, tag), "overrides": {**SPLIT, "unified_checkpoint_memory_dir": memory}, **extra}
+
+
+def _file_sizes(checkpoint) -> dict[str, int]:
+    """Every tensor file of a checkpoint and its size, from its manifest."""
+    import json
+
+    files = json.loads((checkpoint / "unified_checkpoint.json").read_text())["files"]
+    return {n: e["size"] for n, e in files.items() if n.endswith(".safetensors")}
+
+
 def _persisters(run: str) -> list[int]:
     """Processes whose command line names `run` (its persisters)."""
     out = subprocess.run(["pgrep", "-f", f"hf_unified_ckpt.flash.persister {run}"], capture_output=True, text=True)
@@ -65,14 +84,15 @@ def runs(tmp_path_factory, memory):
     """One launch of DDP x 2: a plain flash run (the baseline every resume is compared with), the same with
     evaluation, load_best_model_at_end, rotation and save_model, one whose memory folder is full from the
     save of step 4 on, one keeping a single memory checkpoint (its evicted files are overwritten by the next
-    save), and one whose persister is killed while it trains."""
+    save), one whose persister is killed while it trains, and the baseline of the restart test (`_split_spec`)."""
     tmp = tmp_path_factory.mktemp("flash")
     specs = [_spec(tmp, memory, "ddp", unified_checkpoint_persist_every=2),
              loop_spec(_spec(tmp, memory, "loop", unified_checkpoint_persist_every=2), tmp / "loop-model"),
              {**_spec(tmp, memory, "full"), "memory_full_from": 4},
              {**_spec(tmp, memory, "reuse", unified_checkpoint_persist_every=2, unified_checkpoint_memory_keep=1),
               "record_reuse": True},
-             {**_spec(tmp, memory, "revive", unified_checkpoint_persist_every=1), "kill_persister": [3, 5, "checkpoint-4"]}]
+             {**_spec(tmp, memory, "revive", unified_checkpoint_persist_every=1), "kill_persister": [3, 5, "checkpoint-4"]},
+             _split_spec(tmp, memory, "split")]
     proc = torchrun(2, specs, tmp)
     out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False) for s in specs}
     return tmp, out, proc
@@ -202,22 +222,32 @@ def test_killed_job_resumes_from_memory_on_another_world_size_and_the_persister_
 
 
 @pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
-def test_torchrun_max_restarts_resumes_from_memory(runs, memory, tmp_path):
+def test_torchrun_max_restarts_resumes_from_memory_and_recycles_the_checkpoint_it_resumed_from(runs, memory, tmp_path):
     """torchrun --max-restarts=1: both workers die (as under kill -9) right after the save of step 4 committed in
     memory; the restarted workers resume from memory (resume_from_checkpoint='auto') with the same persister, at
-    the same world size, bit for bit; the persister made checkpoint-4 durable when the first workers died."""
+    the same world size, with the optimizer split over both ranks (`SPLIT`), and train to step 10: the save of
+    step 6 evicts checkpoint-4 (memory_keep=1) and the save of step 8 writes over its files, which the resume loaded
+    from. Issue 47: the resumed optimizer state lived in those files, the resumed plan shrank two of them, and a
+    rank died with SIGBUS. Now: no crash, bit for bit the uninterrupted run, the same files of the same sizes as
+    the uninterrupted run (the plan does not follow the loaded state's order), checkpoint-4 made durable by the
+    persister when the first workers died, and nothing left behind."""
     _, out, _ = runs
-    spec = {**_spec(tmp_path, memory, "restarted", unified_checkpoint_persist_every=100), "resume": "auto",
-            "stop_after_save": [4, str(tmp_path / "saved-4"), "exit"]}
+    spec = _split_spec(tmp_path, memory, "restarted", resume="auto",
+                       stop_after_save=[4, str(tmp_path / "saved-4"), "exit"])
     # pytorch#135712: workers sharing torchrun's rendezvous store may read the killed attempt's addresses when they
     # restart (gloo "Connection refused" at init); the README tells users of --max-restarts to set this
-    torchrun(2, [spec], tmp_path, launcher_args=("--max-restarts=1",), env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    proc = torchrun(2, [spec], tmp_path, launcher_args=("--max-restarts=1",),
+                    env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONFAULTHANDLER": "1"})
     result = torch.load(tmp_path / "restarted.pt", weights_only=False)
     run = run_folder(memory, str(tmp_path / "restarted"))
     assert (tmp_path / "saved-4").exists()
     assert result["resumed_from"] == os.path.join(run, CHECKPOINTS, "checkpoint-4")
-    assert_resumed_matches(result, out["ddp"], [5, 6], exact=True, loss_rtol=0, state_atol=0)
-    assert _durable(tmp_path / "restarted") == ["checkpoint-4", "checkpoint-6"]
+    assert "Bus error" not in proc.stderr
+    assert_resumed_matches(result, out["split"], range(5, 11), exact=True, loss_rtol=0, state_atol=0)
+    assert _durable(tmp_path / "restarted") == ["checkpoint-10", "checkpoint-4"]
+    sizes = _file_sizes(tmp_path / "restarted" / "checkpoint-10")
+    assert sum(n.startswith("optimizer-") for n in sizes) == 5
+    assert sizes == _file_sizes(runs[0] / "split" / "checkpoint-10")
     assert not os.path.exists(run) and _persisters(run) == []
 
 
@@ -324,6 +354,45 @@ def test_persister_killed_mid_copy_leaves_no_torn_checkpoint_and_the_next_comple
     verify_checkpoint(os.path.join(durable_root, "checkpoint-6"))
     assert not os.path.exists(os.path.join(durable_root, ".checkpoint-6.incomplete"))
     assert not os.path.exists(run), "the trainer stayed gone for the lease: the memory is freed"
+
+
+def test_a_checkpoint_is_never_evicted_while_the_persister_copies_it(runs, memory, tmp_path):
+    """Issue 47, part 3: the trainer died with its newest memory checkpoint (6) not due to be made durable; the
+    persister copies it (slowly here) while a restarted job commits checkpoint-8 and evicts beyond memory_keep=1,
+    reading a record that does not ask for 6 to be made durable (as it was before the persister said so): the
+    eviction leaves 6 to a later save while the copy holds its lock; the copy completes and verifies, and the next
+    eviction takes 6."""
+    from hf_unified_ckpt.options import parse_flash
+    from hf_unified_ckpt.trainer.flash import FlashTier
+
+    tmp, _, _ = runs
+    durable_root = str(tmp_path / "durable")
+    run = run_folder(memory, durable_root)
+    for step in (6, 8):
+        shutil.copytree(tmp / "ddp" / "checkpoint-6", os.path.join(run, CHECKPOINTS, f"checkpoint-{step}"))
+    for folder in (SAVES, DURABLE, FAILED):
+        os.makedirs(os.path.join(run, folder), exist_ok=True)
+    write_record(os.path.join(run, RUN_FILE), {"durable_root": durable_root, "lease_timeout": 60.0})
+    write_record(os.path.join(run, LEASE_FILE), {"job": "x", "pids": [_dead_pid()], "ended": False})
+    stale = SaveInfo(6, False, os.path.join(durable_root, "checkpoint-6")).to_bytes()
+    os.remove(os.path.join(run, CHECKPOINTS, "checkpoint-8", "unified_checkpoint.json"))  # not there yet
+    persister = _persister(run, slow=1.0)
+    try:
+        _wait(lambda: os.path.isdir(os.path.join(durable_root, ".checkpoint-6.incomplete")), 60, "the copy of 6")
+        shutil.copy(tmp / "ddp" / "checkpoint-6" / "unified_checkpoint.json",
+                    os.path.join(run, CHECKPOINTS, "checkpoint-8"))  # the restarted job's save of step 8 commits
+        write_record(os.path.join(run, SAVES, "checkpoint-6.json"), stale)
+        tier = FlashTier(parse_flash(memory_dir=memory, keep=1), durable_root)
+        assert tier.evict(None) == []
+        assert detect_layout(os.path.join(run, CHECKPOINTS, "checkpoint-6")).committed
+        _wait(lambda: os.path.exists(os.path.join(run, DURABLE, "checkpoint-6")), 120, "checkpoint-6 made durable")
+        assert os.listdir(os.path.join(run, FAILED)) == []
+        verify_checkpoint(os.path.join(durable_root, "checkpoint-6"))
+        assert tier.evict(None) == [6]
+    finally:
+        persister.kill()
+        persister.wait()
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def test_a_damaged_memory_copy_is_never_made_durable_and_its_memory_is_kept(staged_run):
