@@ -676,7 +676,7 @@ def test_writable_maps_follow_a_file_through_renames_and_let_go_of_removed_ones(
     """The memory tier's mappings (`local_io.WritableMaps`): a file renamed (a spare file moved back into a save) is
     written through the mapping it already had, and its bytes are the file's; a removed file's mapping is released
     (its memory freed), and a new file is never written through an old file's mapping, even where the filesystem
-    hands the old inode number to the new file; a size change maps again."""
+    hands the old inode number to the new file; a larger size maps again, a smaller one is refused (never shrunk)."""
     from hf_unified_ckpt.store import LocalStore, WritableMaps
 
     store, maps = LocalStore(), WritableMaps()
@@ -696,9 +696,11 @@ def test_writable_maps_follow_a_file_through_renames_and_let_go_of_removed_ones(
     assert other.obj is not old and (tmp_path / "c").read_bytes()[:3] == b"new"
     maps.prune()
     assert len(maps) == 1 and old.closed
-    smaller = store.map_writable(str(tmp_path / "c"), 4_000, maps)
-    assert smaller.obj is not other.obj and os.path.getsize(tmp_path / "c") == 4_000
-    assert bytes(smaller[:3]) == b"new" and len(maps) == 1
-    del other, smaller
+    with pytest.raises(ValueError, match="never shrunk"):  # issue 47: a file that may be mapped is never shrunk
+        store.map_writable(str(tmp_path / "c"), 4_000, maps)
+    larger = store.map_writable(str(tmp_path / "c"), 12_000, maps)
+    assert larger.obj is not other.obj and os.path.getsize(tmp_path / "c") == 12_000
+    assert bytes(larger[:3]) == b"new" and len(maps) == 1
+    del other, larger
     maps.close()
     assert len(maps) == 0
