@@ -122,6 +122,7 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(runs, engine):
     result = out[f"best-{engine}"]
     best = result["best"]
     assert best is not None and not best.endswith("checkpoint-6"), best  # an earlier checkpoint, kept by rotation
+    assert best.endswith(f"checkpoint-{result['best_global_step']}"), (best, result["best_global_step"])
     kept = sorted(p.name for p in (tmp / f"best-{engine}").glob("checkpoint-*"))
     assert kept == sorted({"checkpoint-6", best.rsplit("/", 1)[-1]}), kept
     _, state = _pretrained_state(best)

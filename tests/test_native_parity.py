@@ -64,7 +64,8 @@ SCENARIOS = {
     "resume-ignore-data-skip": {"args": dict(EIGHT, ignore_data_skip=True), "scores": MIDDLE_OF_4,
                                 "first": {"max_steps": 4}, "resume": "checkpoint-4"},
     "resume-true-best-kept": {"args": EIGHT, "scores": OLD_BEST_OF_4, "first": {"max_steps": 4}, "resume": True},
-    "resume-earlier": {"args": EIGHT, "scores": {**MIDDLE_OF_4, 6: 0.99}, "first": {"max_steps": 6},
+    "resume-earlier": {"args": dict(EIGHT, save_total_limit=2), "scores": {**MIDDLE_OF_4, 6: 0.99},
+                       "first": {"max_steps": 6, "save_total_limit": None},
                        "resume": "checkpoint-2"},
     "resume-plain-module": {"model": "regression", "args": EIGHT, "scores": LAST | {8: 0.2},
                             "first": {"max_steps": 4}, "resume": True},
@@ -141,17 +142,39 @@ def test_plugin_behaves_as_the_native_trainer(name, tmp_path):
     assert_parity(run_pair(scenario, str(tmp_path)), scenario)
 
 
+#: Sharded engines write saved tensors into their shards by position: a checkpoint of another shape is refused before
+#: the first step, naming the tensor (one process and DDP leave it to the module's `load_state_dict`, as native).
+SHAPE_REFUSALS = {"z3-other-shape": {"zero": 3}, "f2-other-shape": {"fsdp": 2}}
+
+
+def _shape_runs(tmp) -> list[dict]:
+    saver = {"zero": 3, "output_dir": str(tmp / "shape-saver"), "overrides": {"max_steps": 2, "save_steps": 2}}
+    return [saver] + [{**engine, "model": "llama_tp", "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"),
+                       "resume": str(tmp / "shape-saver" / "checkpoint-2"), "overrides": {"max_steps": 4},
+                       "expect_error": "shape mismatch between checkpoint and model"}
+                      for name, engine in SHAPE_REFUSALS.items()]
+
+
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity-engines")
     runs = [{"parity": scenario, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt")}
             for name, scenario in ENGINE_SCENARIOS.items()]
-    torchrun(2, runs, tmp)
+    torchrun(2, runs + _shape_runs(tmp), tmp)
     return {name: {**torch.load(tmp / f"{name}.pt", weights_only=False), "plugin_dir": str(tmp / name / "plugin")}
-            for name in ENGINE_SCENARIOS}
+            for name in [*ENGINE_SCENARIOS, *SHAPE_REFUSALS]}
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(ENGINE_SCENARIOS))
 def test_plugin_behaves_as_the_native_trainer_on_every_engine(engine_runs, name):
     assert_parity(engine_runs[name], ENGINE_SCENARIOS[name])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(SHAPE_REFUSALS))
+def test_a_shape_the_sharded_engine_cannot_take_is_refused_before_the_first_step(engine_runs, name):
+    out = engine_runs[name]
+    assert out["global_step"] == 0, out
+    assert out["error"].startswith("UnsupportedCheckpointError: shape mismatch between checkpoint and model in "), out
+    assert "model.layers.0.self_attn.q_proj.weight: checkpoint (30, 30) vs model (32, 32)" in out["error"], out

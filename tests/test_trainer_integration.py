@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_unified_ckpt
 from _runs import TokenDataset, build_model, final_state, losses_of, make_args, reset_accelerate_state, train
-from hf_unified_ckpt.errors import UnsupportedCheckpointError
+from hf_unified_ckpt.errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from hf_unified_ckpt.checkpoint.layout import detect_layout
 
 
@@ -135,8 +135,8 @@ def test_a_parameter_name_with_a_slash_is_refused_before_the_first_step(tmp_path
 def test_resume_from_a_folder_that_is_no_checkpoint(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "readme.txt").write_text("hi")
-    with pytest.raises(UnsupportedCheckpointError, match="no checkpoint files found.*readme.txt"):
-        train(tmp_path / "b", max_steps=3, resume=str(tmp_path / "notes"))
+    with pytest.raises(ValueError, match="^Can't find a valid checkpoint at .*no checkpoint files found.*readme.txt"):
+        train(tmp_path / "b", max_steps=3, resume=str(tmp_path / "notes"))  # native's ValueError, native's words first
 
 
 def test_the_callback_alone_gives_the_same_trainer_as_attach(tmp_path):
@@ -161,7 +161,7 @@ def test_the_callback_alone_gives_the_same_trainer_as_attach(tmp_path):
     assert attached == base
     _, resumed = run(tmp_path / "c", resume=str(tmp_path / "a" / "checkpoint-3"))
     assert [resumed[s] for s in (4, 5, 6)] == [base[s] for s in (4, 5, 6)]
-    with pytest.raises(UnsupportedCheckpointError):  # the same resume checks
+    with pytest.raises(CheckpointNotFoundError):  # the same resume checks (the run folder is no checkpoint)
         run(tmp_path / "d", resume=str(tmp_path / "a"))
     assert type(Trainer(model=build_model(), args=make_args(tmp_path / "e"), train_dataset=TokenDataset())) is Trainer
 

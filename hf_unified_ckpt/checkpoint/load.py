@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from .. import dist
 from ..format.components import MASTER, MODEL, OPTIMIZER, Role
 from ..engines.base import EngineAdapter, LoadSources
-from ..errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError, count_and_first
 from .file_service import FileService
 from ..format.optim_state import group_param_names
 from ..options import UnifiedCheckpointOptions
@@ -146,11 +146,26 @@ def _load(folder: str, engine: EngineAdapter, manifest: dict, options: UnifiedCh
         readers = {name: model if name == MODEL.name else
                    stack.enter_context(ComponentReader(folder, components[name]["file_stem"], remote, anchor=model))
                    for name in wanted}
+        _check_shapes(engine, readers[MODEL.name])
         if MASTER.name not in readers:  # the model weights are the best fp32 values there are
             _check_master_rebuild(folder, manifest, readers[MODEL.name], engine, options)
             readers[MASTER.name] = readers[MODEL.name]
         engine.load(LoadSources(readers, int(manifest.get("global_step", 0))))
         return group_param_names(readers[OPTIMIZER.name].metadata) if OPTIMIZER.name in readers else None
+
+
+def _check_shapes(engine, model: ComponentReader) -> None:
+    """Sharded engines write the saved tensors into their shards by position, so a saved weight of another shape
+    than the model's is refused here, naming it, before anything is loaded. An engine that loads through the
+    module's own `load_state_dict` (`loads_by_module`: one process, DDP, as the native Trainer) leaves shapes to it."""
+    if getattr(engine, "loads_by_module", False):
+        return
+    saved = model.specs()
+    bad = [f"{spec.name}: checkpoint {tuple(saved[spec.name][0])} vs model {tuple(spec.shape)}"
+           for spec in engine.specs(MODEL.name) if spec.name in saved and tuple(saved[spec.name][0]) != tuple(spec.shape)]
+    if bad:
+        raise UnsupportedCheckpointError(f"shape mismatch between checkpoint and model in {count_and_first(bad)}. "
+                                         "Build the same architecture (config) as the run that saved it.")
 
 
 def _check_master_rebuild(folder: str, manifest: dict, model: ComponentReader, engine, options) -> None:

@@ -22,6 +22,9 @@ from .base import Fragment, component_source
 class ReplicatedEngine:
     """Adapter for a model replicated on every rank (no process group, or DDP)."""
 
+    #: The weights are applied by the module's own `load_state_dict` (`load_model`), which judges their shapes.
+    loads_by_module = True
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         self.module = extract_model_from_parallel(model)
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
