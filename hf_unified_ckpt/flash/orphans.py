@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import time
 
 from ..checkpoint.commit import list_checkpoints
 from ..checkpoint.layout import detect_layout
-from ..store import join, listing, remove
-from ..store.node import is_locked, pid_alive
+from ..store import is_file, join, listing, read_bytes, remove
+from ..store.node import age, is_locked, pid_alive
 from .layout import CHECKPOINTS, LEASE_FILE, LOCK_FILE, RUN_FILE, TIER_FOLDER
 
 logger = logging.getLogger(__name__)
@@ -30,17 +28,16 @@ logger = logging.getLogger(__name__)
 GRACE = 60.0
 
 
-def orphaned_runs(memory_dir: str, now: float | None = None) -> list[str]:
+def orphaned_runs(memory_dir: str) -> list[str]:
     """The run folders under `memory_dir` that no live job or persister owns (see the module docstring). Local."""
     tier = join(memory_dir, TIER_FOLDER)
-    now = time.time() if now is None else now
     return [join(tier, name) for name, size in sorted(listing(tier).items())
-            if size is None and not _owned(join(tier, name), now)]
+            if size is None and not _owned(join(tier, name))]
 
 
 def holds_checkpoints(run: str) -> bool:
     """Whether `run` holds a committed memory checkpoint (and the record a persister needs to serve it)."""
-    if not os.path.isfile(join(run, RUN_FILE)):
+    if not is_file(join(run, RUN_FILE)):
         return False
     return any(detect_layout(path).committed for _, path in list_checkpoints(join(run, CHECKPOINTS)))
 
@@ -52,27 +49,21 @@ def clear(run: str) -> None:
     remove(run)
 
 
-def _owned(run: str, now: float) -> bool:
+def _owned(run: str) -> bool:
     if is_locked(join(run, LOCK_FILE)):
         return True
     try:
-        with open(join(run, LEASE_FILE), "rb") as f:
-            pids = json.loads(f.read()).get("pids", ())
+        pids = json.loads(read_bytes(join(run, LEASE_FILE))).get("pids", ())
     except (OSError, ValueError, AttributeError):
         pids = ()
     if any(pid_alive(int(p)) for p in pids if isinstance(p, int)):
         return True
-    return now - _last_change(run) < GRACE
+    return _quiet_for(run) < GRACE
 
 
-def _last_change(run: str) -> float:
-    """The newest modification time of `run` and of what lies directly in it and in its sub-folders."""
-    newest = 0.0
-    for folder in (run, *(join(run, n) for n, size in listing(run).items() if size is None)):
-        for path in (folder, *(join(folder, n) for n in listing(folder))):
-            try:
-                newest = max(newest, os.stat(path).st_mtime)
-            except OSError:
-                continue
-    return newest
+def _quiet_for(run: str) -> float:
+    """Seconds since the newest change of `run` and of what lies directly in it and in its sub-folders."""
+    ages = [age(path) for folder in (run, *(join(run, n) for n, size in listing(run).items() if size is None))
+            for path in (folder, *(join(folder, n) for n in listing(folder)))]
+    return min((a for a in ages if a is not None), default=float("inf"))
 
