@@ -84,7 +84,7 @@ SCENARIOS = {
     # deliberate: flash makes every `persist_every`-th save durable (4 by default), the last and the best
     "flash-persist-every-4th": {"args": dict(EIGHT, save_total_limit=3), "scores": {**OLD_BEST_OF_4, 8: 0.1},
                                 "plugin": {"unified_checkpoint_config": "flash"},
-                                "differs": {"checkpoints": (["checkpoint-2", "checkpoint-6", "checkpoint-8"],
+                                "differs": {"checkpoints": ([["checkpoint-2", "checkpoint-6", "checkpoint-8"]],
                                                             ["checkpoint-2", "checkpoint-8"])}},
     "flash-limit1-best-first": {"args": dict(HIGHER, save_total_limit=1), "scores": FIRST, "plugin": FLASH},
     "flash-limit2-best-middle": {"args": dict(EIGHT, save_total_limit=2), "scores": MIDDLE_OF_4, "plugin": FLASH},
@@ -98,9 +98,11 @@ ENGINE_SCENARIOS = {
     "z3-async-best-middle": {"engine": {"zero": 3}, "args": HIGHER, "scores": MIDDLE, "plugin": ASYNC},
     "z2-flash-best-last": {"engine": {"zero": 2}, "args": HIGHER, "scores": LAST, "plugin": FLASH},
     # native FSDP (SHARDED_STATE_DICT) writes no model file before it looks for the best folder, so a best evaluated
-    # at the step being saved is not recorded: native keeps checkpoint-2 and loads its weights at the end
+    # at the step being saved is recorded only by a rank that looks after rank 0 made the folder (a race): native
+    # ends with checkpoint-2 or checkpoint-6 (seen both), and loads that one's weights
     "f2-best-last": {"engine": {"fsdp": 2}, "args": HIGHER, "scores": LAST,
-                     "differs": {"best_model_checkpoint": ("checkpoint-2", "checkpoint-6"), "weights": "best"}},
+                     "differs": {"best_model_checkpoint": (["checkpoint-2", "checkpoint-6"], "checkpoint-6"),
+                                 "weights": "best"}},
     "f2-limit1-best-first": {"engine": {"fsdp": 2}, "args": dict(HIGHER, save_total_limit=1), "scores": FIRST},
     "f2-flash-best-middle": {"engine": {"fsdp": 2}, "args": dict(EIGHT, save_total_limit=2), "scores": MIDDLE_OF_4,
                              "plugin": FLASH},
@@ -117,10 +119,10 @@ def assert_parity(out: dict, scenario: dict) -> None:
         assert native["error"] and plugin["error"], (native["error"], plugin["error"])
         assert plugin["error"]["value_error"] == native["error"]["value_error"], (native["error"], plugin["error"])
         assert plugin["error"]["message"].startswith(native["error"]["message"]), (native["error"], plugin["error"])
-    differs = scenario.get("differs", {})  # deliberate (or native's bug): (native's value, the plugin's)
+    differs = scenario.get("differs", {})  # deliberate, or native's bug: (native's possible values, the plugin's)
     for key in COMPARED:
-        want = differs.get(key, (native[key], native[key]))
-        assert (native[key], plugin[key]) == want, (key, native[key], plugin[key])
+        natives, want = differs.get(key, ([native[key]], native[key]))
+        assert native[key] in natives and plugin[key] == want, (key, native[key], plugin[key])
     assert sorted(plugin["weights"]) == sorted(native["weights"])
     if differs.get("weights") == "best":  # the plugin's weights are its best checkpoint's, whatever native loaded
         from safetensors.torch import load_file
@@ -175,6 +177,7 @@ def test_plugin_behaves_as_the_native_trainer_on_every_engine(engine_runs, name)
 @pytest.mark.parametrize("name", list(SHAPE_REFUSALS))
 def test_a_shape_the_sharded_engine_cannot_take_is_refused_before_the_first_step(engine_runs, name):
     out = engine_runs[name]
-    assert out["global_step"] == 0, out
+    assert out["global_step"] == 2, out  # the resumed step: no step was trained
+    assert not [p for p in os.listdir(out["plugin_dir"].removesuffix("/plugin")) if "checkpoint-" in p]
     assert out["error"].startswith("UnsupportedCheckpointError: shape mismatch between checkpoint and model in "), out
     assert "model.layers.0.self_attn.q_proj.weight: checkpoint (30, 30) vs model (32, 32)" in out["error"], out
