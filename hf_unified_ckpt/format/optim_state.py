@@ -161,16 +161,21 @@ def flatten_optimizer_state(
 
 def in_group_order(state: Mapping, groups: Sequence[Sequence]):
     """(parameter, state name, value) of every per-parameter state value: parameters in param-group order (the
-    order the optimizer was built with), each parameter's states by name. The component is planned in this order,
-    so the files, their sizes and their writers do not depend on the order the state dict happens to have (a fresh
-    optimizer creates state at its first step, a loaded one in the order it was loaded); a parameter in no group
-    comes last, in the state's order."""
+    order the optimizer was built with), each parameter's scalars (`step`) first, then its other states, each by
+    name -- the order torch's Adam family creates them in, so a fresh AdamW's files stay byte for byte what they
+    were. The component is planned in this order, so the files, their sizes and their writers do not depend on the
+    order the state dict happens to have (a fresh optimizer creates state at its first step, a loaded one in the
+    order it was loaded); a parameter in no group comes last, in the state's order."""
     listed = [p for params in groups for p in params]
     known = set(listed)
     for param in [p for p in listed if p in state] + [p for p in state if p not in known]:
         per_param = state[param]
-        for state_name in sorted(per_param):
+        for state_name in sorted(per_param, key=lambda name: (_is_array(per_param[name]), name)):
             yield param, state_name, per_param[state_name]
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def group_param_names(metadata: Mapping) -> list[list[str]]:
