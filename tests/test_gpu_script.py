@@ -1,6 +1,6 @@
 """The GPU script of issue 34 (`bench/gpu/run_all.sh`), rehearsed on the CPU so that it cannot rot before a GPU
-machine runs it: the one-command part ("all") as `--dry-run` end to end (tiny model, every step), the other parts'
-steps as commands, and the step runner's promises (a failed or cut-off step is recorded, the next goes on, the JSON is
+machine runs it: the one-command part ("all") as `--dry-run` end to end (tiny model, every step; marker `slow`, kept
+out of `make test` for its 70-90 s: run `make test-slow` before a GPU is used), the other parts' steps as commands, and the step runner's promises (a failed or cut-off step is recorded, the next goes on, the JSON is
 rewritten after every step) with real processes."""
 
 import json
@@ -24,6 +24,7 @@ def _part(part: str, out: Path) -> dict:
     return json.loads((out / f"gpu_part{part}.json").read_text())
 
 
+@pytest.mark.slow  # 70-90 s: `make test-slow` (or this test alone) before a GPU machine runs the script
 @pytest.mark.dist  # resume_check launches torchrun
 def test_the_one_command_part_dry_run_checks_copies_resumes_and_measures_every_figure(tmp_path):
     report = _part("all", tmp_path)

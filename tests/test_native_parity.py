@@ -94,7 +94,8 @@ SCENARIOS = {
 ENGINE_SCENARIOS = {
     "ddp-best-last": {"args": HIGHER, "scores": LAST},
     "z3-best-last": {"engine": {"zero": 3}, "args": HIGHER, "scores": LAST},
-    "z3-limit1-best-first": {"engine": {"zero": 3}, "args": dict(HIGHER, save_total_limit=1), "scores": FIRST},
+    "z3-limit1-best-first": {"engine": {"zero": 3}, "model": "gpt2", "args": dict(HIGHER, save_total_limit=1),
+                             "scores": FIRST},  # tied embeddings
     "z3-async-best-middle": {"engine": {"zero": 3}, "args": HIGHER, "scores": MIDDLE, "plugin": ASYNC},
     "z2-flash-best-last": {"engine": {"zero": 2}, "args": HIGHER, "scores": LAST, "plugin": FLASH},
     # native FSDP (SHARDED_STATE_DICT) writes no model file before it looks for the best folder, so a best evaluated
@@ -103,7 +104,8 @@ ENGINE_SCENARIOS = {
     "f2-best-last": {"engine": {"fsdp": 2}, "args": HIGHER, "scores": LAST,
                      "differs": {"best_model_checkpoint": (["checkpoint-2", "checkpoint-6"], "checkpoint-6"),
                                  "weights": "best"}},
-    "f2-limit1-best-first": {"engine": {"fsdp": 2}, "args": dict(HIGHER, save_total_limit=1), "scores": FIRST},
+    "f2-limit1-best-first": {"engine": {"fsdp": 2}, "model": "gpt2", "args": dict(HIGHER, save_total_limit=1),
+                             "scores": FIRST},  # tied embeddings
     "f2-flash-best-middle": {"engine": {"fsdp": 2}, "args": dict(EIGHT, save_total_limit=2), "scores": MIDDLE_OF_4,
                              "plugin": FLASH},
 }
