@@ -25,7 +25,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..store import canonical, join, name_of, put_bytes, read_bytes
+from ..store import canonical, join, name_of, put_bytes, read_bytes, store_for
 
 TIER_FOLDER = "hf_unified_ckpt"
 RUN_FILE = "run.json"
@@ -120,3 +120,12 @@ def copy_lock(run: str, step: int) -> str:
     being copied once eviction began): `copying/checkpoint-N`. Whoever holds it checks that the checkpoint is still
     committed (the copier) or uncommits it (eviction) before letting go."""
     return join(run, COPYING, checkpoint_name(step))
+
+
+def copy_lock_of(run: str, step: int):
+    """The `Lock` (not taken yet) on `copy_lock(run, step)`, its folder made first: what the copier and eviction
+    both take."""
+    from ..store.node import Lock
+
+    store_for(run).make_folder(join(run, COPYING))
+    return Lock(copy_lock(run, step))

@@ -24,11 +24,11 @@ import time
 
 from ..checkpoint.commit import list_checkpoints
 from ..checkpoint.layout import detect_layout, newest_complete
-from ..store import is_file, join, listing, parent_of, put_bytes, remove, store_for
+from ..store import is_file, join, listing, parent_of, put_bytes, remove
 from ..store.node import Lock, age, pid_alive, remove_if_empty
 from .copy import persist_checkpoint
-from .layout import (CHECKPOINTS, COPYING, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, PID_FILE, RUN_FILE, SAVES, SaveInfo,
-                     checkpoint_name, copy_lock, read_record, save_info, write_record)
+from .layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, PID_FILE, RUN_FILE, SAVES, SaveInfo,
+                     checkpoint_name, copy_lock_of, read_record, save_info, write_record)
 
 logger = logging.getLogger(__name__)
 POLL = 0.2
@@ -74,8 +74,7 @@ class Persister:
         lock (a restarted job's eviction leaves it to a later save instead of overwriting what this copy reads). A checkpoint
         evicted before the lock was taken is not copied."""
         name = checkpoint_name(info.step)
-        store_for(self.run).make_folder(join(self.run, COPYING))
-        lock = Lock(copy_lock(self.run, info.step))
+        lock = copy_lock_of(self.run, info.step)
         lock.acquire(wait=True)
         try:
             if info.step not in self.committed():

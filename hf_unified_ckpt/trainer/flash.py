@@ -30,13 +30,13 @@ from ..checkpoint.layout import detect_layout
 from ..checkpoint.writer import spare_sets
 from ..errors import UnsupportedCheckpointError
 from ..format.components import MODEL, Role
-from ..flash.layout import (CHECKPOINTS, COPYING, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE,
-                            SAVES, SPARE, SPARE_SETS, SaveInfo, checkpoint_name, copy_lock, run_folder, save_info,
-                            write_record)
+from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE,
+                            SAVES, SPARE, SPARE_SETS, SaveInfo, checkpoint_name, copy_lock, copy_lock_of, run_folder,
+                            save_info, write_record)
 from ..flash.orphans import clear, holds_checkpoints, orphaned_runs
 from ..options import FlashOptions
 from ..store import is_file, join, name_of, parent_of, read_bytes, remove, store_for
-from ..store.node import Lock, is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
+from ..store.node import is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
 
 logger = logging.getLogger(__name__)
 
@@ -237,8 +237,7 @@ class FlashTier:
         """Evict checkpoint-`step` holding its copy lock (`layout.copy_lock`), unless the persister holds it: a
         checkpoint being made durable (an earlier job's newest, copied when that job died) stays until a later save.
         Uncommitting it under the lock keeps a copy from starting on it afterwards. Local."""
-        store_for(self.run).make_folder(join(self.run, COPYING))
-        lock = Lock(copy_lock(self.run, step))
+        lock = copy_lock_of(self.run, step)
         if not lock.acquire():
             logger.debug("flash: checkpoint-%d is being made durable; evicted at a later save.", step)
             return False
