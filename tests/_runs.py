@@ -757,19 +757,19 @@ def _refused(trainer, resume, expected: str) -> dict:
 def slow_snapshot(seconds: float):
     """An async save's snapshot sleeps before it copies: a training step that did not wait for the copy would
     change the weights or optimizer state first, and the resume from that checkpoint would not be exact."""
-    from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
+    from hf_unified_ckpt.checkpoint.snapshot import Snapshots
 
-    original = AsyncSaver.stage
+    original = Snapshots.take
 
     def late(self, *args):
         time.sleep(seconds)
         return original(self, *args)
 
-    AsyncSaver.stage = late
+    Snapshots.take = late
     try:
         yield
     finally:
-        AsyncSaver.stage = original
+        Snapshots.take = original
 
 
 @contextlib.contextmanager
@@ -855,10 +855,10 @@ def record_reuse():
     into the file (`SharedFileWriter.place`), copied into through a mapping made earlier; and the bytes of the
     snapshot's host buffers after each save's snapshot."""
     from hf_unified_ckpt.checkpoint import writer
-    from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
+    from hf_unified_ckpt.checkpoint.snapshot import Snapshots
     from hf_unified_ckpt.store import WritableMaps
 
-    originals = writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, AsyncSaver.stage
+    originals = writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take
     record = {"spare": 0, "written": 0, "placed": 0, "mapped_before": 0, "host_buffer_bytes": []}
     seen = []
 
@@ -880,14 +880,14 @@ def record_reuse():
 
     def stage(self, *args):
         job = originals[3](self, *args)
-        record["host_buffer_bytes"].append(self.host_buffer_bytes())
+        record["host_buffer_bytes"].append(self.buffers.nbytes())
         return job
 
-    writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, AsyncSaver.stage = reuse, write, view, stage
+    writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take = reuse, write, view, stage
     try:
         yield record
     finally:
-        writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, AsyncSaver.stage = originals
+        writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take = originals
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_unified_ckpt.checkpoint.async_save as async_save  # noqa: E402
 import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
+import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
 import hf_unified_ckpt.checkpoint.save as save  # noqa: E402
 import hf_unified_ckpt.store.local as local_store  # noqa: E402
 import hf_unified_ckpt.checkpoint.writer as writer  # noqa: E402
@@ -80,7 +81,7 @@ POINTS = {
     "between-shards": lambda: setattr(writer, "write_ranges", during_second_save(writer.write_ranges, 3)),
     "mid-file": lambda: setattr(writer, "write_ranges", during_second_save(writer.write_ranges, 2,
                                                                             before=half_file_then_die)),
-    "before-extras": lambda: setattr(save, "write_small_files", during_second_save(save.write_small_files)),
+    "before-extras": lambda: setattr(persist, "write_small_files", during_second_save(persist.write_small_files)),
     "before-index": lambda: setattr(save, "write_index", during_second_save(save.write_index, 1)),
     "between-indexes": lambda: setattr(save, "write_index", during_second_save(save.write_index, 2)),
     "before-manifest": lambda: setattr(save, "write_manifest", during_second_save(save.write_manifest)),

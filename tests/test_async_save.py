@@ -75,7 +75,7 @@ def test_snapshot_buffers_are_reused(tmp_path):
     saver = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "saver")).saver
     held = saver.host_buffer_bytes()
     assert held > 0 and not saver.in_flight
-    buffers = saver._buffers._buffers
+    buffers = saver._snapshots.buffers._buffers
     ids = {id(b) for b in buffers.values()}
     assert len(ids) == len(buffers)  # one buffer per tensor, kept across the three saves
 

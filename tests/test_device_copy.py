@@ -1,4 +1,4 @@
-"""The host copies a background job takes (`checkpoint/device_copy.py`, `persist.HostBuffers`, `persist.Background`):
+"""The host copies a background job takes (`checkpoint/device_copy.py`, `snapshot.HostBuffers`, `persist.Background`):
 their CPU branch here; the CUDA branch (pinned buffers, a side stream, the optimizer step queued behind the copies)
 runs in `bench/gpu/device_check.py` on a GPU machine, and that script's CPU dry run is in test_gpu_script.py."""
 
@@ -7,7 +7,8 @@ import threading
 import torch
 
 from hf_unified_ckpt.checkpoint.device_copy import Transfers, host_buffer
-from hf_unified_ckpt.checkpoint.persist import Background, HostBuffers
+from hf_unified_ckpt.checkpoint.persist import Background
+from hf_unified_ckpt.checkpoint.snapshot import HostBuffers
 
 
 def test_a_snapshot_is_taken_before_the_stage_signal_and_its_buffers_are_reused():

@@ -344,15 +344,15 @@ def test_prefetching_runs_ahead_by_a_bounded_number_of_bytes_and_hands_over_erro
     assert produced == []
 
 
-def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_the_writes(tmp_path):
-    """`save._write_share` runs `meanwhile` (the small files) while its writer thread writes the tensor files, adds
-    its records after the tensors'; when `meanwhile` fails, the error is raised only once every tensor write and
-    fsync has finished (the failed save then removes a staging folder nothing writes into any more)."""
+def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_the_writes(tmp_path, monkeypatch):
+    """`PersistJob.run` writes the small files while its writer thread writes the tensor files, adds their records
+    after the tensors'; when the small files fail, the error is raised only once every tensor write and fsync has
+    finished (the failed save then removes a staging folder nothing writes into any more)."""
     import contextlib
     import threading
     import time
 
-    from hf_unified_ckpt.checkpoint.save import _write_share
+    import hf_unified_ckpt.checkpoint.persist as persist
 
     class SlowWriter:  # a StorageWriter whose every file takes 0.2 s to write, and whose fsyncs are tracked
         def __init__(self):
@@ -381,21 +381,23 @@ def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_t
 
     writer, seen = SlowWriter(), {}
 
-    def small_files():
+    def small_files(folder, files):
         seen["writes done"], seen["thread"] = list(writer.finished), threading.current_thread()
         return ["record of rng_state_0.pth"]
 
-    records = _write_share(None, writer, ["a", "b"], tmp_path, "", False, meanwhile=small_files)
+    monkeypatch.setattr(persist, "write_small_files", small_files)
+    records = persist.PersistJob(str(tmp_path), writer, [(f, {}) for f in ["a", "b"]]).run()
     assert records == ["record of a", "record of b", "record of rng_state_0.pth"]
     assert seen["writes done"] == [] and seen["thread"] is threading.main_thread()  # overlapped, not after
 
     writer = SlowWriter()
 
-    def failing():
+    def failing(folder, files):
         raise OSError("No space left on device")
 
+    monkeypatch.setattr(persist, "write_small_files", failing)
     with pytest.raises(OSError, match="No space left"):
-        _write_share(None, writer, ["a", "b", "c"], tmp_path, "", False, meanwhile=failing)
+        persist.PersistJob(str(tmp_path), writer, [(f, {}) for f in ["a", "b", "c"]]).run()
     assert writer.finished == ["a", "b", "c"] and writer.synced == 3  # all written before the fsync wait ended
 
 

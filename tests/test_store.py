@@ -32,8 +32,9 @@ from hf_unified_ckpt.checkpoint.layout import UNIFIED, UNIFIED_INCOMPLETE, detec
 from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
 from hf_unified_ckpt.options import UnifiedCheckpointOptions
 from hf_unified_ckpt.checkpoint.persist import PersistJob
+from hf_unified_ckpt.checkpoint.snapshot import Snapshots
 from hf_unified_ckpt.checkpoint.retention import rotate_checkpoints
-from hf_unified_ckpt.checkpoint.save import (SaveRequest, assembled_files, conclude, open_staging, plan_save, raise_if_failed,
+from hf_unified_ckpt.checkpoint.save import (SaveRequest, conclude, open_staging, raise_if_failed,
                                   save_checkpoint)
 from hf_unified_ckpt.checkpoint.commit import WRITER_MARK, list_checkpoints
 from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME
@@ -244,8 +245,7 @@ def test_memory_writes_whole_files_and_local_writes_in_place(memory_run, tmp_pat
         staging = open_staging(final)
         try:
             assert staging.in_place == (writer is SharedFileWriter)
-            plan = plan_save(engine, SaveRequest(final, 1, OPTIONS, show_progress=False), shared=staging.in_place)
-            assert type(plan.writer) is writer
+            assert type(save_module.choose_writer(staging, SaveRequest(final, 1, OPTIONS))) is writer
         finally:
             save_module.discard(staging.path)
         assert not store_for(final).is_folder(staging.path)
@@ -471,25 +471,24 @@ def _run_pickled_job(blob: bytes):
 
 
 def _build_job(model, opt, final: str, step: int):
-    """What `AsyncSaver.start` builds (world size 1): the staging folder, the plan, the assembled files and the
-    job, filled with host copies by `AsyncSaver.stage`."""
+    """What `AsyncSaver.start` builds (world size 1): the training-thread half of the save (`save.begin`: the
+    staging folder, the plan, the strategy, the assembled files) and the job, filled with host copies by
+    `snapshot.Snapshots.take`."""
     engine = ReplicatedEngine(model, opt)
-    request = SaveRequest(final, step, OPTIONS, show_progress=False)
-    staging = open_staging(final)
-    plan = plan_save(engine, request, shared=staging.in_place)
-    mine = list(assembled_files(engine, plan.writer, plan.files, "saving", False))
+    started = save_module.begin(engine, SaveRequest(final, step, OPTIONS, show_progress=False))
     small = {"trainer_state.json": json.dumps({"global_step": step}).encode()}
-    job = PersistJob(staging.path, plan.writer, small_files=small)
-    assert AsyncSaver().stage(engine, job, mine) is job
-    return job, plan, staging, request
+    job = PersistJob(started.staging.path, started.writer, small_files=small)
+    assert Snapshots().take(engine, job, started.files) is job
+    return job, started
 
 
 def test_persist_job_runs_alike_in_a_spawned_process_and_on_a_thread(tmp_path, monkeypatch):
     model, opt = _model_and_optimizer()
     _train_step(model, opt, 1)
     state = _state(model, opt)
-    a, plan_a, staging_a, request_a = _build_job(model, opt, str(tmp_path / "a" / "checkpoint-5"), 5)
-    b, plan_b, staging_b, request_b = _build_job(model, opt, str(tmp_path / "b" / "checkpoint-5"), 5)
+    a, started_a = _build_job(model, opt, str(tmp_path / "a" / "checkpoint-5"), 5)
+    b, started_b = _build_job(model, opt, str(tmp_path / "b" / "checkpoint-5"), 5)
+    plan_a, staging_a, staging_b = started_a.plan, started_a.staging, started_b.staging
     assert a.files and len(a.files) == len(plan_a.files) and a.folder == staging_a.path != b.folder
     blob = pickle.dumps(a)
     _train_step(model, opt, 2)  # the live state moves on: the job holds its own copies
@@ -517,9 +516,8 @@ def test_persist_job_runs_alike_in_a_spawned_process_and_on_a_thread(tmp_path, m
     assert {n: d for n, d in files_a.items() if n not in marks} == {n: d for n, d in files_b.items() if n not in marks}
 
     # both conclude into complete checkpoints, identical to each other and to a synchronous save of that state
-    for plan, staging, request, records in ((plan_a, staging_a, request_a, records_a),
-                                            (plan_b, staging_b, request_b, records_b)):
-        raise_if_failed(conclude(plan, staging, request, (True, records)), staging)
+    for started, records in ((started_a, records_a), (started_b, records_b)):
+        raise_if_failed(conclude(started, (True, records)), started.staging)
     model_c, opt_c = _model_and_optimizer()
     _train_step(model_c, opt_c, 1)
     sync = _save(model_c, opt_c, str(tmp_path / "c" / "checkpoint-5"), 5)

@@ -31,12 +31,15 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """An empty host buffer for copies of `like`: pinned where `like` lives on a CUDA device, pageable otherwise.
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """An empty host buffer for copies of `like`: pinned where `like` lives on a CUDA device, pageable otherwise;
+    with `shared`, in shared memory (another process maps the same pages: the writer process), pageable.
 
     Pinned memory is page-locked in place (`cudaHostRegister`) over an allocation of the exact size: torch's pinned
     allocator (`pin_memory=True`) rounds every allocation up to a power of two and keeps it cached, so a snapshot
     would hold up to twice its bytes (a 262 MB embedding takes 512 MB). Where registering fails, `pin_memory=True`."""
+    if shared:
+        return torch.empty(shape, dtype=dtype).share_memory_()
     if like.device.type != "cuda":
         return torch.empty(shape, dtype=dtype)
     buffer = registered_buffer(shape, dtype, _register, _unregister)

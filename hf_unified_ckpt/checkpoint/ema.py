@@ -27,7 +27,8 @@ from .. import dist
 from ..format.components import EMA, Component
 from ..engines.base import Fragment, LoadSources
 from ..errors import UnsupportedCheckpointError, count_and_first
-from .persist import Background, HostBuffers
+from .persist import Background
+from .snapshot import HostBuffers
 from ..format.planning import TensorSpec
 from ..format.reader import read_flat_range
 

@@ -1,13 +1,14 @@
 """`MultipartWriter`: every rank uploads the bytes it holds of the shared files, as parts of one multipart upload
 per file (object stores: `Capabilities.multipart`).
 
-Rank 0 begins one upload per file when the save starts (`begin_uploads`: its IDs are sent to all ranks, and
-uploads that a crashed save left under the run are aborted first). Each file's part plan (`format.parts`) is the
+The strategy's steps (`writer.StorageWriter`): `prepare` (training thread): rank 0 begins one upload per file
+(`begin_uploads`: its IDs are sent to all ranks, and uploads that a crashed save left under the run are aborted
+first). Each file's part plan (`format.parts`) is the
 same on every rank: a rank holding a run of at least the store's smallest part uploads it itself; smaller runs are
 sent to the neighbour that uploads them (`_exchange`: one all-gather per file that has hand-overs, on a gloo group
 of its own, so it never meets training's collectives). Each rank reports one `PartRecord` per part it uploaded
-(offset, length, CRC-32, part number, tag); rank 0 completes every upload from them before it puts the manifest
-(`finish_uploads`), and a failed save aborts them (`save.discard`).
+(offset, length, CRC-32, part number, tag); `finish`: rank 0 completes every upload from them before it puts the
+manifest (`finish_uploads`) and records the parts in it (`uploaded`); `abort`: a failed save aborts them.
 
 Memory: a part's bytes are gathered into one buffer once a sending slot is free, and at most
 `store.s3.UPLOAD_CONCURRENCY` parts exist at once: the extra host memory per rank is bounded by that many parts
@@ -27,9 +28,9 @@ from ..format.checksum import crc32
 from ..format.parts import VERIFY_BLOCK, PartPlan, block_pieces, file_runs, plan_parts
 from ..format.planning import FilePlan
 from ..store import join, store_for
-from ..store.s3 import PART_SIZE
 from ..store.s3_upload import PartUploads
 from .files import RangeRecord, crc32_combine
+from .reports import guarded
 from .writer import SharedFileWriter, rank_ranges
 
 logger = logging.getLogger(__name__)
@@ -54,15 +55,37 @@ class MultipartWriter(SharedFileWriter):
     are collectives, in plan order. A failure on this rank is raised only after this file's exchange, so the other
     ranks never wait for it; `PersistJob.run` goes on with the exchanges of the remaining files after a failure."""
 
-    def __init__(self, rank: int, uploads: Mapping[str, str]):
+    collective_write = True
+
+    def __init__(self, rank: int, uploads: Mapping[str, str] | None = None):
         super().__init__(rank)
-        self.uploads = dict(uploads)
+        self.uploads = dict(uploads or {})
+
+    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+        """Begin one upload per file (rank 0, the IDs sent to all) and make the gloo group of the hand-overs here,
+        on the training thread. Collective: all ranks must call it."""
+        dist.gloo_group(GROUP)
+        status = guarded(lambda: begin_uploads(folder, files)) if dist.rank() == 0 else (True, None)
+        status = dist.broadcast_object(status)
+        if status[0]:
+            self.uploads = status[1]
+        return status
+
+    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+        """Rank 0: complete every upload from the parts the ranks reported; what the manifest records of them."""
+        finish_uploads(folder, self.uploads, records)
+        return uploaded(files, records, store_for(folder).capabilities)
+
+    def abort(self, folder: str) -> None:
+        """Abort the unfinished uploads under `folder`."""
+        store_for(folder).abort_uploads(folder)
 
     def writes(self, file: FilePlan, rank: int) -> bool:
         return True
 
     def part_plan(self, file: FilePlan, ref: str) -> PartPlan:
-        return plan_parts(file_runs(file), store_for(ref).capabilities.min_part_size, PART_SIZE)
+        capabilities = store_for(ref).capabilities
+        return plan_parts(file_runs(file), capabilities.min_part_size, capabilities.part_size)
 
     def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[PartRecord]:
         """Upload this rank's parts of `file` (after sending and receiving its hand-overs: a collective on the
@@ -162,19 +185,22 @@ def finish_uploads(staging: str, uploads: Mapping[str, str], records: list) -> N
         list(pool.map(lambda name: store.finish_upload(join(staging, name), uploads[name], parts[name]), uploads))
 
 
-def record_uploads(manifest: dict, files: list[FilePlan], records: list, min_part: int) -> None:
-    """Add to `manifest` what the ranks uploaded: per file, its parts in order as [offset, length, CRC-32 (hex),
-    uploading rank] and a CRC-32 per `VERIFY_BLOCK` bytes (`blocks`: a reader checks each range it fetches
+def uploaded(files: list[FilePlan], records: list, capabilities) -> dict:
+    """What the manifest records of the ranks' uploads: per file, its parts in order as [offset, length, CRC-32
+    (hex), uploading rank] and a CRC-32 per `VERIFY_BLOCK` bytes (`blocks`: a reader checks each range it fetches
     against them), and in `saved_by.upload` the part sizes and the bytes that crossed ranks (from the plan: the
     same on every rank)."""
+    entries: dict[str, dict] = {}
     blocks: dict[str, dict[int, int]] = {}
     for r in sorted((r for r in records if isinstance(r, PartRecord)), key=lambda r: (r.name, r.offset)):
-        manifest["files"][r.name].setdefault("parts", []).append([r.offset, r.length, f"{r.crc32:08x}", r.rank])
+        entries.setdefault(r.name, {}).setdefault("parts", []).append([r.offset, r.length, f"{r.crc32:08x}", r.rank])
         table = blocks.setdefault(r.name, {})
         for offset, length, crc in r.blocks:  # in offset order: a block cut by a part boundary is combined here
             index = offset // VERIFY_BLOCK
             table[index] = crc32_combine(table[index], crc, length) if index in table else crc
     for name, table in blocks.items():
-        manifest["files"][name]["blocks"] = {"size": VERIFY_BLOCK, "crc32": [f"{table[i]:08x}" for i in sorted(table)]}
-    crossed = sum(plan_parts(file_runs(f), min_part, PART_SIZE).hand_over_bytes for f in files)
-    manifest["saved_by"]["upload"] = {"min_part_size": min_part, "part_size": PART_SIZE, "hand_over_bytes": crossed}
+        entries[name]["blocks"] = {"size": VERIFY_BLOCK, "crc32": [f"{table[i]:08x}" for i in sorted(table)]}
+    min_part, part_size = capabilities.min_part_size, capabilities.part_size
+    crossed = sum(plan_parts(file_runs(f), min_part, part_size).hand_over_bytes for f in files)
+    return {"files": entries,
+            "saved_by": {"upload": {"min_part_size": min_part, "part_size": part_size, "hand_over_bytes": crossed}}}

@@ -1,89 +1,59 @@
-"""What a save persists, as data, and the two parts that run it in the background.
+"""What a save persists, as data, and the thread that runs background work.
 
-- `PersistJob`: one rank's share of a save once its tensors are in hand: the folder (a store reference), the
-  storage writer, this rank's tensors per planned file, and the small files (RNG, trainer state, scheduler,
-  configs, tokenizer) already turned into bytes. Plain and picklable: a thread runs it today (`run`), and another
-  process can run it tomorrow (a persister that outlives the trainer); the files it writes are the same.
-- `HostBuffers` (staging): copies of live tensors into host buffers reused from one save (or EMA update) to the
-  next, so that the optimizer may change the live ones while the copy is written.
+- `PersistJob`: one rank's share of a save once its tensors are in hand: the folder (a store reference), the write
+  strategy, this rank's tensors per planned file, and the small files (RNG, trainer state, scheduler, configs,
+  tokenizer) already turned into bytes. Plain and picklable once its files are a list of host tensors: a thread
+  runs it, or the writer process of `executors.ProcessExecutor`; the files it writes are the same. Collective only
+  where its write strategy says so (`StorageWriter.collective_write`: multipart hand-overs).
 - `Background` (execution): one thread at a time that stages, signals that the copy is taken (the next optimizer
   step waits only for that), lowers its CPU priority and runs the rest. Shared by `async_save.AsyncSaver` and
   `ema.BackgroundUpdates`.
+
+The host copies themselves are `snapshot.py`'s.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from ..format.planning import FilePlan
-from .device_copy import Transfers, host_buffer
+from .device_copy import Transfers
 from .files import FileRecord, RangeRecord, put_file
 from ..store import join
 
 
 @dataclass
 class PersistJob:
-    """One rank's share of a save, ready to write (see the module docstring). Local I/O only: no collective."""
+    """One rank's share of a save, ready to write (see the module docstring)."""
 
     folder: str
     writer: object  # checkpoint.writer.StorageWriter
-    files: list[tuple[FilePlan, Mapping[str, torch.Tensor]]] = field(default_factory=list)
+    files: Iterable[tuple[FilePlan, Mapping[str, torch.Tensor] | object]] = field(default_factory=list)
     small_files: dict[str, bytes] = field(default_factory=dict)
 
     def run(self) -> list[FileRecord | RangeRecord]:
-        """Write the tensor files (durable on return) and the small files; return their records. After a failure
-        the remaining files are still handed to the writer (a multipart writer's exchanges are collectives the other
-        ranks wait for); the first failure is raised at the end."""
-        records, failure = [], None
-        with self.writer.syncing():
-            for file, tensors in self.files:
-                try:
-                    records += self.writer.write(self.folder, file, tensors)
-                except Exception as e:  # raised below, once every file had its turn
-                    failure = failure or e
-        if failure is not None:
-            raise failure
-        return records + write_small_files(self.folder, self.small_files)
+        """Write the tensor files in a writer thread, so that writing one file overlaps producing the next
+        (assembling it, in the synchronous save), then the small files on this thread while the last tensors are
+        written (their fsyncs wait on the disk's journal alongside the tensors' writeback, not after it); return
+        every record, the small files' last. Durable on return. Every file is handed to the writer even after a
+        failure (a multipart writer's exchanges are collectives the other ranks wait for); the first failure is
+        raised once every write and fsync has ended. Collective only where `writer.collective_write`."""
+        with self.writer.syncing(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_unified_ckpt-write") as pool:
+            futures = [pool.submit(self.writer.write, self.folder, file, tensors) for file, tensors in self.files]
+            extras = write_small_files(self.folder, self.small_files)
+            records = [record for done in futures for record in done.result()]
+        return records + extras
 
 
 def write_small_files(folder: str, files: Mapping[str, bytes]) -> list[FileRecord]:
     """Put each small file (name -> bytes) into `folder`, durably and atomically; return their records."""
     return [put_file(join(folder, name), data) for name, data in sorted(files.items())]
-
-
-class HostBuffers:
-    """Host copies of tensors, keyed, each buffer reused while its shape and dtype stay the same; a tensor on a CUDA
-    device is copied into pinned memory on a side stream (`device_copy`: `transfers` orders the copies against the
-    training stream, and `Background` drives it)."""
-
-    def __init__(self):
-        self._buffers: dict[object, tuple[torch.Tensor, bool]] = {}  # key -> (buffer, whether pinned)
-        self.transfers = Transfers()
-
-    def copy(self, key, tensor: torch.Tensor, dtype: torch.dtype | None = None, flat: bool = False) -> torch.Tensor:
-        """A copy of `tensor` (flattened with `flat`, converted to `dtype` if given) in the buffer of `key` (for a
-        CUDA tensor: queued, there once `transfers.settle()` returned)."""
-        shape = (tensor.numel(),) if flat else tuple(tensor.shape)
-        dtype = dtype or tensor.dtype
-        buffer, pinned = self._buffers.get(key, (None, False))
-        on_device = tensor.device.type == "cuda"  # its buffer must be pinned (asking a buffer costs a CUDA call)
-        if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype or pinned != on_device:
-            buffer = host_buffer(shape, dtype, tensor)
-            self._buffers[key] = (buffer, on_device)
-        return self.transfers.copy(buffer, tensor, shape, dtype)
-
-    def drop(self, keys) -> None:
-        """Free the buffers of `keys` (their copies go elsewhere now)."""
-        for key in keys:
-            self._buffers.pop(key, None)
-
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b, _ in self._buffers.values())
 
 
 class Background:

@@ -1,17 +1,25 @@
-"""The save algorithm, the same with and without a process group and for every store (`store/`: every byte goes
-through `store_for(ref)`; a checkpoint is a string reference, a local path or a URL).
+"""The save algorithm: one algorithm, the same with and without a process group, for every store (`store/`: every
+byte goes through `store_for(ref)`; a checkpoint is a string reference, a local path or a URL), and for every
+executor (`executors.py`: the synchronous save runs it inline, `async_save` in a thread or a writer process).
 
-1. rank 0 creates the staging folder (`Store.stage`: `.checkpoint-N.incomplete` where the store renames atomically,
-   else `checkpoint-N` itself, committed by its manifest); ranks that cannot see it (their machine has its own
-   local folder) create their own; ranks write pieces of shared files in place only where every rank sees the
-   folder and the store writes at offsets (`Staging.in_place`), else each file is streamed whole by one rank;
-2. every rank computes the same shard plan; file by file, sharded engines assemble each tensor on the rank that
-   writes it, and that rank's writer thread writes the file into its own staging folder; then every rank writes
-   its extras (RNG state...);
-3. every rank reports its file records (or its error) to all;
-4. rank 0 writes the index files and the manifest (last); the leader of every other folder copies rank 0's small
-   files and manifest into it; every leader publishes its staging folder as `checkpoint-N` (`Store.publish`: a rename, or nothing
-   where the manifest is the commit).
+It is cut once, where the snapshot is taken:
+
+- on the training thread, `begin` (collective): rank 0 creates the staging folder (`Store.stage`:
+  `.checkpoint-N.incomplete` where the store renames atomically, else `checkpoint-N` itself, committed by its
+  manifest); ranks that cannot see it (their machine has its own local folder) create their own; every rank
+  computes the same shard plan (`plan_save`); the write strategy is chosen from the store's capabilities and
+  prepared (`writer.choose_writer`: pieces in place where every rank sees the folder and the store writes at
+  offsets, parts of multipart uploads on an object store, else whole files); file by file, sharded engines assemble
+  each tensor on the rank that writes it;
+- then the snapshot: the live tensors themselves (synchronous save) or host copies (`snapshot.py`), held by a
+  `PersistJob` with the small files as bytes;
+- after it, `finish`, wherever the executor runs it (collective on its group): every rank writes its files
+  (`PersistJob.run`), reports its file records (or its `Failure`) to all (`conclude`); rank 0 finishes the
+  strategy, writes the index files and the manifest (last); the leader of every other folder copies rank 0's small
+  files and manifest into it; every leader publishes its staging folder as `checkpoint-N` (`Store.publish`: a
+  rename, or nothing where the manifest is the commit). The `Outcome` is the same on every rank; its leader then
+  runs `after_commit` (rotation).
+
 Any failure on any rank aborts the save on every rank: the staging folders are removed and nothing is committed.
 With machine-local folders, each folder holds the manifest, the small files and its machine's share of the
 tensor files; the union of the folders is the checkpoint.
@@ -24,9 +32,7 @@ import dataclasses
 import logging
 import math
 import os
-import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -38,7 +44,8 @@ from ..format.components import MASTER, Component, Role, component
 from ..engines.base import EngineAdapter
 from ..errors import UnifiedCheckpointError
 from ..options import UnifiedCheckpointOptions
-from .persist import write_small_files
+from .persist import PersistJob, write_small_files
+from .reports import Failure, guarded, out_of_space
 from ..format.planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
 from .commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
                              remove_writer_marks, sees_writer, staging_dir)
@@ -46,7 +53,7 @@ from .files import FileRecord, RangeRecord, combine_ranges, put_file
 from ..store import as_ref, join, name_of, parent_of, store_for
 from .manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .safetensors_io import index_name, write_index
-from .multipart import GROUP as MULTIPART_GROUP, MultipartWriter, begin_uploads, finish_uploads, record_uploads
+from .multipart import MultipartWriter
 from .writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
 logger = logging.getLogger(__name__)
@@ -81,23 +88,11 @@ class SavePlan:
     components: dict[str, ComponentPlan]
     saved_by: dict
     pieces: dict[str, dict[str, Pieces]] = dataclasses.field(default_factory=dict)  # component -> tensor -> pieces
-    direct_io: bool = False  # SaveRequest.direct_io
-    spare: str | None = None  # SaveRequest.spare
-    #: Object stores: file name -> multipart upload ID, every rank uploading its parts (`begin_multipart`).
-    uploads: dict[str, str] | None = None
 
     @property
     def files(self) -> list[FilePlan]:
         """Every file with its header and write items, in the order all ranks walk them."""
         return [f for name, cplan in self.components.items() for f in file_plans(cplan, self.pieces.get(name))]
-
-    @property
-    def writer(self) -> StorageWriter:
-        """Parts of multipart uploads (object stores), in place into shared files when the plan has pieces (one
-        folder every rank sees), else whole files."""
-        if self.uploads is not None:
-            return MultipartWriter(dist.rank(), self.uploads)
-        return SharedFileWriter(dist.rank(), self.direct_io, self.spare) if self.pieces else WholeFileWriter()
 
 
 def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False) -> SavePlan:
@@ -115,20 +110,7 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False)
             metadata["codec"] = codec.metadata()
         plans[c.name] = dataclasses.replace(plan, index_metadata=metadata)
     pieces = census_of_pieces(engine, plans) if shared else {}
-    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, request.direct_io, spare=request.spare)
-
-
-def begin_multipart(plan: SavePlan, staging: "Staging") -> SavePlan:
-    """The plan with one multipart upload per file where ranks upload their parts into an object store (begun by
-    rank 0, after aborting what a crashed save left; the IDs sent to all), else `plan` itself; the gloo group of
-    the hand-overs is made here, on the training thread. Collective: all ranks must call it."""
-    if not staging.multipart:
-        return plan
-    dist.gloo_group(MULTIPART_GROUP)
-    status = guarded(lambda: begin_uploads(staging.path, plan.files)) if dist.rank() == 0 else (True, None)
-    status = dist.broadcast_object(status)
-    raise_if_failed([status], staging)
-    return dataclasses.replace(plan, uploads=status[1])
+    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces)
 
 
 def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:
@@ -186,21 +168,112 @@ def residual_census(engine: EngineAdapter) -> tuple[dict[str, int], dict[str, di
 def save_checkpoint(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles,
                     after_commit: Callable[[], None] | None = None) -> str:
     """Write and commit one unified checkpoint at `request.final_dir`; then each folder's leader runs
-    `after_commit` (rotation).
+    `after_commit` (rotation). The synchronous save: the algorithm run inline, each file written by a writer thread
+    while the next is assembled.
 
     Collective: all ranks must call it. Returns the committed folder; raises `UnifiedCheckpointError` on every
     rank if any rank failed, leaving no `checkpoint-N` behind (an existing complete one stays untouched where the
     store renames atomically; where the manifest is the commit, a save of a step that already has a checkpoint
     writes in its place: that one is removed, manifest first, when the save begins).
     """
+    started = begin(engine, request, lazily=True)
+    job = PersistJob(started.staging.path, started.writer, started.live_files(engine), dict(small_files))
+    return finish(started, (True, job)).concluded(after_commit)
+
+
+@dataclass
+class Started:
+    """A save whose training-thread half is done (`begin`): its request, staging folder, plan, write strategy
+    (prepared) and the files this rank writes, assembled (or, for the synchronous save, assembled as they are
+    walked). Picklable once `files` is a list: the process executor sends it to its writer."""
+
+    request: SaveRequest
+    staging: Staging
+    plan: SavePlan
+    writer: StorageWriter
+    files: list[FilePlan] | Iterator[FilePlan]
+
+    def live_files(self, engine: EngineAdapter) -> Iterator[tuple[FilePlan, Mapping]]:
+        """Each file this rank writes with the live tensors it writes of it (the synchronous save: no copy)."""
+        return ((file, self.writer.local_tensors(engine, file)) for file in self.files)
+
+
+def begin(engine: EngineAdapter, request: SaveRequest, lazily: bool = False) -> Started:
+    """The half of a save that runs on the training thread: the staging folder (`open_staging`), the plan
+    (`plan_save`), the write strategy chosen from the store's capabilities and prepared (`choose_writer`,
+    `StorageWriter.prepare`), and the files this rank writes, assembled on their writers in plan order (`lazily`:
+    as `Started.files` is walked, which must then happen on this thread). Collective: all ranks must call it."""
     staging = open_staging(as_ref(request.final_dir))
-    plan = begin_multipart(plan_save(engine, request, shared=staging.in_place), staging)
+    plan = plan_save(engine, request, shared=staging.in_place)
+    writer = choose_writer(staging, request)
+    raise_if_failed([writer.prepare(staging.path, plan.files)], staging)
     show = request.show_progress and dist.rank() == 0
-    outcome = guarded(lambda: _write_share(engine, plan.writer, plan.files, staging.path,
-                                           f"Saving {name_of(staging.final)}", show,
-                                           meanwhile=lambda: write_small_files(staging.path, small_files)))
-    raise_if_failed(conclude(plan, staging, request, outcome, after_commit=after_commit), staging)
-    return staging.final
+    files = assembled_files(engine, writer, plan.files, f"Saving {name_of(staging.final)}", show)
+    return Started(request, staging, plan, writer, files if lazily else list(files))
+
+
+def choose_writer(staging: Staging, request: SaveRequest) -> StorageWriter:
+    """The write strategy of a save, from what its folder's store can do (`Staging.multipart`, `Staging.in_place`):
+    parts of multipart uploads, pieces written in place, or whole files."""
+    if staging.multipart:
+        return MultipartWriter(dist.rank())
+    if staging.in_place:
+        return SharedFileWriter(dist.rank(), request.direct_io, request.spare)
+    return WholeFileWriter()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a save ended, the same on every rank: the reports every rank checks (`guarded`'s), the folder it went
+    to, and why it went to its fallback instead (None: it did not)."""
+
+    reports: list
+    staging: Staging
+    fell_back: str | None = None
+    writer: StorageWriter | None = None  # what `raise_if_failed` aborts (multipart uploads in flight)
+
+    @property
+    def committed(self) -> bool:
+        return all(ok for ok, _ in self.reports)
+
+    def concluded(self, after_commit: Callable[[], None] | None = None) -> str:
+        """Run `after_commit` on the folder's leader if the save committed, then raise its error if it failed (on
+        every rank). Returns the committed folder."""
+        if self.committed and self.staging.is_leader and after_commit is not None:
+            after_commit()
+        raise_if_failed(self.reports, self.staging, self.writer)
+        return self.staging.final
+
+
+def finish(started: Started, staged: tuple[bool, object], group=None, fallback: str | None = None) -> Outcome:
+    """The half of a save that runs after its snapshot, wherever an executor runs it (inline, a thread, a writer
+    process): write this rank's files (`staged`: (True, the `PersistJob`) or (False, the snapshot's `Failure`)),
+    conclude, and where a folder ran out of space and `fallback` names another folder, write the same snapshot
+    there. Collective (on `group`): all its ranks must call it."""
+    outcome = guarded(staged[1].run) if staged[0] else staged
+    try:
+        reports = conclude(started, outcome, group=group)
+        if fallback is not None and staged[0] and out_of_space(reports):
+            return _save_elsewhere(started, staged[1], fallback, group, reports)
+    except Exception as e:  # a collective failed (another rank died): report it as this save's failure
+        reports = [(False, Failure.of(e))]
+    return Outcome(reports, started.staging, writer=started.writer)
+
+
+def _save_elsewhere(full: Started, job: PersistJob, fallback: str, group, reports) -> Outcome:
+    """Write `job` (this rank's snapshot, still in host buffers) into `fallback`, where the folder that ran out of
+    space is written the same way (in place, or whole files). Collective on `group`."""
+    if full.staging.is_leader:
+        discard(full.staging.path, full.writer)
+    staging = open_staging(fallback, group=group)
+    if staging.in_place != full.staging.in_place or staging.multipart:
+        why = f"{fallback} is written another way than {full.staging.final}; the snapshot could not be saved there."
+        return Outcome(reports + [(False, Failure.said(why))], staging, writer=full.writer)
+    job.folder = staging.path
+    elsewhere = dataclasses.replace(full, request=dataclasses.replace(full.request, final_dir=fallback),
+                                    staging=staging)
+    why = next(str(p).splitlines()[0] for ok, p in reports if not ok)
+    return Outcome(conclude(elsewhere, guarded(job.run), group=group), staging, fell_back=why, writer=full.writer)
 
 
 @dataclass(frozen=True)
@@ -257,11 +330,10 @@ def open_staging(final: str, group=None) -> Staging:
     return Staging(path, final, leader, shared=len(creators) == 1)
 
 
-def conclude(plan: SavePlan, staging: Staging, request: SaveRequest, outcome: tuple[bool, object], group=None,
-             after_commit: Callable[[], None] | None = None) -> list:
-    """Share every rank's outcome; if all wrote their files, rank 0 writes the indexes and the manifest, and each
-    folder's leader commits its folder (rank 0's small files and manifest are copied into the folders of other
-    machines first), then runs `after_commit`. Returns the reports every rank then checks with
+def conclude(started: Started, outcome: tuple[bool, object], group=None) -> list:
+    """Share every rank's outcome; if all wrote their files, rank 0 finishes the write strategy and writes the
+    indexes and the manifest, and each folder's leader commits its folder (rank 0's small files and manifest are
+    copied into the folders of other machines first). Returns the reports every rank then checks with
     `raise_if_failed` (the same on all ranks).
 
     Collective (on `group`): all its ranks must call it."""
@@ -271,37 +343,29 @@ def conclude(plan: SavePlan, staging: Staging, request: SaveRequest, outcome: tu
     status = None
     if dist.rank() == 0:
         records = [r for _, payload in reports for r in payload]
-        status = guarded(lambda: _finalize(plan, staging, request, records))
+        status = guarded(lambda: _finalize(started, records))
     status = dist.broadcast_object(status, group=group)
     if not status[0]:
         return [status]
-    done = guarded(lambda: _commit_folder(staging, status[1])) if staging.is_leader else (True, None)
-    commits = dist.all_gather_object(done, group=group)
-    if all(ok for ok, _ in commits) and staging.is_leader and after_commit is not None:
-        after_commit()
-    return commits
+    done = guarded(lambda: _commit_folder(started.staging, status[1])) if started.staging.is_leader else (True, None)
+    return dist.all_gather_object(done, group=group)
 
 
-def guarded(fn) -> tuple[bool, object]:
-    """(True, fn()) or (False, a description of the exception naming this rank)."""
-    try:
-        return True, fn()
-    except Exception as e:  # reported to every rank, re-raised there
-        logger.debug("unified checkpoint save failed on rank %d", dist.rank(), exc_info=True)
-        return False, f"rank {dist.rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
-
-
-def raise_if_failed(reports, staging: Staging) -> None:
+def raise_if_failed(reports, staging: Staging, writer: StorageWriter | None = None) -> None:
+    """Raise `UnifiedCheckpointError` (with every rank's `Failure` in `failures`) if any report is a failure, once
+    the folder's leader removed what the save wrote."""
     failures = [payload for ok, payload in reports if not ok]
     if not failures:
         return
     if staging.is_leader:
-        discard(staging.path)
-    raise UnifiedCheckpointError(
+        discard(staging.path, writer)
+    error = UnifiedCheckpointError(
         f"saving {staging.final} failed; nothing was committed (where machines have their own folders, one that did "
         "commit holds part of a checkpoint, which resuming skips) and earlier checkpoints are untouched.\n"
-        + "\n".join(failures)
+        + "\n".join(map(str, failures))
     )
+    error.failures = failures
+    raise error
 
 
 def assembled_files(engine: EngineAdapter, writer: StorageWriter, files: list[FilePlan], desc: str,
@@ -316,29 +380,13 @@ def assembled_files(engine: EngineAdapter, writer: StorageWriter, files: list[Fi
             yield file
 
 
-def _write_share(engine: EngineAdapter, writer: StorageWriter, files: list[FilePlan], staging: str, desc: str,
-                 show: bool, meanwhile: Callable[[], list[FileRecord]] | None = None) -> list[FileRecord | RangeRecord]:
-    """Write this rank's files (or parts of files) as the save loop yields them, in a writer thread, so writing
-    one file overlaps assembling the next; once the loop is done, run `meanwhile` (the small files: their fsyncs
-    wait on the disk's journal while the tensors' writeback is in flight, so they wait alongside it, not after it)
-    and add its records. Collective: all ranks must call it."""
-    futures = []
-    with writer.syncing(), ThreadPoolExecutor(max_workers=1) as pool:
-        for file in assembled_files(engine, writer, files, desc, show):
-            futures.append(pool.submit(lambda f=file: writer.write(staging, f, writer.local_tensors(engine, f))))
-        extras = meanwhile() if meanwhile is not None else []
-        records = [record for f in futures for record in f.result()]
-    return records + extras
-
-
-def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest,
-              records: list[FileRecord | RangeRecord]) -> dict[str, bytes]:
-    """Rank 0: combine the ranges the ranks wrote into file records, write the indexes and the manifest (last)
-    into its staging folder. Returns the bytes of the small files every folder holds (empty when all ranks share
-    one folder)."""
+def _finalize(started: Started, records: list[FileRecord | RangeRecord]) -> dict[str, bytes]:
+    """Rank 0: finish the write strategy (`StorageWriter.finish`: multipart uploads completed), combine the ranges
+    the ranks wrote into file records, write the indexes and the manifest (last) into its staging folder. Returns
+    the bytes of the small files every folder holds (empty when all ranks share one folder)."""
+    plan, staging = started.plan, started.staging
     shards = {f for cplan in plan.components.values() for f in cplan.files}
-    if plan.uploads is not None:
-        finish_uploads(staging.path, plan.uploads, records)
+    written = started.writer.finish(staging.path, plan.files, records)
     ranges = [r for r in records if isinstance(r, RangeRecord)]
     if ranges:
         sizes = {f.name: f.size for f in plan.files}
@@ -353,16 +401,23 @@ def _finalize(plan: SavePlan, staging: Staging, request: SaveRequest,
         codec = cplan.codec.metadata() if cplan.codec is not None else None
         entries[name] = ComponentEntry(cplan.file_stem, tuple(cplan.files), index, len(cplan.specs),
                                        cplan.total_size, codec_summary(codec))
-    manifest = build_manifest(request.global_step, plan.saved_by, request.options.as_manifest_dict(),
+    manifest = build_manifest(started.request.global_step, plan.saved_by, started.request.options.as_manifest_dict(),
                               entries, records)
-    if plan.uploads is not None:
-        record_uploads(manifest, plan.files, ranges, store_for(staging.path).capabilities.min_part_size)
+    _add_to_manifest(manifest, written)
     write_manifest(staging.path, manifest)
     if staging.shared:
         return {}
     store = store_for(staging.path)
     small = [n for n in store.list(staging.path) if n not in shards and not n.startswith(WRITER_MARK)]
     return {n: store.read(join(staging.path, n)) for n in small}
+
+
+def _add_to_manifest(manifest: dict, written: dict) -> None:
+    """Merge what the write strategy reported (`StorageWriter.finish`) into the manifest's file entries and
+    `saved_by`."""
+    for name, entry in written.get("files", {}).items():
+        manifest["files"][name].update(entry)
+    manifest["saved_by"].update(written.get("saved_by", {}))
 
 
 def _commit_folder(staging: Staging, small_files: dict[str, bytes]) -> None:
@@ -376,13 +431,14 @@ def _commit_folder(staging: Staging, small_files: dict[str, bytes]) -> None:
     logger.info("Saved unified checkpoint %s", staging.final)
 
 
-def discard(staging: str) -> None:
+def discard(staging: str, writer: StorageWriter | None = None) -> None:
     """Remove what a failed save wrote (where the manifest is the commit, the staging folder is the checkpoint's
-    own: its manifest, if any, goes first)."""
+    own: its manifest, if any, goes first), and what its write strategy left in flight (`StorageWriter.abort`)."""
     store = store_for(staging)
     if store.is_folder(staging):
         store.retire(staging, MANIFEST_NAME)
-    store.abort_uploads(staging)  # its unfinished multipart uploads (nothing where the store has none)
+    if writer is not None:
+        writer.abort(staging)
 
 
 def save_model_weights(engine: EngineAdapter, folder: str | os.PathLike, max_shard_size: int, small_files: SmallFiles,
@@ -401,8 +457,10 @@ def save_model_weights(engine: EngineAdapter, folder: str | os.PathLike, max_sha
     raise_if_failed([dist.broadcast_object(status)], staging)
 
     def write() -> None:
-        _write_share(engine, WholeFileWriter(), file_plans(plan), staging.path, f"Saving the model to {folder}",
-                     show_progress and dist.rank() == 0)
+        writer = WholeFileWriter()
+        files = assembled_files(engine, writer, file_plans(plan), f"Saving the model to {folder}",
+                                show_progress and dist.rank() == 0)
+        PersistJob(staging.path, writer, ((f, writer.local_tensors(engine, f)) for f in files)).run()
         if dist.rank() == 0:
             if plan.is_sharded:
                 write_index(staging.path, plan.file_stem, plan.weight_map, plan.total_size)

@@ -50,7 +50,17 @@ from .safetensors_io import write_shard
 
 
 class StorageWriter(Protocol):
-    """One way of writing the planned files."""
+    """One write strategy: how the bytes of the planned files land in a folder, in one call order — `prepare`
+    (training thread, once), then file by file in plan order `assemble` and, on the ranks it `writes`,
+    `local_tensors` (training thread), then `write` within `syncing` (wherever the executor runs the save), then
+    `finish` (rank 0, before the manifest), or `abort` (the folder's leader, when the save failed)."""
+
+    #: Whether `write` is a collective (all ranks write every file, in plan order, on the strategy's own group).
+    collective_write: bool
+
+    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+        """Make ready what the writes need; the same report on every rank (`reports.guarded`'s). Collective where
+        the strategy needs it: all ranks must call it."""
 
     def assemble(self, engine, file: FilePlan) -> None:
         """Bring together what `file`'s writers need. Collective: all ranks call it, file by file, in plan order."""
@@ -64,15 +74,38 @@ class StorageWriter(Protocol):
 
     def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         """Write this rank's part of `file` into `folder` from `local_tensors`' result (or a copy of it), encoded
-        through the file's codec here; local I/O only. Durable on return, or (inside `syncing`) by the end of the
-        `syncing` block."""
+        through the file's codec here. Durable on return, or (inside `syncing`) by the end of the `syncing`
+        block."""
 
     def syncing(self) -> contextlib.AbstractContextManager:
         """A block of `write`s whose fsyncs may run in the background, all done (their errors raised) when the
         block ends without an exception."""
 
+    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+        """Rank 0, once every rank wrote, before the manifest: complete what the writes began; returns what the
+        manifest records of it (`{"files": {name: entry}, "saved_by": {...}}`, merged into the manifest)."""
 
-class WholeFileWriter:
+    def abort(self, folder: str) -> None:
+        """The folder's leader, after a failed save: drop what the writes began and did not finish."""
+
+
+class LocalWrites:
+    """The steps of a strategy whose writes need nothing prepared, finished or aborted beyond the files (every
+    byte is in the folder once `write` returned): whole files, or pieces in place."""
+
+    collective_write = False
+
+    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+        return True, None
+
+    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+        return {}
+
+    def abort(self, folder: str) -> None:
+        pass
+
+
+class WholeFileWriter(LocalWrites):
     """Each file is written whole by its one writer (every write item names the same rank)."""
 
     def assemble(self, engine, file: FilePlan) -> None:
@@ -99,7 +132,7 @@ def owner_of(file: FilePlan) -> int:
     return file.header_rank
 
 
-class SharedFileWriter:
+class SharedFileWriter(LocalWrites):
     """Every rank writes its own byte ranges of the shared files in place (see the module docstring)."""
 
     def __init__(self, rank: int, direct_io: bool = False, spare: str | None = None):
