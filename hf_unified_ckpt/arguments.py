@@ -77,6 +77,12 @@ class UnifiedCheckpointFields:
                           "long for a restarted job, then frees it."},
     )
 
+    unified_checkpoint_async_executor: str = field(
+        default="thread",
+        metadata={"help": "With 'async_save' or 'flash': where a save writes after its snapshot: 'thread' (a thread "
+                          "of the trainer) or 'process' (a writer process per rank, with its own process group)."},
+    )
+
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "With unified_checkpoint: on a preemption signal (preemption_signals) the ranks agree at the "
@@ -114,6 +120,7 @@ class UnifiedCheckpointFields:
             storage=self.unified_checkpoint_storage,
             flash=parse_flash(self.unified_checkpoint_memory_dir, self.unified_checkpoint_persist_every,
                               self.unified_checkpoint_memory_keep, self.unified_checkpoint_memory_lease),
+            async_executor=self.unified_checkpoint_async_executor,
         )
 
     @property
@@ -150,6 +157,6 @@ UnifiedCheckpointArguments.__doc__ = (
     "(unified_checkpoint, unified_checkpoint_config, ckpt_quant_stage, disable_ckpt_quant, ema_decay, ema_interval, "
     "unified_checkpoint_max_shard_size, unified_checkpoint_storage, unified_checkpoint_memory_dir, "
     "unified_checkpoint_persist_every, unified_checkpoint_memory_keep, unified_checkpoint_memory_lease, "
-    "save_on_preemption, preemption_signals, "
+    "unified_checkpoint_async_executor, save_on_preemption, preemption_signals, "
     "preemption_grace_period, slurm_requeue)."
 )

@@ -26,6 +26,12 @@ class CheckpointNotFoundError(UnifiedCheckpointError, ValueError):
     checkpoint found in output directory (...)`), the plugin's explanation after it."""
 
 
+class WriterProcessDied(UnifiedCheckpointError):
+    """The writer process of a background save (`unified_checkpoint_async_executor="process"`) ended while a save
+    was in flight (killed, out of memory): that save committed nothing, earlier checkpoints are untouched, and the
+    next save starts a new writer process. Raised at the next wait (the next save, the end of training)."""
+
+
 class UnsupportedOptionError(ValueError):
     """An option is valid in the format but not implemented by this version of the library."""
 

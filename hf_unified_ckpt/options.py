@@ -45,6 +45,10 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+#: Where a background save writes after its snapshot (`checkpoint/executors.py`).
+ASYNC_EXECUTORS = ("thread", "process")
+
+
 @dataclass(frozen=True)
 class PreemptionOptions:
     """What a preemption signal does, with `unified_checkpoint=True` (`trainer/preemption.py`).
@@ -168,6 +172,8 @@ class UnifiedCheckpointOptions:
         storage: where the run's checkpoints go (`unified_checkpoint_storage`): an object-store URL prefix such as
             `s3://bucket/run1`, or None for `output_dir`.
         flash: the memory tier (`FlashOptions`; on with the word `flash`).
+        async_executor: where a background save (`async_save`, `flash`) writes after its snapshot: "thread" (a
+            thread of the trainer) or "process" (a writer process per rank).
     """
 
     enabled: bool = False
@@ -184,6 +190,7 @@ class UnifiedCheckpointOptions:
     preemption: PreemptionOptions = PreemptionOptions()
     storage: str | None = None
     flash: FlashOptions = FlashOptions()
+    async_executor: str = "thread"
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
     #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
     quant_stage_requested: str | None = None
@@ -273,6 +280,7 @@ def parse_options(
     preemption: PreemptionOptions | None = None,
     storage: str | None = None,
     flash: FlashOptions | None = None,
+    async_executor: str = "thread",
 ) -> UnifiedCheckpointOptions:
     """Parse the raw argument values into `UnifiedCheckpointOptions`.
 
@@ -312,6 +320,10 @@ def parse_options(
                          "weights, e.g. ema_decay=0.999.")
     if int(ema_interval) != ema_interval or ema_interval < 1:
         raise ValueError(f"ema_interval={ema_interval!r}: expected a whole number of optimizer steps >= 1.")
+    if async_executor not in ASYNC_EXECUTORS:
+        raise ValueError(f"unified_checkpoint_async_executor={async_executor!r}"
+                         f"{did_you_mean(async_executor, ASYNC_EXECUTORS)}: expected one of {list(ASYNC_EXECUTORS)} "
+                         "(where a background save writes after its snapshot).")
     options = UnifiedCheckpointOptions(
         enabled=bool(unified_checkpoint),
         async_save="async_save" in chosen,
@@ -327,6 +339,7 @@ def parse_options(
         preemption=preemption if preemption is not None else PreemptionOptions(),
         storage=parse_storage(storage),
         flash=dataclasses.replace(flash or FlashOptions(), enabled="flash" in chosen),
+        async_executor=async_executor,
     )
     validate_supported(options, words)
     return options

@@ -1,0 +1,151 @@
+"""Where the half of a background save after its snapshot runs (`save.finish`: write, conclude, commit).
+
+- `ThreadExecutor`: on the background thread of `async_save.AsyncSaver` itself; its collectives go on a second
+  gloo group of this process (`dist.gloo_group("async-save")`), never interleaved with training's.
+- `ProcessExecutor`: in a writer process of each rank (`python -m hf_unified_ckpt.checkpoint.writer_process`, as
+  torch DCP's process-based async save), which holds its own process group with the writers of the other ranks.
+  The job travels over a private socket pair; its tensors are host buffers in shared memory (`snapshot.py`), so
+  the writer maps the very pages the snapshot copied into: host memory stays at one snapshot. The writer takes
+  the write, the checksums, the codecs and the fsyncs off this interpreter (its GIL, its threads). A writer that
+  dies is a `WriterProcessDied` at the next wait, never a hang; the next save starts a new one.
+
+The synchronous save runs the same `save.finish` inline (`save.save_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+from .. import dist
+from ..errors import WriterProcessDied
+from .save import Outcome, Started, discard, finish
+
+logger = logging.getLogger(__name__)
+
+#: The environment variable that hands the writer process this process's multiprocessing authentication key (the
+#: shared tensors' file descriptors are fetched from this process's resource sharer, which checks it).
+AUTHKEY_ENV = "HF_UNIFIED_CKPT_WRITER_AUTHKEY"
+
+
+class ThreadExecutor:
+    """See the module docstring."""
+
+    shares_memory = False  # the snapshot stays in this process
+
+    def __init__(self):
+        self._group = None
+
+    def prepare(self) -> None:
+        """The group of the background collectives. Collective on first call: all ranks must call it."""
+        self._group = dist.gloo_group("async-save")
+
+    def finish(self, started: Started, staged: tuple[bool, object], fallback: str | None) -> Outcome:
+        """`save.finish` here (the background thread). Collective on the async-save group."""
+        return finish(started, staged, group=self._group, fallback=fallback)
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessExecutor:
+    """See the module docstring."""
+
+    shares_memory = True  # the snapshot's buffers are in shared memory; nothing is copied into place
+
+    def __init__(self):
+        self._writer: WriterProcess | None = None
+
+    def prepare(self) -> None:
+        """Start the writer processes where any rank has none alive (all ranks then start new ones, which meet on
+        an address rank 0 picks). Collective: all ranks must call it."""
+        alive = self._writer is not None and self._writer.alive
+        if all(dist.all_gather_object(alive)):
+            return
+        self.close()
+        address = dist.broadcast_object(_free_address() if dist.rank() == 0 else None)
+        self._writer = WriterProcess(dist.rank(), dist.world_size(), address)
+
+    def finish(self, started: Started, staged: tuple[bool, object], fallback: str | None) -> Outcome:
+        """Run `save.finish` in the writer process and return its outcome (the background thread waits). Raises
+        `WriterProcessDied` (after removing what the save wrote, on the folder's leader) if the writer died."""
+        try:
+            return self._writer.run((started, staged, fallback))
+        except WriterProcessDied:
+            if started.staging.is_leader:
+                discard(started.staging.path, started.writer)
+            raise
+
+    def close(self) -> None:
+        """Stop the writer process (no save in flight). Local."""
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
+
+
+def executor_for(name: str):
+    """The executor `unified_checkpoint_async_executor` names (validated by `options.parse_options`)."""
+    return {"thread": ThreadExecutor, "process": ProcessExecutor}[name]()
+
+
+class WriterProcess:
+    """One rank's writer process and the socket pair it is reached by (see the module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, address: str | None):
+        ours, theirs = multiprocessing.Pipe(duplex=True)
+        env = {**os.environ, AUTHKEY_ENV: bytes(multiprocessing.current_process().authkey).hex()}
+        command = [sys.executable, "-m", "hf_unified_ckpt.checkpoint.writer_process", str(theirs.fileno()),
+                   str(rank), str(world_size), address or ""]
+        self._process = subprocess.Popen(command, env=env, pass_fds=(theirs.fileno(),))
+        theirs.close()  # only the writer holds its end: its death is an end of file here
+        self._conn: Connection = ours
+        self.rank = rank
+
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def run(self, message):
+        """Send one job and return what the writer answers, or raise what it raised (its type kept)."""
+        try:
+            self._conn.send(message)
+            ok, value = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise WriterProcessDied(
+                f"the writer process of rank {self.rank} (pid {self._process.pid}) ended (status "
+                f"{self._process.wait()}) during a save; nothing of that save was committed, earlier checkpoints are "
+                "untouched, and the next save starts a new writer process.") from e
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        """Ask the writer to end, and wait for it."""
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass  # already gone
+        self._conn.close()
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            logger.warning("the writer process %d did not end; killed", self._process.pid)
+            self._process.kill()
+            self._process.wait()
+
+
+def _free_address() -> str | None:
+    """Where the writers' process group meets: a free port on this machine (rank 0's), under the launcher's
+    MASTER_ADDR; None without a process group (the writer runs alone)."""
+    if dist.world_size() == 1:
+        return None
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    return f"tcp://{host}:{port}"

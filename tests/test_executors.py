@@ -1,0 +1,73 @@
+"""Where a background save runs after its snapshot (`checkpoint/executors.py`): the writer process writes the same
+bytes as the thread, from the same shared host buffers, and a writer that dies is a typed error at the next wait,
+never a hang (world size 2: `test_async_save.py::test_async_resume_is_exact_on_every_engine`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
+from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.save import SaveRequest
+from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+from hf_unified_ckpt.errors import WriterProcessDied
+from hf_unified_ckpt.options import UnifiedCheckpointOptions
+
+OPTIONS = UnifiedCheckpointOptions(enabled=True, max_shard_size=3000)
+
+
+def _engine():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(37, 53), nn.Linear(53, 11))  # sizes that split unevenly into files
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 37)).sum().backward()
+    opt.step()
+    return ReplicatedEngine(model, opt)
+
+
+def _save(saver: AsyncSaver, engine, final: str, step: int) -> str:
+    saver.start(engine, SaveRequest(final, step, OPTIONS, show_progress=False), {"trainer_state.json": b"{}"})
+    saver.wait()
+    return final
+
+
+def _files(folder: str) -> dict[str, bytes]:
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
+def test_the_writer_process_writes_what_the_thread_writes_from_shared_buffers(tmp_path):
+    engine = _engine()
+    thread, process = AsyncSaver("thread"), AsyncSaver("process")
+    try:
+        for step in (1, 2):  # the second save reuses the buffers and the writer process
+            a = _save(thread, engine, str(tmp_path / "thread" / f"checkpoint-{step}"), step)
+            b = _save(process, engine, str(tmp_path / "process" / f"checkpoint-{step}"), step)
+            assert _files(a) == _files(b) and len(_files(b)) > 3
+            assert detect_layout(b).complete
+        held = process._snapshots.buffers._buffers.values()
+        assert held and all(buffer.is_shared() for buffer, _ in held)  # the writer maps these pages
+        assert process.host_buffer_bytes() == thread.host_buffer_bytes()  # one snapshot, not a copy per process
+    finally:
+        thread.close()
+        process.close()
+    assert process._executor._writer is None
+
+
+def test_a_writer_that_dies_is_a_typed_error_at_the_next_wait_and_the_next_save_works(tmp_path):
+    engine, saver = _engine(), AsyncSaver("process")
+    try:
+        final = str(tmp_path / "checkpoint-1")
+        saver.start(engine, SaveRequest(final, 1, OPTIONS, show_progress=False), {})
+        saver._executor._writer._process.kill()  # as the OOM killer would, while the save is in flight
+        with pytest.raises(WriterProcessDied, match="rank 0 .* ended"):
+            saver.wait()
+        assert not os.path.exists(final) and os.listdir(tmp_path) == []  # nothing committed, nothing left
+        assert not saver.in_flight
+        again = _save(saver, engine, str(tmp_path / "checkpoint-2"), 2)
+        assert detect_layout(again).complete
+    finally:
+        saver.close()
