@@ -71,3 +71,56 @@ def test_a_writer_that_dies_is_a_typed_error_at_the_next_wait_and_the_next_save_
         assert detect_layout(again).complete
     finally:
         saver.close()
+
+
+#: What the async save's driver (`async_save.AsyncSaver`) enters of the save layer, per call the trainer makes and on
+#: the background thread, in order, each once (docs/architecture.md, "How a save and a resume flow"): the executor,
+#: the algorithm's training-thread half, the background thread; then the snapshot, the executor running the other
+#: half, the outcome; and at the wait, the background thread.
+DRIVER = "hf_unified_ckpt.checkpoint.async_save"
+DRIVER_ENTERS = {
+    ("start", "training thread"): ["checkpoint.executors", "checkpoint.save", "checkpoint.persist"],
+    ("start", "background thread"): ["checkpoint.snapshot", "checkpoint.executors", "checkpoint.save"],
+    ("wait_for_snapshot", "training thread"): ["checkpoint.persist"],
+    ("wait", "training thread"): ["checkpoint.persist"],
+}
+
+
+def test_one_async_save_enters_each_module_of_the_save_once_in_order(tmp_path):
+    """sys.setprofile records every call the driver's frames make into another module of the package while one
+    async save runs at world size 1: it composes nothing itself (the issue: it entered save.py five times)."""
+    import sys
+    import threading
+
+    engine, saver = _engine(), AsyncSaver("thread")
+    entered: dict[tuple[str, str], list[str]] = {}
+    phase = ["start"]
+    main = threading.main_thread()
+
+    def profile(frame, event, arg):
+        caller = frame.f_back
+        if event != "call" or caller is None or caller.f_globals.get("__name__") != DRIVER:
+            return
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("hf_unified_ckpt.") and module != DRIVER:
+            thread = "training thread" if threading.current_thread() is main else "background thread"
+            entered.setdefault((phase[0], thread), []).append(module.removeprefix("hf_unified_ckpt."))
+
+    request = SaveRequest(str(tmp_path / "checkpoint-1"), 1, OPTIONS, show_progress=False)
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        saver.start(engine, request, {"trainer_state.json": b"{}"})
+        phase[0] = "wait_for_snapshot"
+        saver.wait_for_snapshot()
+        phase[0] = "wait"
+        saver.wait()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        saver.close()
+    background = entered.pop(("wait_for_snapshot", "background thread"), []) + entered.pop(
+        ("wait", "background thread"), [])  # where the phase of the training thread stood when it ran
+    entered[("start", "background thread")] = entered.get(("start", "background thread"), []) + background
+    assert entered == DRIVER_ENTERS
+    assert detect_layout(str(tmp_path / "checkpoint-1")).complete

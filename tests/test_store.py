@@ -31,7 +31,6 @@ from hf_unified_ckpt.errors import CorruptCheckpointError, UnifiedCheckpointErro
 from hf_unified_ckpt.checkpoint.layout import UNIFIED, UNIFIED_INCOMPLETE, detect_layout, newest_complete
 from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
 from hf_unified_ckpt.options import UnifiedCheckpointOptions
-from hf_unified_ckpt.checkpoint.persist import PersistJob
 from hf_unified_ckpt.checkpoint.snapshot import Snapshots
 from hf_unified_ckpt.checkpoint.retention import rotate_checkpoints
 from hf_unified_ckpt.checkpoint.save import (SaveRequest, conclude, open_staging, raise_if_failed,
@@ -475,11 +474,10 @@ def _build_job(model, opt, final: str, step: int):
     staging folder, the plan, the strategy, the assembled files) and the job, filled with host copies by
     `snapshot.Snapshots.take`."""
     engine = ReplicatedEngine(model, opt)
-    started = save_module.begin(engine, SaveRequest(final, step, OPTIONS, show_progress=False))
     small = {"trainer_state.json": json.dumps({"global_step": step}).encode()}
-    job = PersistJob(started.staging.path, started.writer, small_files=small)
-    assert Snapshots().take(engine, job, started.files) is job
-    return job, started
+    started = save_module.begin(engine, SaveRequest(final, step, OPTIONS, show_progress=False), small)
+    assert Snapshots().take(engine, started.job, started.files) == (True, started.job)
+    return started.job, started
 
 
 def test_persist_job_runs_alike_in_a_spawned_process_and_on_a_thread(tmp_path, monkeypatch):

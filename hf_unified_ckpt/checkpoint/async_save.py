@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 from ..engines.base import EngineAdapter
 from ..errors import UnifiedCheckpointError
-from ..store import name_of
 from .executors import executor_for
-from .persist import Background, PersistJob
-from .save import Outcome, SaveRequest, SmallFiles, Started, begin, guarded
+from .persist import Background
+from .save import SaveRequest, SmallFiles, Started, begin
 from .snapshot import Snapshots
 
 logger = logging.getLogger(__name__)
@@ -53,10 +52,11 @@ class AsyncSaver:
         shared = self._executor.shares_memory
         self._snapshots = Snapshots(shared=shared, place=not shared)
         self._background = Background("save", self._snapshots.buffers.transfers)
+        self._in_flight: str | None = None  # the folder of the save in flight
 
     @property
     def in_flight(self) -> bool:
-        return self._background.in_flight
+        return self._in_flight is not None
 
     @property
     def snapshot_bytes(self) -> int:
@@ -74,24 +74,23 @@ class AsyncSaver:
         of) the previous save first. Collective: all ranks must call it."""
         self.wait()
         self._executor.prepare()
-        started = begin(engine, request)
-        job = PersistJob(started.staging.path, started.writer, small_files=dict(small_files))
-        self._background.start(lambda: guarded(lambda: self._snapshots.take(engine, job, started.files)),
+        started = begin(engine, request, small_files)
+        self._background.start(lambda: self._snapshots.take(engine, started.job, started.files),
                                lambda staged: self._finish(started, staged, after_commit, fallback),
-                               label=name_of(started.staging.final))
+                               label=started.staging.final)
+        self._in_flight = started.staging.final
         return started.staging.final
 
-    def _finish(self, started: Started, staged, after_commit, fallback: Fallback | None) -> Outcome:
+    def _finish(self, started: Started, staged, after_commit, fallback: Fallback | None) -> str:
         """The background thread, once the snapshot is taken: the executor runs the rest; then, on the folder's
-        leader, `after_commit` of the folder the save went to. Collective (the executor's group)."""
+        leader, `after_commit` of the folder the save went to; a failure is raised (at the next `wait`). Collective
+        (the executor's group)."""
         outcome = self._executor.finish(started, staged, fallback.final_dir if fallback is not None else None)
         if outcome.fell_back is not None:
             if fallback.said is not None:
                 fallback.said(outcome.fell_back)
             after_commit = fallback.after_commit
-        if outcome.committed and outcome.staging.is_leader and after_commit is not None:
-            after_commit()
-        return outcome
+        return outcome.concluded(after_commit)
 
     def release_mappings(self) -> None:
         """Unmap the files the saves wrote through mappings (a run's end: the memory tier's files may be freed).
@@ -104,11 +103,9 @@ class AsyncSaver:
 
     def wait(self) -> None:
         """Wait for the in-flight save; raise its error (on every rank). Call on all ranks."""
-        if not self._background.in_flight:
-            return
-        outcome = self._background.wait()
-        outcome.concluded()
-        logger.info("Background save of %s committed.", outcome.staging.final)
+        if self._in_flight is not None:
+            self._in_flight = None
+            logger.info("Background save of %s committed.", self._background.wait())
 
     def close(self) -> None:
         """Wait for the in-flight save without raising (interpreter exit); its error is logged. Stops the writer

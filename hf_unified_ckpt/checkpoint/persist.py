@@ -25,7 +25,7 @@ import torch
 from ..format.planning import FilePlan
 from .device_copy import Transfers
 from .files import FileRecord, RangeRecord, put_file
-from ..store import join
+from ..store import join, name_of
 
 
 @dataclass
@@ -79,6 +79,7 @@ class Background:
         assert self._thread is None, "one background job at a time: wait() for the previous one first"
         self._staged.clear()
         self._transfers.begin()
+        label = name_of(label) if label else ""  # a checkpoint's reference: its folder's name
         self._thread = threading.Thread(target=self._run, args=(stage, then), daemon=True,
                                         name=f"hf_unified_ckpt-{self.name}{'-' + label if label else ''}")
         self._thread.start()

@@ -176,40 +176,44 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, small_files: Sm
     store renames atomically; where the manifest is the commit, a save of a step that already has a checkpoint
     writes in its place: that one is removed, manifest first, when the save begins).
     """
-    started = begin(engine, request, lazily=True)
-    job = PersistJob(started.staging.path, started.writer, started.live_files(engine), dict(small_files))
-    return finish(started, (True, job)).concluded(after_commit)
+    started = begin(engine, request, small_files, lazily=True)
+    started.job.files = started.live_files(engine)
+    return finish(started, (True, started.job)).concluded(after_commit)
 
 
 @dataclass
 class Started:
     """A save whose training-thread half is done (`begin`): its request, staging folder, plan, write strategy
-    (prepared) and the files this rank writes, assembled (or, for the synchronous save, assembled as they are
-    walked). Picklable once `files` is a list: the process executor sends it to its writer."""
+    (prepared), the files this rank writes, assembled (or, for the synchronous save, assembled as they are
+    walked), and the job that will write them, holding the small files (its tensors come with the snapshot).
+    Picklable once `files` is a list: the process executor sends it to its writer."""
 
     request: SaveRequest
     staging: Staging
     plan: SavePlan
     writer: StorageWriter
     files: list[FilePlan] | Iterator[FilePlan]
+    job: PersistJob
 
     def live_files(self, engine: EngineAdapter) -> Iterator[tuple[FilePlan, Mapping]]:
         """Each file this rank writes with the live tensors it writes of it (the synchronous save: no copy)."""
         return ((file, self.writer.local_tensors(engine, file)) for file in self.files)
 
 
-def begin(engine: EngineAdapter, request: SaveRequest, lazily: bool = False) -> Started:
+def begin(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, lazily: bool = False) -> Started:
     """The half of a save that runs on the training thread: the staging folder (`open_staging`), the plan
     (`plan_save`), the write strategy chosen from the store's capabilities and prepared (`choose_writer`,
-    `StorageWriter.prepare`), and the files this rank writes, assembled on their writers in plan order (`lazily`:
-    as `Started.files` is walked, which must then happen on this thread). Collective: all ranks must call it."""
+    `StorageWriter.prepare`), the files this rank writes, assembled on their writers in plan order (`lazily`: as
+    `Started.files` is walked, which must then happen on this thread), and the job with `small_files`.
+    Collective: all ranks must call it."""
     staging = open_staging(as_ref(request.final_dir))
     plan = plan_save(engine, request, shared=staging.in_place)
     writer = choose_writer(staging, request)
     raise_if_failed([writer.prepare(staging.path, plan.files)], staging)
     show = request.show_progress and dist.rank() == 0
     files = assembled_files(engine, writer, plan.files, f"Saving {name_of(staging.final)}", show)
-    return Started(request, staging, plan, writer, files if lazily else list(files))
+    job = PersistJob(staging.path, writer, small_files=dict(small_files))
+    return Started(request, staging, plan, writer, files if lazily else list(files), job)
 
 
 def choose_writer(staging: Staging, request: SaveRequest) -> StorageWriter:

@@ -20,6 +20,7 @@ from ..format.planning import FilePlan
 from ..store import WritableMaps
 from .device_copy import Transfers, host_buffer
 from .persist import PersistJob
+from .reports import guarded
 
 
 class HostBuffers:
@@ -64,8 +65,12 @@ class Snapshots:
         self.place = place
         self.nbytes = 0  # what the last save copied of this rank's tensors (into buffers or files)
 
-    def take(self, engine, job: PersistJob, mine: Iterable[FilePlan]) -> PersistJob:
-        """Copy this rank's tensors of the files it writes (`mine`) into `job`, ready to run. Local."""
+    def take(self, engine, job: PersistJob, mine: Iterable[FilePlan]) -> tuple[bool, object]:
+        """Copy this rank's tensors of the files it writes (`mine`) into `job`: (True, the job, ready to run) or
+        (False, the `Failure`). Local."""
+        return guarded(lambda: self._take(engine, job, mine))
+
+    def _take(self, engine, job: PersistJob, mine: Iterable[FilePlan]) -> PersistJob:
         self.maps.prune()
         self.nbytes, files = 0, []
         for file in mine:
