@@ -95,6 +95,14 @@ from bench_save import SIZES, bench_model, cpu_cores, folder_bytes, max_over_ran
 FLASH_SIZES = {**SIZES, "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                      num_attention_heads=4)}
 MEASUREMENTS = ("blocked", "throughput", "resume", "lag")
+#: The environment variable that carries --executor to the launched workers.
+EXECUTOR_ENV = "BENCH_ASYNC_EXECUTOR"
+
+
+def executor_option() -> dict:
+    """`unified_checkpoint_async_executor` where --executor was given (else nothing: the script also measures a
+    checkout from before the option, on PYTHONPATH)."""
+    return {"unified_checkpoint_async_executor": os.environ[EXECUTOR_ENV]} if os.environ.get(EXECUTOR_ENV) else {}
 BLOCKED_TARGET, THROUGHPUT_TARGET = 1.5, 0.95
 ASYNC_REFERENCE = 0.92  # async_save every 20 steps / no saves, measured earlier on this machine
 MANIFEST = "unified_checkpoint.json"
@@ -117,7 +125,7 @@ def build_ddp_trainer(out: Path, world: int, size: str, memory_dir: str, flash: 
         use_cpu=True, ddp_backend="gloo" if world > 1 else None, report_to=[], disable_tqdm=True,
         logging_steps=1000, unified_checkpoint=True, unified_checkpoint_config="flash" if flash else "",
         unified_checkpoint_memory_dir=memory_dir, unified_checkpoint_persist_every=persist_every,
-        unified_checkpoint_memory_keep=keep)
+        unified_checkpoint_memory_keep=keep, **executor_option())
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     hf_unified_ckpt.attach(trainer)
     trainer._bench_params = params
@@ -659,8 +667,12 @@ def main() -> None:
                         help="memory folder (default: a fresh /dev/shm/hf_unified_ckpt-bench-<uuid>, removed after)")
     parser.add_argument("--out", default=None, help="work folder (default: a new temporary folder, removed after)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line, the last of stdout")
+    parser.add_argument("--executor", choices=["thread", "process"], default=None,
+                        help="unified_checkpoint_async_executor of the flash saves (default: the option's default)")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     a = parser.parse_args()
+    if a.executor:
+        os.environ[EXECUTOR_ENV] = a.executor  # the launched workers inherit it
     if a.worker:
         return WORKERS[a.worker](a)
     a.only = [m.strip() for m in a.only.split(",") if m.strip()]

@@ -57,6 +57,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: The environment variable that carries --executor to the launched workers.
+EXECUTOR_ENV = "BENCH_ASYNC_EXECUTOR"
+
+
+def executor_option() -> dict:
+    """`unified_checkpoint_async_executor` where --executor was given (else nothing: the script also measures a
+    checkout from before the option, on PYTHONPATH)."""
+    return {"unified_checkpoint_async_executor": os.environ[EXECUTOR_ENV]} if os.environ.get(EXECUTOR_ENV) else {}
 RATIOS: list[tuple[str, float]] = []  # (label, value) of each ratio this process printed, for --chart
 
 #: Llama shapes of --size (vocab 16000, untied embeddings): ~50.5M, ~102.5M, ~199.8M parameters.
@@ -218,7 +226,8 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4 // world,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, bf16=(dtype == "bf16"),
-        unified_checkpoint=True, unified_checkpoint_config=ckpt_config, logging_steps=1000, **engine_args)
+        unified_checkpoint=True, unified_checkpoint_config=ckpt_config, logging_steps=1000,
+        **executor_option(), **engine_args)
     with fsdp_on_cpu() if engine == "fsdp2" else contextlib.nullcontext():
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
     hf_unified_ckpt.attach(trainer)
@@ -738,9 +747,13 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=5, help="--throughput: steps between saves")
     parser.add_argument("--async-save", action="store_true",
                         help="measure async_save: training-blocked time vs a synchronous save")
+    parser.add_argument("--executor", choices=["thread", "process"], default=None,
+                        help="unified_checkpoint_async_executor of the async saves (default: the option's default)")
     parser.add_argument("--chart", type=Path, default=None, metavar="PATH",
                         help="also write the ratios this run printed as a horizontal bar chart PNG here")
     args = parser.parse_args()
+    if args.executor:
+        os.environ[EXECUTOR_ENV] = args.executor  # the launched workers inherit it
     out = Path(args.out or f"/tmp/hf_unified_ckpt_bench_{os.getpid()}")
     if args.worker == "save":
         return save_worker(out, args.reps, args.dtype, args.engine, args.size, not args.no_resume, args.config)
