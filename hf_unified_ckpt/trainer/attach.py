@@ -120,7 +120,7 @@ def attach(trainer):
     callback.attached = True
     callback.trainer = trainer
     if callback.saver is None:
-        callback.saver = AsyncSaver()
+        callback.saver = AsyncSaver(trainer.args.unified_checkpoint_options.async_executor)
         _register_exit(callback.saver)
     trainer._uc_saver = callback.saver
     return trainer
