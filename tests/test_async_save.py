@@ -83,15 +83,23 @@ def test_snapshot_buffers_are_reused(tmp_path):
 @pytest.mark.dist
 def test_async_resume_is_exact_on_every_engine(tmp_path):
     """The saving runs' snapshots sleep 1 s before copying: the next optimizer step must wait for the copy on
-    every engine (DeepSpeed steps inside backward, through its own optimizer's step), or the resume drifts."""
-    engines = {"ddp": {}, "z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}}
+    every engine (DeepSpeed steps inside backward, through its own optimizer's step), or the resume drifts. With
+    the writer processes of `unified_checkpoint_async_executor="process"` (world size 2), the same, and the same
+    tensor files as the threads write."""
+    engines = {"ddp": {}, "z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}, "z2-process": {"zero": 2}}
     runs = []
     for name, spec in engines.items():
-        runs.append({**spec, "overrides": ASYNC, "output_dir": str(tmp_path / name), "result": str(tmp_path / f"{name}.pt"),
-                     "slow_snapshot": 1.0})
-        runs.append({**spec, "overrides": ASYNC, "output_dir": str(tmp_path / f"{name}-r"),
+        overrides = {**ASYNC, "unified_checkpoint_async_executor": "process"} if "process" in name else ASYNC
+        runs.append({**spec, "overrides": overrides, "output_dir": str(tmp_path / name),
+                     "result": str(tmp_path / f"{name}.pt"), "slow_snapshot": 1.0})
+        runs.append({**spec, "overrides": overrides, "output_dir": str(tmp_path / f"{name}-r"),
                      "resume": str(tmp_path / name / "checkpoint-3"), "result": str(tmp_path / f"{name}-r.pt")})
     torchrun(2, runs, tmp_path)
+    for step in (3, 6):  # the writer processes (a process group of their own) write what the threads write
+        thread, process = (tmp_path / name / f"checkpoint-{step}" for name in ("z2", "z2-process"))
+        tensors = sorted(p.name for p in thread.iterdir() if ".safetensors" in p.name)
+        assert tensors == sorted(p.name for p in process.iterdir() if ".safetensors" in p.name) and len(tensors) > 4
+        assert all((thread / n).read_bytes() == (process / n).read_bytes() for n in tensors), step
     for name in engines:
         base = torch.load(tmp_path / f"{name}.pt", weights_only=False)
         resumed = torch.load(tmp_path / f"{name}-r.pt", weights_only=False)
