@@ -145,7 +145,7 @@ def open_flash(trainer):
     """Open a flash tier on an already trained `trainer` by hand, as `train()` does before its first step (the
     machines found, the memory checked, the persister started or reused, the lease's heartbeat running).
     Collective. Close it with `trainer._uc_flash_finish()` (what `train()` runs at its end)."""
-    from hf_unified_ckpt.trainer.flash import FlashTier, checkpoint_bytes
+    from hf_unified_ckpt.flash.tier import FlashTier, checkpoint_bytes
     from hf_unified_ckpt.trainer.storage import checkpoint_root
 
     flash = FlashTier(trainer.args.unified_checkpoint_options.flash, checkpoint_root(trainer))

@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
-import hf_unified_ckpt.trainer.preemption as preemption  # noqa: E402
+import hf_unified_ckpt.preemption.watch as preemption  # noqa: E402
 import hf_unified_ckpt.dist as plugin_dist  # noqa: E402
 import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
 from _runs import (TokenDataset, disable_deepspeed_jit, free_process_group_users, freeze_imports, losses_of, make_trainer, record,  # noqa: E402

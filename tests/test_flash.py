@@ -363,7 +363,7 @@ def test_a_checkpoint_is_never_evicted_while_the_persister_copies_it(runs, memor
     eviction leaves 6 to a later save while the copy holds its lock; the copy completes and verifies, and the next
     eviction takes 6."""
     from hf_unified_ckpt.options import parse_flash
-    from hf_unified_ckpt.trainer.flash import FlashTier
+    from hf_unified_ckpt.flash.tier import FlashTier
 
     tmp, _, _ = runs
     durable_root = str(tmp_path / "durable")
@@ -427,7 +427,7 @@ def test_a_second_persister_of_a_run_exits_at_once(staged_run):
 @pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_memory_keeps_the_newest_k_and_never_evicts_one_not_durable_yet_nor_the_best(runs, memory, tmp_path):
     from hf_unified_ckpt.options import FlashOptions
-    from hf_unified_ckpt.trainer.flash import FlashTier
+    from hf_unified_ckpt.flash.tier import FlashTier
 
     tmp, _, _ = runs
     tier = FlashTier(FlashOptions(True, memory, keep=2), str(tmp_path / "durable"))
@@ -451,7 +451,7 @@ def test_memory_keeps_the_newest_k_and_never_evicts_one_not_durable_yet_nor_the_
 def test_memory_too_small_for_a_snapshot_falls_back_to_durable_saves_said_with_the_numbers(memory, tmp_path,
                                                                                             caplog):
     from hf_unified_ckpt.options import FlashOptions
-    from hf_unified_ckpt.trainer.flash import FlashTier
+    from hf_unified_ckpt.flash.tier import FlashTier
 
     room = memory_room(memory)
     assert room["MemAvailable"] > 0 and room["free in folder"] > 0
@@ -497,7 +497,7 @@ def test_evicted_checkpoints_files_are_kept_as_two_spare_sets_and_taken_oldest_f
 
     from hf_unified_ckpt.checkpoint.commit import COMMIT_FILE
     from hf_unified_ckpt.checkpoint.writer import reuse_spare
-    from hf_unified_ckpt.trainer.flash import FlashTier
+    from hf_unified_ckpt.flash.tier import FlashTier
 
     tier = SimpleNamespace(spare=str(tmp_path / "spare"))
     inodes = {}

@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from _runs import make_trainer
 from hf_unified_ckpt import TrainingPreempted, UnifiedCheckpointArguments
 from hf_unified_ckpt.errors import UnsupportedCheckpointError
-from hf_unified_ckpt.trainer.requeue import requeue, requeue_command
+from hf_unified_ckpt.preemption.requeue import requeue, requeue_command
 
 
 def args(**fields):
@@ -50,7 +50,7 @@ def test_the_exception_is_a_quiet_system_exit_that_pickles():
 def test_the_message_states_the_status_the_process_exits_with():
     """A rank that got no signal and lost a peer exits 1, and its message says 1 (not 128)."""
     from hf_unified_ckpt.options import PreemptionOptions
-    from hf_unified_ckpt.trainer.preemption import Watch
+    from hf_unified_ckpt.preemption.watch import Watch
 
     watch = Watch(PreemptionOptions(enabled=True, signals=(15,), grace_period=30.0, requeue=False))
     lost = watch.ended(0, 4, "/x/checkpoint-3", False, "voting")
@@ -203,8 +203,8 @@ def test_a_rank_with_a_signal_stops_waiting_for_a_vote_after_half_the_grace():
     (a slow peer is not a dead one); with one, it gives up once `agree_timeout` has passed since the signal."""
     import time
 
-    from hf_unified_ckpt.trainer.preemption import Agreement, PeerLost
-    from hf_unified_ckpt.trainer.signals import SignalFlag
+    from hf_unified_ckpt.preemption.watch import Agreement, PeerLost
+    from hf_unified_ckpt.preemption.signals import SignalFlag
 
     flag = SignalFlag((signal.SIGTERM,))
     agreement = Agreement(flag, agree_timeout=0.2)
@@ -238,8 +238,8 @@ def test_a_vote_that_arrives_as_its_timed_wait_runs_out_is_taken_not_a_lost_peer
     """The race that ended a rank quietly with status 1 mid-training (a `TrainingPreempted` for "a lost peer", its
     peer then failing on a closed connection): a vote completing between the timed wait's timeout and the check is a
     vote; only one that failed is a lost peer."""
-    from hf_unified_ckpt.trainer.preemption import Agreement, PeerLost
-    from hf_unified_ckpt.trainer.signals import SignalFlag
+    from hf_unified_ckpt.preemption.watch import Agreement, PeerLost
+    from hf_unified_ckpt.preemption.signals import SignalFlag
 
     agreement = Agreement(SignalFlag((signal.SIGTERM,)), agree_timeout=60)
     agreement._wait(ArrivesAsTheWaitTimesOut())

@@ -204,7 +204,7 @@ def test_a_new_run_clears_a_lease_left_before_the_first_memory_save(tmp_path):
     with only its lease, and keeps its own."""
     from hf_unified_ckpt.flash.layout import LEASE_FILE, TIER_FOLDER, run_folder, write_record
     from hf_unified_ckpt.options import parse_flash
-    from hf_unified_ckpt.trainer.flash import FlashTier
+    from hf_unified_ckpt.flash.tier import FlashTier
 
     memory = tmp_path / "memory"
     stale = memory / TIER_FOLDER / "other-run-0123456789ab"

@@ -1,6 +1,6 @@
-"""The memory tier of one `train()` call (`flash`): where saves go, the persister, the lease, eviction, and what
-training's end waits for. The persister itself is `flash/persister.py`; the records both sides read are
-`flash/layout.py`.
+"""The memory tier of one `train()` call (`flash`), the trainer's side of it: where saves go, the persister, the
+lease, eviction, and what training's end waits for. It knows nothing of the Trainer (`trainer/session.py` drives
+it). The persister itself is `persister.py`; the records both sides read are `layout.py`.
 
 - `open` (when `train()` starts): finds which ranks share a memory folder (one per machine) and takes the lease;
 - `start` (before the first step): writes the run's record, starts the machine's persister unless one serves the
@@ -30,13 +30,13 @@ from ..checkpoint.layout import detect_layout
 from ..checkpoint.writer import spare_sets
 from ..errors import UnsupportedCheckpointError
 from ..format.components import MODEL, Role
-from ..flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE,
-                            SAVES, SPARE, SPARE_SETS, SaveInfo, checkpoint_name, copy_lock, copy_lock_of, run_folder,
-                            save_info, write_record)
-from ..flash.orphans import clear, holds_checkpoints, orphaned_runs
 from ..options import FlashOptions
 from ..store import is_file, join, name_of, parent_of, read_bytes, remove, store_for
 from ..store.node import is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
+from .layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE, SAVES, SPARE,
+                     SPARE_SETS, SaveInfo, checkpoint_name, copy_lock, copy_lock_of, run_folder, save_info,
+                     write_record)
+from .orphans import clear, holds_checkpoints, orphaned_runs
 
 logger = logging.getLogger(__name__)
 

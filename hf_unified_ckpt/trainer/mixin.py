@@ -48,7 +48,7 @@ from ..store import as_ref, is_file, is_folder, join, name_of, parent_of, read_b
 from ..store.capture import torch_bytes
 from .capture import ARGS_FILE, SCHEDULER_FILE, processing_class_files, small_files
 from .engines import engine_of
-from .flash import FlashTier, checkpoint_bytes
+from ..flash.tier import FlashTier, checkpoint_bytes
 from .preempt_mixin import PreemptionMixin
 from .resume import Resume, check_unified, resolve, same_ref
 from .storage import LocalAlias, check_writable, checkpoint_root, close_store, is_remote

@@ -1,4 +1,4 @@
-"""`PreemptionMixin`: the Trainer methods through which a preemption signal ends training (`preemption.py` has the
+"""`PreemptionMixin`: the Trainer methods through which a preemption signal ends training (`preemption/` has the
 signal handling and the ranks' vote; `UnifiedCheckpointMixin` inherits this).
 
 - the vote is started before each optimizer step (`UnifiedCheckpointCallback.on_pre_optimizer_step`) and read at the
@@ -22,8 +22,8 @@ from .. import dist
 from ..checkpoint.layout import newest_complete
 from ..errors import UnsupportedCheckpointError
 from ..store import join
-from .preemption import PeerLost, Watch
-from .signals import ignore_in_workers
+from ..preemption.watch import PeerLost, Watch
+from ..preemption.signals import ignore_in_workers
 from .storage import checkpoint_root
 
 logger = logging.getLogger(__name__)
