@@ -418,7 +418,7 @@ def test_file_plan_is_the_file_save_file_writes(tmp_path):
     """The planner fixes every file's header and byte ranges before any byte is written; the whole-file writer's
     output has exactly that header, and the write items tile the data section."""
     from hf_unified_ckpt.format.planning import file_plans
-    from hf_unified_ckpt.store.safetensors_header import read_safetensors_header
+    from hf_unified_ckpt.checkpoint.safetensors_header import read_safetensors_header
     from hf_unified_ckpt.checkpoint.writer import WholeFileWriter
 
     tensors = {"w": torch.randn(5, 3), "b": torch.randn(7, dtype=torch.float64),

@@ -126,3 +126,88 @@ def test_the_format_layer_is_pure():
                 if module in above:
                     found.append(f"format/{name}:{node.lineno} imports {module}")
     assert not found, "\n".join(found)
+
+
+def _module_names() -> dict[str, tuple[str, bool]]:
+    """Every module of the package: dotted name -> (file, whether it is a package's `__init__`)."""
+    out = {}
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                dotted = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+                out[dotted.removesuffix(".__init__")] = (path, name == "__init__.py")
+    return out
+
+
+def _imported(name: str, modules: dict) -> set[str]:
+    """The package's modules that module `name` imports anywhere (inside functions too). `from pkg import sub`
+    counts the submodule only; a package imported for its names counts the package's `__init__`."""
+    path, is_package = modules[name]
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(max(node.level - 1, 0)):
+                base = base.rpartition(".")[0]
+            target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            subs = {f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in modules}
+            found |= subs
+            if target in modules and len(subs) < len(node.names):
+                found.add(target)
+    return found - {name}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph` (its strongly connected components of more than one module)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            circle = []
+            while not circle or circle[-1] != module:
+                circle.append(stack.pop())
+                on_stack.discard(circle[-1])
+            if len(circle) > 1:
+                circles.append(sorted(circle))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles():
+    """No module imports one that imports it back, directly or around a circle, even inside a function (issue 48:
+    `store/base` -> `store/ranged` -> `store/safetensors_header` -> `store/base` and `store/s3` <-> `store/s3_upload`
+    were such circles, closed by function-local imports)."""
+    modules = _module_names()
+    graph = {name: _imported(name, modules) for name in modules}
+    assert graph["hf_unified_ckpt.store.s3"] and graph["hf_unified_ckpt.checkpoint.ranged"]  # the walker sees imports
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles(graph) == []
+
+
+def test_nothing_above_the_store_imports_a_concrete_store():
+    """Above the seam a store is reached through `store_for` and the capability protocols, never by its module:
+    no module outside `store/` imports `store.local`, `store.local_io`, `store.direct`, `store.fsspec_store` or
+    `store.s3` (the part size comes from `Capabilities.part_size`, the staging names from `store`)."""
+    concrete = {f"hf_unified_ckpt.store.{name}" for name in ("local", "local_io", "direct", "fsspec_store", "s3")}
+    modules = _module_names()
+    found = [f"{name} imports {', '.join(sorted(_imported(name, modules) & concrete))}" for name in sorted(modules)
+             if not name.startswith("hf_unified_ckpt.store") and _imported(name, modules) & concrete]
+    assert not found, "\n".join(found)

@@ -40,8 +40,8 @@ from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME
 from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
 from hf_unified_ckpt.checkpoint.writer import SharedFileWriter, WholeFileWriter
 from hf_unified_ckpt.format.parts import VERIFY_BLOCK
-from hf_unified_ckpt.store import (FsspecStore, LocalStore, canonical, join, name_of, parent_of, scheme_of, sibling,
-                                   store_for)
+from hf_unified_ckpt.store import (FsspecStore, LocalStore, canonical, join, multipart_of, name_of, parent_of,
+                                   scheme_of, sibling, store_for)
 
 #: Several files per component: the model's 5 tensors (65, 13, 39, 3 and 77 floats) and their optimizer state.
 OPTIONS = UnifiedCheckpointOptions(enabled=True, max_shard_size=200)
@@ -283,12 +283,13 @@ def test_full_disk_mid_save_commits_nothing(run_ref, monkeypatch):
     with monkeypatch.context() as m:  # whichever the store's writer uses: whole files (memory), in place (local),
         m.setattr(store, "write_whole", failing(store.write_whole))  # parts of uploads (s3)
         m.setattr(store, "write_at", failing(store.write_at))
-        m.setattr(store, "write_part", failing(store.write_part))
+        if multipart_of(store) is not None:
+            m.setattr(store, "write_part", failing(store.write_part))
         with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
             _save(model, opt, two, 2)
     assert "No space left on device" in str(e.value) and "checkpoint-2" in str(e.value)
     assert len(tensor_files) >= 2
-    assert store.abort_uploads(run) == []  # the failed save aborted its multipart uploads (s3) itself
+    assert multipart_of(store) is None or store.abort_uploads(run) == []  # the failed save aborted its uploads
     assert store.list(run) == {"checkpoint-1": None}  # no checkpoint-2 and no staging folder either
     assert not detect_layout(two).complete and not store.is_folder(two)
     assert newest_complete(run).global_step == 1 and _complete_steps(run) == [1]
@@ -623,7 +624,7 @@ def test_ranged_reads_check_block_crcs_and_keep_the_last_block(memory_run):
     last block read serves the next read that starts in it, and a damaged block is refused by name."""
     import zlib
 
-    from hf_unified_ckpt.store.ranged import RangedFile
+    from hf_unified_ckpt.checkpoint.ranged import RangedFile
 
     store = store_for(memory_run)
     header = json.dumps({"t": {"dtype": "U8", "shape": [200], "data_offsets": [0, 200]}}).encode()
@@ -700,3 +701,31 @@ def test_writable_maps_follow_a_file_through_renames_and_let_go_of_removed_ones(
     del other, larger
     maps.close()
     assert len(maps) == 0
+
+
+def test_capability_flags_match_the_capability_protocols():
+    """Every registered store implements the `Store` protocol (`check_writable` and `close` included), and has a
+    capability protocol exactly where its `Capabilities` say so: multipart uploads (with a part size S3 accepts) and
+    local paths; writable mappings only with local paths. No store carries stubs of a capability it lacks."""
+    from hf_unified_ckpt.store import LocalPaths, MultipartUploads, Store, WritableMappings
+
+    for ref in ("/x", "file:///x", "memory://x", "s3://bucket/x"):
+        store = store_for(ref)
+        flags = store.capabilities
+        assert isinstance(store, Store), ref
+        assert flags.multipart == isinstance(store, MultipartUploads), ref
+        assert flags.local_paths == isinstance(store, LocalPaths), ref
+        assert not isinstance(store, WritableMappings) or flags.local_paths, ref
+        assert (flags.part_size >= 2 * flags.min_part_size > 0) if flags.multipart else flags.part_size == 0, ref
+        assert not hasattr(store, "open_tensors"), ref
+
+
+def test_check_writable_and_close_on_every_store(run_ref):
+    """`check_writable` writes and removes its probe (nothing left); `close` may be called twice."""
+    store = store_for(run_ref)
+    store.make_folder(run_ref)
+    probe = join(run_ref, ".probe")
+    store.check_writable(probe)
+    assert store.size(probe) is None
+    store.close()
+    store.close()

@@ -13,8 +13,7 @@ import logging
 import os
 import re
 
-from ..store import as_ref, join, name_of, store_for
-from ..store.local import DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX
+from ..store import DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX, as_ref, join, name_of, store_for
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ import torch.distributed as tdist
 from .. import dist
 from ..errors import CorruptCheckpointError
 from .placement import Placement
-from ..store.safetensors_header import read_safetensors_header
+from .safetensors_header import read_safetensors_header
+from .tensor_files import open_tensors
 from ..format.reader import FileHandle, FileOpener, TensorSlice
 from ..store import as_ref, join, store_for
 
@@ -123,7 +124,7 @@ def answer(folder: str | os.PathLike, handles: dict, request: dict) -> tuple[dic
     if request["op"] == "file":
         return {"ok": True}, _bytes_tensor(store_for(path).read(path))
     if request["file"] not in handles:
-        handles[request["file"]] = store_for(path).open_tensors(path)
+        handles[request["file"]] = open_tensors(path)
     handle, index = handles[request["file"]], request["index"]
     tensor = handle.get_tensor(request["name"]) if index is None else \
         handle.get_slice(request["name"])[tuple(slice(a, b) for a, b in index)]

@@ -22,7 +22,7 @@ from ..errors import CorruptCheckpointError, UnifiedCheckpointError
 from ..store import as_ref, is_folder, join, listing, name_of, read_bytes, store_for
 from .commit import CHECKPOINT_RE, STAGING_SUFFIX, list_checkpoints
 from .manifest import MANIFEST_NAME, read_manifest
-from ..store.safetensors_header import read_safetensors_header
+from .safetensors_header import read_safetensors_header
 
 UNIFIED, UNIFIED_INCOMPLETE, HF_TRAINER, DEEPSPEED, FSDP, UNKNOWN = (
     "unified", "unified-incomplete", "hf-trainer", "deepspeed", "fsdp", "unknown")

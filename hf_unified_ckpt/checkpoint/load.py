@@ -31,7 +31,7 @@ def verify_checkpoint(folder: str | os.PathLike, checksums: bool = True, show_pr
     read; each rank checks a share of the files and checksums a share of their byte ranges (`chunks_of`; with
     `placement`, files spread over machine-local folders: by ranks that see them), and every rank combines the
     ranges' CRC-32s into each file's. With `checked_on_read` (a resume from object storage), files whose manifest
-    entry has a CRC-32 per block are not read here: each ranged read checks its blocks (`store.ranged`), so a
+    entry has a CRC-32 per block are not read here: each ranged read checks its blocks (`checkpoint.ranged`), so a
     rank fetches only what it loads. Returns the manifest.
 
     Collective: all ranks must call it. Raises `CorruptCheckpointError` on every rank if any file is bad.

@@ -17,7 +17,7 @@ from .commit import COMMIT_FILE
 from ..store import as_ref, join, name_of, store_for
 from .files import (CHECKSUM_ALGORITHM, FileRecord, RangeRecord, check_plain_name, combine_ranges, read_json,
                     write_json)
-from ..store.safetensors_header import read_safetensors_header
+from .safetensors_header import read_safetensors_header
 
 MANIFEST_NAME = COMMIT_FILE
 FORMAT_NAME = "hf-unified-checkpoint"

@@ -11,7 +11,7 @@ of its own, so it never meets training's collectives). Each rank reports one `Pa
 manifest (`finish_uploads`) and records the parts in it (`uploaded`); `abort`: a failed save aborts them.
 
 Memory: a part's bytes are gathered into one buffer once a sending slot is free, and at most
-`store.s3.UPLOAD_CONCURRENCY` parts exist at once: the extra host memory per rank is bounded by that many parts
+`store.uploads.UPLOAD_CONCURRENCY` parts exist at once: the extra host memory per rank is bounded by that many parts
 and the HTTP stack's copies of them (measured: 222-255 MiB at 4 x 16 MiB, `bench/bench_s3.py`).
 """
 
@@ -27,8 +27,8 @@ from .. import dist
 from ..format.checksum import crc32
 from ..format.parts import VERIFY_BLOCK, PartPlan, block_pieces, file_runs, plan_parts
 from ..format.planning import FilePlan
-from ..store import join, store_for
-from ..store.s3_upload import PartUploads
+from ..store import MultipartUploads, join, multipart_of, store_for
+from ..store.uploads import PartUploads
 from .files import RangeRecord, crc32_combine
 from .reports import guarded
 from .writer import SharedFileWriter, rank_ranges
@@ -78,7 +78,7 @@ class MultipartWriter(SharedFileWriter):
 
     def abort(self, folder: str) -> None:
         """Abort the unfinished uploads under `folder`."""
-        store_for(folder).abort_uploads(folder)
+        multipart_store(folder).abort_uploads(folder)
 
     def writes(self, file: FilePlan, rank: int) -> bool:
         return True
@@ -101,7 +101,7 @@ class MultipartWriter(SharedFileWriter):
         if failure is not None:
             raise failure
         pieces = sorted(held + received, key=lambda r: r[0])
-        uploads, records = PartUploads(store_for(ref)), []
+        uploads, records = PartUploads(multipart_store(ref)), []
         try:
             for part in plan.uploaded_by(self.rank):
                 uploads.slot()  # before the part's bytes are gathered: at most `concurrency` parts exist
@@ -131,6 +131,14 @@ class MultipartWriter(SharedFileWriter):
         except KeyError:
             raise RuntimeError(f"{file.name}: a rank that hands bytes to rank {self.rank} failed before sending "
                                "them") from None
+
+
+def multipart_store(ref: str) -> MultipartUploads:
+    """The store of `ref` as `MultipartUploads` (this writer is chosen only where `Capabilities.multipart`)."""
+    store = multipart_of(store_for(ref))
+    if store is None:
+        raise TypeError(f"{ref}: its store has no multipart uploads (Capabilities.multipart is False)")
+    return store
 
 
 def _part_record(name: str, part, data: bytes, rank: int) -> PartRecord:
@@ -164,7 +172,7 @@ def _gather(pieces: list[tuple[int, memoryview]], start: int, end: int, what: st
 def begin_uploads(staging: str, files: list[FilePlan]) -> dict[str, str]:
     """Rank 0: abort the uploads a crashed save left under the run, then begin one upload per file of this save;
     file name -> upload ID."""
-    store = store_for(staging)
+    store = multipart_store(staging)
     parent = staging.rstrip("/").rpartition("/")[0]
     aborted = store.abort_uploads(parent)
     if aborted:
@@ -176,7 +184,7 @@ def begin_uploads(staging: str, files: list[FilePlan]) -> dict[str, str]:
 
 def finish_uploads(staging: str, uploads: Mapping[str, str], records: list) -> None:
     """Rank 0: complete every file's upload from the parts the ranks reported (before the manifest)."""
-    store = store_for(staging)
+    store = multipart_store(staging)
     parts: dict[str, list[tuple[int, str]]] = {name: [] for name in uploads}
     for r in records:
         if isinstance(r, PartRecord):

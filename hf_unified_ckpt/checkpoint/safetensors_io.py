@@ -15,7 +15,8 @@ from ..store import as_ref, join, name_of, store_for
 from .commit import COMMIT_FILE
 from .files import FileRecord, check_plain_name, crc32_combine, read_json, write_json
 from ..format.headers import tensor_specs
-from ..store.safetensors_header import read_safetensors_header
+from .safetensors_header import read_safetensors_header
+from .tensor_files import open_tensors
 from ..format.reader import FileHandle, FileOpener, LogicalReader, Specs, TensorReader, TensorSlice
 
 __all__ = ["SAFETENSORS_METADATA", "ComponentReader", "LocalFiles", "StoredFiles", "index_name",
@@ -80,7 +81,8 @@ def write_index(folder: str | os.PathLike, file_stem: str, weight_map: Mapping[s
 
 class LocalFiles(FileOpener):
     """The files of one checkpoint folder as its store holds them (the name is historical: any store): headers
-    read by ranged reads, handles from `Store.open_tensors` (`safe_open` for local files)."""
+    read by ranged reads, handles from `tensor_files.open_tensors` (memory-mapped where the store has local
+    paths)."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = as_ref(folder)
@@ -94,7 +96,7 @@ class LocalFiles(FileOpener):
         return read_safetensors_header(join(self.folder, file))
 
     def open(self, file: str) -> FileHandle:
-        return self.store.open_tensors(join(self.folder, file), self.blocks(file))
+        return open_tensors(join(self.folder, file), self.blocks(file))
 
     def blocks(self, file: str) -> dict | None:
         """The manifest's CRC-32 per block of `file` (files uploaded in parts to an object store), which a ranged

@@ -43,7 +43,7 @@ from typing import Protocol
 import torch
 
 from ..format.planning import FilePlan, WriteItem
-from ..store import WritableMaps, as_ref, is_file, join, listing, name_of, store_for
+from ..store import WritableMaps, as_ref, is_file, join, listing, name_of, store_for, writable_mappings_of
 from ..format.checksum import crc32
 from .files import FileRecord, RangeRecord
 from .safetensors_io import write_shard
@@ -165,20 +165,21 @@ class SharedFileWriter(LocalWrites):
     def place(self, folder: str, file: FilePlan, tensors: Mapping[str, torch.Tensor],
               maps: WritableMaps) -> Placed | None:
         """Copy the header and `tensors` (`local_tensors`' result) straight into file `folder/file.name` through a
-        mapping kept in `maps` (`Store.map_writable`): a snapshot that is already the written file, where this rank
+        mapping kept in `maps` (`map_writable`): a snapshot that is already the written file, where this rank
         writes it whole, without a codec, from host tensors, into the memory tier (`spare`: the file is taken over
         the spare file of its name where an evicted checkpoint left one). None where not (the caller copies into
         host buffers), or where the folder is full (that copy's write then fails the same way, and the save goes to
         its fallback). Local."""
         ref = join(folder, file.name)
         items = sorted(file.items_of(self.rank), key=lambda item: item.start)
-        if (self.spare is None or file.codec is not None or not store_for(ref).capabilities.local_paths
+        mappings = writable_mappings_of(store_for(ref))
+        if (self.spare is None or file.codec is not None or mappings is None
                 or not _writes_whole(file, self.rank, items)
                 or any(tensors[item.name].device.type != "cpu" for item in items)):
             return None
         take_spare(self.spare, ref, file.size)
         try:
-            view = store_for(ref).map_writable(ref, file.size, maps)
+            view = mappings.map_writable(ref, file.size, maps)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 return None

@@ -1,5 +1,5 @@
-"""Safetensors dtype names and header specs, without torch (`store/safetensors_header.py` reads a header through
-the store)."""
+"""Safetensors dtype names and header specs, without torch (`checkpoint/safetensors_header.py` reads a header
+through the store)."""
 
 from __future__ import annotations
 

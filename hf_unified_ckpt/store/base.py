@@ -14,6 +14,14 @@ written last, is the commit (`publish` does nothing), and `remove` deletes the m
 checkpoint is never picked. Modelled on torch DCP's `FileSystemBase` / `StorageWriter` / `StorageReader`,
 torchtitan's checkpoint storage and orbax's atomicity options.
 
+What a store has or has not beyond the `Store` protocol are capabilities, each a protocol of its own:
+`MultipartUploads` (several processes upload numbered parts of one file), `LocalPaths` (references are paths
+other libraries open: safetensors files are then read memory-mapped) and `WritableMappings` (a file mapped for
+writing: the memory tier's snapshots). A caller asks for one (`multipart_of`, `local_paths_of`,
+`writable_mappings_of`: the capability, or None) and never calls a method a store lacks; the `Capabilities` flags
+say the same (`multipart`, `local_paths`). Reading tensors is not the store's: `checkpoint/tensor_files.py` reads a
+safetensors file through `read` (ranged), or memory-mapped where the store has local paths (`open_mapped_tensors`).
+
 Which ranks call what: every method is local to the calling process (no collective). The save algorithm
 (`checkpoint/save.py`) decides who calls what, in order: rank 0 stages; every writer writes its files or pieces and
 `sync`s them; rank 0 `put`s the indexes and the manifest last; each folder's leader `publish`es.
@@ -28,12 +36,21 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from ..format.checksum import crc32 as _crc32
+
 #: One byte range to write: (offset in the file, its bytes).
 Range = tuple[int, memoryview]
 #: What a write reports per range: (offset, length, CRC-32 of its bytes).
 Written = tuple[int, int, int]
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+#: The hidden siblings a store that renames (`stage` / `publish` / `retire`) leaves beside `checkpoint-N` while it
+#: works, `.checkpoint-N<suffix>`: a save being written, the checkpoint it replaces, one being removed. Any left
+#: when no save runs were left by an interrupted one (`checkpoint.commit.remove_stale`).
+STAGING_SUFFIX = ".incomplete"
+SUPERSEDED_SUFFIX = ".superseded"
+DELETING_SUFFIX = ".deleting"
 
 
 @dataclass(frozen=True)
@@ -44,15 +61,17 @@ class Capabilities:
     positional_writes: bool
     #: Renaming a folder is atomic (a save is staged aside and renamed into place); else the manifest is the commit.
     atomic_rename: bool
-    #: References are local paths that other libraries can open (`local_path` returns one).
+    #: References are local paths that other libraries can open (the store is `LocalPaths`).
     local_paths: bool
     #: Every process of a job on any machine sees the same bytes (a local folder may be one machine's only: the
     #: save then finds out with writer marks).
     seen_by_all_ranks: bool
-    #: Several ranks may upload numbered parts of one file (`write_part`), each part at least `min_part_size` bytes
-    #: but the last.
+    #: Several ranks may upload numbered parts of one file (the store is `MultipartUploads`), each part at least
+    #: `min_part_size` bytes but the last, and about `part_size` bytes (the target size of the parts ranks upload
+    #: and of those a whole file is streamed in).
     multipart: bool = False
     min_part_size: int = 0
+    part_size: int = 0
 
 
 @runtime_checkable
@@ -81,11 +100,6 @@ class Store(Protocol):
         an empty file), read one at a time as they are asked for: what a copy into another store streams. A
         local file is mapped, not read (no buffer is allocated per range; a range is valid until the next)."""
 
-    def open_tensors(self, ref: str, blocks: dict | None = None):
-        """A lazy handle on safetensors file `ref` (`format.reader.FileHandle`): tensors or slices of them read
-        when asked for, only the bytes asked for where the store reads ranges. `blocks`: the manifest's CRC-32 per
-        block of the file ({"size", "crc32"}), checked on every ranged read where the store reads ranges."""
-
     def crc32(self, ref: str, offset: int, length: int) -> int | None:
         """The CRC-32 of bytes `[offset, offset + length)` of file `ref`; None when the file is missing."""
 
@@ -103,27 +117,6 @@ class Store(Protocol):
         """Write `ranges` at their offsets into file `ref`, created if missing and never truncated, sized to
         `size` first when it is given (the rank that writes the header). Only where
         `capabilities.positional_writes`; durable only after `sync`."""
-
-    def start_upload(self, ref: str) -> str:
-        """Begin a multipart upload of file `ref`; its ID, to which any process may upload parts. Only where
-        `capabilities.multipart` (so are the four methods below)."""
-
-    def write_part(self, ref: str, upload: str, number: int, data) -> str:
-        """Upload part `number` (1-based, parts in offset order) of file `ref` in `upload`; the part's tag."""
-
-    def finish_upload(self, ref: str, upload: str, parts: list[tuple[int, str]]) -> None:
-        """Complete `upload` from its (number, tag) parts: file `ref` appears whole, at once."""
-
-    def abort_upload(self, ref: str, upload: str) -> None:
-        """Drop `upload` and its parts (nothing when it is gone)."""
-
-    def abort_uploads(self, prefix: str, keep=()) -> list[str]:
-        """Abort the uploads under `prefix` that crashed saves left, except the IDs in `keep`."""
-
-    def map_writable(self, ref: str, size: int, maps) -> memoryview:
-        """Only where `capabilities.local_paths`: a writable shared mapping of file `ref` (created if missing) of
-        `size` bytes, its blocks taken (ENOSPC raised here), kept in `maps` (`local_io.WritableMaps`) for the next
-        write of the same file. Bytes copied into it are in the file; `sync` makes them durable."""
 
     def sync(self, ref: str) -> None:
         """Make the bytes written to file `ref` durable."""
@@ -149,13 +142,88 @@ class Store(Protocol):
         """Remove checkpoint `ref` so that no reader ever takes a half-removed one for complete: hide it by a
         rename first where rename is atomic, else delete its `commit_file` (the manifest) first."""
 
-    def local_path(self, ref: str) -> str | None:
-        """`ref` as a path other libraries can open (`capabilities.local_paths`), else None."""
+    def check_writable(self, probe: str) -> None:
+        """Raise unless object `probe` (a name no checkpoint uses) can be written and removed here: what a run
+        asks before its first step (read-only credentials, a missing bucket, an unreachable server)."""
+
+    def close(self) -> None:
+        """Release what this process holds open for the store (a client session and its thread); made again on
+        next use. Nothing where the store holds nothing."""
+
+
+@runtime_checkable
+class MultipartUploads(Protocol):
+    """A store where several processes upload numbered parts of one file (`Capabilities.multipart`): one begins
+    the upload, any uploads parts to it, one completes it and the file appears whole, at once."""
+
+    def start_upload(self, ref: str) -> str:
+        """Begin a multipart upload of file `ref`; its ID, to which any process may upload parts."""
+
+    def write_part(self, ref: str, upload: str, number: int, data) -> str:
+        """Upload part `number` (1-based, parts in offset order) of file `ref` in `upload`; the part's tag."""
+
+    def finish_upload(self, ref: str, upload: str, parts: list[tuple[int, str]]) -> None:
+        """Complete `upload` from its (number, tag) parts: file `ref` appears whole, at once."""
+
+    def abort_upload(self, ref: str, upload: str) -> None:
+        """Drop `upload` and its parts (nothing when it is gone)."""
+
+    def abort_uploads(self, prefix: str, keep=()) -> list[str]:
+        """Abort the uploads under `prefix` that crashed saves left, except the IDs in `keep`; the files'
+        references."""
+
+
+@runtime_checkable
+class LocalPaths(Protocol):
+    """A store whose references are local paths other libraries can open (`Capabilities.local_paths`)."""
+
+    def local_path(self, ref: str) -> str:
+        """`ref` as a path of this machine."""
+
+
+@runtime_checkable
+class WritableMappings(Protocol):
+    """A store that maps a file for writing (the memory tier copies a snapshot straight into its file)."""
+
+    def map_writable(self, ref: str, size: int, maps) -> memoryview:
+        """A writable shared mapping of file `ref` (created if missing) of `size` bytes, its blocks taken (ENOSPC
+        raised here), kept in `maps` (`local_io.WritableMaps`) for the next write of the same file. Bytes copied
+        into it are in the file; `sync` makes them durable."""
+
+
+def multipart_of(store: Store) -> MultipartUploads | None:
+    """`store` as `MultipartUploads`, or None where it has none."""
+    return store if isinstance(store, MultipartUploads) else None
+
+
+def local_paths_of(store: Store) -> LocalPaths | None:
+    """`store` as `LocalPaths`, or None where its references are not local paths."""
+    return store if isinstance(store, LocalPaths) else None
+
+
+def writable_mappings_of(store: Store) -> WritableMappings | None:
+    """`store` as `WritableMappings`, or None where it maps no file for writing."""
+    return store if isinstance(store, WritableMappings) else None
+
+
+def open_mapped_tensors(store: LocalPaths, ref: str):
+    """Safetensors file `ref` of a store with local paths, memory-mapped by `safe_open` (a `format.reader
+    .FileHandle`). The one place a local file is handed to the safetensors library: tensor reading lives above the
+    store (`checkpoint/tensor_files.py`), the path below it."""
+    from safetensors import safe_open  # torch is imported only where tensors are read
+
+    return safe_open(store.local_path(ref), framework="pt")
+
+
+def probe_write(store: Store, probe: str) -> None:
+    """`check_writable` by writing small file `probe` and removing it."""
+    store.put(probe, b"hf_unified_ckpt write check\n")
+    store.remove(probe)
 
 
 class ManifestCommit:
     """The commit of a store without atomic rename: a save is written in place and committed by its manifest,
-    written last; a checkpoint is removed manifest first; references are not local paths."""
+    written last; a checkpoint is removed manifest first."""
 
     def stage(self, final: str) -> str:
         return as_ref(final).rstrip("/")
@@ -168,13 +236,9 @@ class ManifestCommit:
         self.remove(posixpath.join(as_ref(ref).rstrip("/"), commit_file))
         self.remove(ref)
 
-    def local_path(self, ref: str) -> str | None:
-        return None
-
 
 class RangedReads:
-    """`read_chunks`, `open_tensors` and `crc32` of a store without local paths, from its `size` and ranged
-    `read`."""
+    """`read_chunks` and `crc32` of a store without local paths, from its `size` and ranged `read`."""
 
     def read_chunks(self, ref: str, chunk: int) -> Iterator[Range]:
         size = self.size(ref)
@@ -183,41 +247,11 @@ class RangedReads:
         for offset in range(0, size, chunk) if size else [0]:
             yield offset, memoryview(self.read(ref, offset, min(chunk, size - offset)))
 
-    def open_tensors(self, ref: str, blocks: dict | None = None):
-        from .ranged import RangedFile  # here: torch is imported only where tensors are read
-
-        return RangedFile(self, as_ref(ref), blocks)
-
     def crc32(self, ref: str, offset: int, length: int) -> int | None:
-        from ..format.checksum import crc32
-
         size = self.size(ref)
         if size is None or size < offset + length:
             return None
-        return crc32(self.read(ref, offset, length)) if length else 0
-
-
-class NoMultipart:
-    """The multipart methods of a store without multipart uploads (`capabilities.multipart` False)."""
-
-    def _no_multipart(self):
-        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads (capabilities.multipart is False)")
-
-    def start_upload(self, ref: str) -> str:
-        self._no_multipart()
-
-    def write_part(self, ref: str, upload: str, number: int, data) -> str:
-        self._no_multipart()
-
-    def finish_upload(self, ref: str, upload: str, parts: list[tuple[int, str]]) -> None:
-        self._no_multipart()
-
-    def abort_upload(self, ref: str, upload: str) -> None:
-        self._no_multipart()
-
-    def abort_uploads(self, prefix: str, keep=()) -> list[str]:
-        """Nothing to abort."""
-        return []
+        return _crc32(self.read(ref, offset, length)) if length else 0
 
 
 # ---- references -------------------------------------------------------------------------------------------------

@@ -11,11 +11,12 @@ import posixpath
 from collections.abc import Iterable
 
 from ..format.checksum import crc32
-from .base import Capabilities, ManifestCommit, NoMultipart, RangedReads, Range, Written, as_ref
+from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref, probe_write
 
 
-class FsspecStore(RangedReads, ManifestCommit, NoMultipart):
-    """References are URLs of one fsspec protocol (see the module docstring)."""
+class FsspecStore(RangedReads, ManifestCommit):
+    """References are URLs of one fsspec protocol (see the module docstring). No capability beyond the `Store`
+    protocol."""
 
     capabilities = Capabilities(positional_writes=False, atomic_rename=False, local_paths=False,
                                 seen_by_all_ranks=False)
@@ -104,3 +105,9 @@ class FsspecStore(RangedReads, ManifestCommit, NoMultipart):
         key = self._key(ref)
         if self.fs.exists(key):
             self.fs.rm(key, recursive=True)
+
+    def check_writable(self, probe: str) -> None:
+        probe_write(self, probe)
+
+    def close(self) -> None:
+        """Nothing held open."""

@@ -15,18 +15,16 @@ import stat
 from collections.abc import Iterable, Iterator
 
 from . import local_io
-from .base import Capabilities, NoMultipart, Range, Written, as_ref
+from .base import (DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX, Capabilities, Range, Written, as_ref,
+                   probe_write)
 from .direct import write_whole_direct
 
 logger = logging.getLogger(__name__)
 
-STAGING_SUFFIX = ".incomplete"
-SUPERSEDED_SUFFIX = ".superseded"
-DELETING_SUFFIX = ".deleting"
 
-
-class LocalStore(NoMultipart):
-    """References are local paths (see the module docstring)."""
+class LocalStore:
+    """References are local paths (see the module docstring). Capabilities beyond the `Store` protocol:
+    `LocalPaths` (`local_path`) and `WritableMappings` (`map_writable`); no multipart uploads."""
 
     capabilities = Capabilities(positional_writes=True, atomic_rename=True, local_paths=True,
                                 seen_by_all_ranks=False)
@@ -72,12 +70,6 @@ class LocalStore(NoMultipart):
     def read_chunks(self, ref: str, chunk: int) -> Iterator[Range]:
         return local_io.mapped_chunks(self._path(ref), chunk)
 
-    def open_tensors(self, ref: str, blocks: dict | None = None):
-        """`safe_open` (memory-mapped; a local checkpoint is verified whole before loading: `blocks` unused)."""
-        from safetensors import safe_open
-
-        return safe_open(self._path(ref), framework="pt")
-
     def crc32(self, ref: str, offset: int, length: int) -> int | None:
         return local_io.range_crc32(self._path(ref), offset, length)
 
@@ -97,9 +89,6 @@ class LocalStore(NoMultipart):
 
     def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
         local_io.write_at(self._path(ref), ranges, size)
-
-    def map_writable(self, ref: str, size: int, maps: local_io.WritableMaps) -> memoryview:
-        return maps.view(self._path(ref), size)
 
     def sync(self, ref: str) -> None:
         local_io.fsync_file(self._path(ref))
@@ -148,6 +137,15 @@ class LocalStore(NoMultipart):
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 
-    def local_path(self, ref: str) -> str | None:
+    def check_writable(self, probe: str) -> None:
+        probe_write(self, probe)
+
+    def close(self) -> None:
+        """Nothing held open."""
+
+    # ---- capabilities -------------------------------------------------------------------------------------------
+    def local_path(self, ref: str) -> str:
         return self._path(ref)
 
+    def map_writable(self, ref: str, size: int, maps: local_io.WritableMaps) -> memoryview:
+        return maps.view(self._path(ref), size)

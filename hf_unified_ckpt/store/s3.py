@@ -31,24 +31,25 @@ import posixpath
 import threading
 from collections.abc import Iterable
 
-from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref
+from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref, probe_write
+from .uploads import stream_upload
 
 logger = logging.getLogger(__name__)
 
 #: S3's smallest part but a file's last (SeaweedFS enforces it too).
 MIN_PART_SIZE = 5 * 2**20
-#: The part size of whole files streamed by one writer, and the target size of the parts ranks upload.
+#: The part size of whole files streamed by one writer, and the target size of the parts ranks upload
+#: (`Capabilities.part_size`; `uploads.UPLOAD_CONCURRENCY` of them in flight per process).
 PART_SIZE = 16 * 2**20
-#: Parts one process uploads at once. Extra host memory per process: each part in flight and the HTTP stack's
-#: copies of it, measured 222-255 MiB at 16 MiB x 4 (bench/bench_s3.py; s3fs's own upload: 131-148 MiB).
-UPLOAD_CONCURRENCY = 4
 
 
 class S3Store(RangedReads, ManifestCommit):
-    """References are `s3://bucket/key...` URLs (see the module docstring)."""
+    """References are `s3://bucket/key...` URLs (see the module docstring). Capabilities beyond the `Store`
+    protocol: `MultipartUploads`."""
 
     capabilities = Capabilities(positional_writes=False, atomic_rename=False, local_paths=False,
-                                seen_by_all_ranks=True, multipart=True, min_part_size=MIN_PART_SIZE)
+                                seen_by_all_ranks=True, multipart=True, min_part_size=MIN_PART_SIZE,
+                                part_size=PART_SIZE)
 
     def __init__(self, scheme: str = "s3", **storage_options):
         self.scheme = scheme
@@ -174,8 +175,6 @@ class S3Store(RangedReads, ManifestCommit):
     def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
         """Streamed as a multipart upload of PART_SIZE parts (one PUT when the file is smaller than a part); a
         failure aborts the upload, leaving no object."""
-        from .s3_upload import stream_upload
-
         return stream_upload(self, ref, ranges, size)
 
     def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
@@ -235,8 +234,7 @@ class S3Store(RangedReads, ManifestCommit):
             self._call("head_bucket", Bucket=bucket)
         except FileNotFoundError:
             raise FileNotFoundError(f"bucket {bucket!r} does not exist") from None
-        self.put(probe, b"hf_unified_ckpt write check\n")
-        self.remove(probe)
+        probe_write(self, probe)
 
     def sync(self, ref: str) -> None:
         """A completed PUT or multipart upload is durable: nothing more to do."""

@@ -14,7 +14,7 @@ import sys
 from ..errors import UnifiedCheckpointError
 from ..checkpoint.layout import UNIFIED, detect_layout
 from ..format.headers import tensor_specs
-from ..store.safetensors_header import read_safetensors_header
+from ..checkpoint.safetensors_header import read_safetensors_header
 from ..checkpoint.manifest import spread_hint, verify_folder
 from ..store import is_folder, join
 

@@ -59,12 +59,7 @@ def check_writable(root: str) -> None:
     if dist.rank() == 0:
         probe = join(root, f".hf_unified_ckpt-write-check-{uuid.uuid4().hex[:12]}")
         try:
-            store = store_for(probe)
-            if hasattr(store, "check_writable"):
-                store.check_writable(probe)
-            else:
-                store.put(probe, b"hf_unified_ckpt write check\n")
-                store.remove(probe)
+            store_for(probe).check_writable(probe)
         except Exception as e:  # any failure: reported on every rank below
             outcome = f"{type(e).__name__}: {e}"
     outcome = dist.broadcast_object(outcome)
@@ -77,10 +72,8 @@ def check_writable(root: str) -> None:
 
 
 def close_store(ref: str) -> None:
-    """End the client session of `ref`'s store, if it keeps one (object stores). Local."""
-    close = getattr(store_for(ref), "close", None)
-    if close is not None:
-        close()
+    """End the client session of `ref`'s store, where it keeps one (object stores). Local."""
+    store_for(ref).close()
 
 
 class LocalAlias:

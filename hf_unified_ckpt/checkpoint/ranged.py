@@ -1,5 +1,6 @@
-"""A safetensors file read by byte ranges (`RangedFile`): the `FileHandle` of stores without local paths. The
-header is read once; a tensor, or the rows a step-1 slice of its first dimension asks for, is one ranged read."""
+"""A safetensors file read by byte ranges (`RangedFile`): the `FileHandle` of stores without local paths, over
+`Store.read` (`tensor_files.open_tensors` chooses it). The header is read once; a tensor, or the rows a step-1
+slice of its first dimension asks for, is one ranged read."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import collections
 
 import torch
 
+from ..errors import CorruptCheckpointError
+from ..format.checksum import crc32
 from ..format.headers import TORCH_DTYPE_NAMES
 from .safetensors_header import header_and_data_start
 
@@ -67,14 +70,10 @@ class RangedFile:
             self._kept.popitem(last=False)
 
     def _check(self, index: int, data: bytes) -> None:
-        from ..format.checksum import crc32
-
         view = memoryview(data)
         for i in range(0, len(view), self.block):
             block = index + i // self.block
             if block >= len(self.crcs) or crc32(view[i:i + self.block]) != self.crcs[block]:
-                from ..errors import CorruptCheckpointError
-
                 raise CorruptCheckpointError(
                     f"{self.ref}: bytes [{block * self.block}, {block * self.block + len(view[i:i + self.block])}) "
                     "do not match the CRC-32 its manifest records for them (damaged in storage or in transit). "

@@ -1,5 +1,5 @@
-"""A safetensors file's JSON header, read through its store without touching tensor data (and without torch: the
-`info` / `verify` command line judges files by it)."""
+"""A safetensors file's JSON header, read through its store (`Store.read`) without touching tensor data (and without
+torch: the `info` / `verify` command line judges files by it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import struct
 
 from ..errors import CorruptCheckpointError
-from .base import as_ref, store_for
+from ..store import as_ref, store_for
 
 #: A header longer than this is taken for a damaged length field.
 MAX_HEADER = 100 * 2**20

@@ -1,5 +1,8 @@
-"""Uploads of the S3 store: a file streamed whole by one writer (`stream_upload`) and a bounded pool of part
-uploads (`PartUploads`), both holding at most `PART_SIZE * UPLOAD_CONCURRENCY` bytes of parts in flight."""
+"""Uploads to a store with multipart uploads (`base.MultipartUploads`, S3's): a bounded pool of part uploads
+(`PartUploads`: the parts ranks upload, `checkpoint/multipart.py`) and a file streamed whole by one writer
+(`stream_upload`), both holding at most `part_size * UPLOAD_CONCURRENCY` bytes of parts in flight, the part size
+the store's (`Capabilities.part_size`). Nothing here knows a concrete store: `s3.py` imports this module, never the
+reverse."""
 
 from __future__ import annotations
 
@@ -8,8 +11,11 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..format.checksum import crc32
-from .base import Range, Written
-from .s3 import PART_SIZE, UPLOAD_CONCURRENCY
+from .base import MultipartUploads, Range, Written
+
+#: Parts one process uploads at once. Extra host memory per process: each part in flight and the HTTP stack's
+#: copies of it, measured 222-255 MiB at 16 MiB x 4 on S3 (bench/bench_s3.py; s3fs's own upload: 131-148 MiB).
+UPLOAD_CONCURRENCY = 4
 
 
 class PartUploads:
@@ -18,7 +24,7 @@ class PartUploads:
     parts exist at once (and the HTTP stack's copy of each in flight: about 2 x concurrency x part size in all).
     `results` waits for all and raises the first failure, naming the object and the part."""
 
-    def __init__(self, store, concurrency: int = UPLOAD_CONCURRENCY):
+    def __init__(self, store: MultipartUploads, concurrency: int = UPLOAD_CONCURRENCY):
         self.store = store
         self._slots = threading.BoundedSemaphore(concurrency)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="s3-part")
@@ -57,9 +63,11 @@ class PartUploads:
 
 
 def stream_upload(store, ref: str, ranges: Iterable[Range], size: int) -> list[Written]:
-    """Create object `ref` from `ranges` (offset order, tiling [0, size)): one PUT below a part, else a multipart
-    upload of PART_SIZE parts, aborted on any failure (no object appears). Each part's bytes are copied once, from
-    the ranges into the part, whatever the ranges' sizes."""
+    """Create object `ref` of `store` (a `Store` with `MultipartUploads`) from `ranges` (offset order, tiling
+    [0, size)): one `put` below a part, else a multipart upload of `store.capabilities.part_size` parts, aborted on
+    any failure (no object appears). Each part's bytes are copied once, from the ranges into the part, whatever the
+    ranges' sizes."""
+    part_size = store.capabilities.part_size
     written, end, pending = [], 0, bytearray()
     upload, parts, number = None, None, 0
     try:
@@ -70,10 +78,10 @@ def stream_upload(store, ref: str, ranges: Iterable[Range], size: int) -> list[W
             written.append((offset, len(view), crc32(view)))
             end += len(view)
             while view:
-                take = min(PART_SIZE - len(pending), len(view))
+                take = min(part_size - len(pending), len(view))
                 pending += view[:take]
                 view = view[take:]
-                if len(pending) == PART_SIZE:  # every part but the last is PART_SIZE (>= MIN_PART_SIZE)
+                if len(pending) == part_size:  # every part but the last is part_size (>= min_part_size)
                     if upload is None:
                         upload, parts = store.start_upload(ref), PartUploads(store)
                     parts.slot()
