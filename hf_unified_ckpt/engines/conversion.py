@@ -1,7 +1,8 @@
 """Models whose run-time tensors are not the ones `save_pretrained` writes (transformers 5 weight conversions:
 Mixture-of-Experts layers fuse their experts into 3-D tensors at load time and `save_pretrained` writes them back
-per expert): the `WeightConversion` worked out from transformers' own rules, and `WithConversion`, the engine
-adapter that saves and loads every component under the saved names.
+per expert): the `WeightConversion` worked out from transformers' own rules, the tensors `save_pretrained` writes
+(`model_state_for_save`), and `WithConversion`, the engine adapter that saves and loads every component under the
+saved names. `hf_model` is below this module: it never imports it.
 
 The rules (`transformers.core_model_loading.revert_weight_conversion` with the model's conversion mapping) work
 on whole tensors. To learn which elements of which live tensor each saved tensor holds, they are run once on index
@@ -23,7 +24,7 @@ from torch import nn
 from ..errors import UnsupportedCheckpointError
 from ..format.conversion import View, WeightConversion
 from ..format.planning import TensorSpec
-from .hf_model import is_peft_model
+from .hf_model import is_peft_model, live_model_state
 
 
 def weight_conversion(module: nn.Module, specs: Sequence[TensorSpec]) -> WeightConversion | None:
@@ -45,6 +46,16 @@ def weight_conversion(module: nn.Module, specs: Sequence[TensorSpec]) -> WeightC
         return None
     return WeightConversion(views, {n: tuple(meta[n].shape) for n in views},
                             getattr(getattr(module, "config", None), "model_type", "") or "")
+
+
+def model_state_for_save(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors `save_pretrained(module)` would write, by the names it would use (views where the model's
+    weight conversion allows, else copies)."""
+    state = live_model_state(module)
+    conversion = weight_conversion(module, [TensorSpec.of(n, t) for n, t in state.items()])
+    if conversion is None:
+        return state
+    return conversion.tensors(state, [saved for live in state for saved in conversion.saved_names(live)])
 
 
 def _reverter(module: nn.Module):

@@ -65,19 +65,6 @@ def live_model_state(module: nn.Module, naming: NamingPolicy | None = None) -> d
     return (naming or naming_policy(module)).saved(module.state_dict())
 
 
-def model_state_for_save(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors `save_pretrained(module)` would write, by the names it would use (views where the model's
-    weight conversion allows, else copies)."""
-    from .conversion import weight_conversion
-    from ..format.planning import TensorSpec
-
-    state = live_model_state(module)
-    conversion = weight_conversion(module, [TensorSpec.of(n, t) for n, t in state.items()])
-    if conversion is None:
-        return state
-    return conversion.tensors(state, [saved for live in state for saved in conversion.saved_names(live)])
-
-
 def parameter_names(module: nn.Module, naming: NamingPolicy) -> dict[int, str]:
     """id(param) -> the name its optimizer state is keyed by (a tied parameter: the name its weights are saved
     under)."""

@@ -120,7 +120,8 @@ def _write_merged(model, chosen, folder: str, stem: str, dtype, max_shard_size: 
                   checkpoint: str, base_model: str | None) -> None:
     """The adapter (each tensor from `chosen` where it has it) merged into its base model, written as
     `save_pretrained` names the merged model's tensors, with its config files."""
-    from ..engines.hf_model import MODEL_STEM, model_config_files, model_state_for_save
+    from ..engines.conversion import model_state_for_save
+    from ..engines.hf_model import MODEL_STEM, model_config_files
     from .merge_lora import base_model_path, merged_model
 
     adapter = {n: (chosen if n in chosen else model).get(n) for n in model.keys()}
