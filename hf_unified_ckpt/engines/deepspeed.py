@@ -37,8 +37,7 @@ from .hf_model import naming_policy, model_config_files
 from ..format.names import optimizer_key, split_optimizer_key
 from ..format.optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_scalar
 from ..format.planning import TensorSpec
-from ..format.reader import read_flat_range
-from ..checkpoint.safetensors_io import ComponentReader
+from ..format.reader import TensorReader, read_flat_range
 from .autotp import TPSplit, autotp_splits, gather_split, read_split_range
 from .base import Fragment, component_source
 
@@ -504,14 +503,14 @@ class DeepSpeedEngine:
         start = dist.rank() * size
         return size, start, max(0, min(size, p.ds_numel - start))
 
-    def _read_range(self, reader: ComponentReader, name: str, p, start: int, count: int) -> torch.Tensor:
+    def _read_range(self, reader: TensorReader, name: str, p, start: int, count: int) -> torch.Tensor:
         """Elements [start, start + count) of this rank's flattened `p` (its AutoTP slice, if sharded)."""
         split = self._split.get(id(p))
         if split is not None:
             return read_split_range(reader, name, split, start, count)
         return read_flat_range(reader, name, self._full_shape(p), start, count)
 
-    def _load_lp(self, reader: ComponentReader, name: str, p) -> None:
+    def _load_lp(self, reader: TensorReader, name: str, p) -> None:
         with torch.no_grad():
             if self.stage != 3:
                 p.data.copy_(self._read_range(reader, name, p, 0, p.numel()).view(p.shape) if id(p) in self._split
@@ -521,7 +520,7 @@ class DeepSpeedEngine:
             if count:
                 p.ds_tensor.data[:count].copy_(read_flat_range(reader, name, p.ds_shape, start, count))
 
-    def _load_hp(self, reader: ComponentReader, key_in_file: str, p, key: str | None) -> None:
+    def _load_hp(self, reader: TensorReader, key_in_file: str, p, key: str | None) -> None:
         """Write this rank's fp32 fragment/partition of `p` (master weights when key is None, else state)."""
         from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
@@ -544,7 +543,7 @@ class DeepSpeedEngine:
         else:
             safe_set_local_optimizer_state(p, padded, key)
 
-    def _load_optimizer(self, reader: ComponentReader) -> None:
+    def _load_optimizer(self, reader: TensorReader) -> None:
         decoder = OptimizerStateDecoder(reader)
         self._restore_loss_scaler(reader.metadata.get(LOSS_SCALER))
         specs = reader.specs()

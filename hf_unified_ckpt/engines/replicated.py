@@ -15,7 +15,7 @@ from ..errors import UnsupportedCheckpointError, missing_and_unexpected
 from .hf_model import is_peft_model, live_model_state, naming_policy, parameter_names, model_config_files
 from ..format.optim_state import flatten_optimizer_state, unflatten_optimizer_state
 from ..format.planning import TensorSpec
-from ..checkpoint.safetensors_io import ComponentReader
+from ..format.reader import TensorReader
 from .base import Fragment, component_source
 
 
@@ -103,7 +103,7 @@ class ReplicatedEngine:
         if sources.get(OPTIMIZER) is not None:
             self.load_optimizer(sources.get(OPTIMIZER))
 
-    def load_model(self, reader: ComponentReader, master: ComponentReader | None = None) -> None:
+    def load_model(self, reader: TensorReader, master: TensorReader | None = None) -> None:
         """Weights from `reader`; fp32 trainable parameters from `master` (exact fp32 values) when given. Applied
         by the module's own `load_state_dict`, as the native Trainer's resume and best-model load do (a module
         that overrides it, e.g. to take a buffer of another shape, gets what it expects). Unlike native, which
@@ -131,7 +131,7 @@ class ReplicatedEngine:
                 f"the model's load_state_dict refused the checkpoint's weights: {e}. Build the same architecture "
                 "(config) as the run that saved it.") from e
 
-    def _load_adapter(self, reader: ComponentReader) -> None:
+    def _load_adapter(self, reader: TensorReader) -> None:
         from peft import set_peft_model_state_dict
 
         expected, found = set(self._model_state), set(reader.keys())
@@ -147,7 +147,7 @@ class ReplicatedEngine:
         """The parameter names of each of the optimizer's param groups, in its order. Local only."""
         return [[self._param_name(p) for p in g["params"]] for g in self.optimizer.param_groups]
 
-    def load_optimizer(self, reader: ComponentReader) -> None:
+    def load_optimizer(self, reader: TensorReader) -> None:
         current = self.param_group_names()
         state = unflatten_optimizer_state(reader, current, self.optimizer.param_groups)
         self.optimizer.load_state_dict(state)
