@@ -19,11 +19,22 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-
-from ..options import UnifiedCheckpointOptions
+from typing import Protocol, TypeVar
 
 #: Param-group hyper-parameters that are the decay rate of a moment (torch optimizers' names).
 _DECAYS = ("betas", "momentum", "alpha", "rho", "beta")
+
+
+class SaveStages(Protocol):
+    """What the guard reads and sets of a save's options: a dataclass with these fields (`options`'
+    `UnifiedCheckpointOptions`, which sits above this layer and is never imported here)."""
+
+    quant_stage: str
+    quant_stage_requested: str | None
+    quantized_restore_step: int | None
+
+
+Options = TypeVar("Options", bound=SaveStages)
 
 
 def error_half_life(param_groups: Sequence[Mapping]) -> float:
@@ -48,10 +59,10 @@ def restored_step(manifest: Mapping) -> int | None:
     return None if recorded is None else int(recorded)
 
 
-def options_for_save(options: UnifiedCheckpointOptions, step: int, restore_step: int | None,
-                     half_life: float) -> UnifiedCheckpointOptions:
-    """The options of the save at `step`: O0 (the requested stage recorded) while the guard holds, and the
-    lineage's restore step carried forward either way."""
+def options_for_save(options: Options, step: int, restore_step: int | None, half_life: float) -> Options:
+    """The options of the save at `step` (`options`: a dataclass such as `UnifiedCheckpointOptions`, returned
+    as the same type): O0 (the requested stage recorded) while the guard holds, and the lineage's restore step
+    carried forward either way."""
     if restore_step is None:
         return options
     if options.quant_stage != "O0" and step - restore_step < half_life:
