@@ -163,45 +163,6 @@ def _imported(name: str, modules: dict) -> set[str]:
     return found - {name}
 
 
-def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The import circles of `graph` (its strongly connected components of more than one module)."""
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
-
-    def visit(module):
-        index[module] = low[module] = len(index)
-        stack.append(module)
-        on_stack.add(module)
-        for other in graph[module]:
-            if other not in index:
-                visit(other)
-                low[module] = min(low[module], low[other])
-            elif other in on_stack:
-                low[module] = min(low[module], index[other])
-        if low[module] == index[module]:
-            circle = []
-            while not circle or circle[-1] != module:
-                circle.append(stack.pop())
-                on_stack.discard(circle[-1])
-            if len(circle) > 1:
-                circles.append(sorted(circle))
-
-    for module in sorted(graph):
-        if module not in index:
-            visit(module)
-    return circles
-
-
-def test_no_import_circles():
-    """No module imports one that imports it back, directly or around a circle, even inside a function (issue 48:
-    `store/base` -> `store/ranged` -> `store/safetensors_header` -> `store/base` and `store/s3` <-> `store/s3_upload`
-    were such circles, closed by function-local imports)."""
-    modules = _module_names()
-    graph = {name: _imported(name, modules) for name in modules}
-    assert graph["hf_unified_ckpt.store.s3"] and graph["hf_unified_ckpt.checkpoint.ranged"]  # the walker sees imports
-    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert _circles(graph) == []
-
-
 def test_nothing_above_the_store_imports_a_concrete_store():
     """Above the seam a store is reached through `store_for` and the capability protocols, never by its module:
     no module outside `store/` imports `store.local`, `store.local_io`, `store.direct`, `store.fsspec_store` or
