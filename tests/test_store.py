@@ -41,7 +41,7 @@ from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
 from hf_unified_ckpt.checkpoint.writer import SharedFileWriter, WholeFileWriter
 from hf_unified_ckpt.format.parts import VERIFY_BLOCK
 from hf_unified_ckpt.store import (FsspecStore, LocalStore, canonical, join, multipart_of, name_of, parent_of,
-                                   scheme_of, sibling, store_for)
+                                   positional_writes_of, scheme_of, sibling, store_for)
 
 #: Several files per component: the model's 5 tensors (65, 13, 39, 3 and 77 floats) and their optimizer state.
 OPTIONS = UnifiedCheckpointOptions(enabled=True, max_shard_size=200)
@@ -282,7 +282,8 @@ def test_full_disk_mid_save_commits_nothing(run_ref, monkeypatch):
 
     with monkeypatch.context() as m:  # whichever the store's writer uses: whole files (memory), in place (local),
         m.setattr(store, "write_whole", failing(store.write_whole))  # parts of uploads (s3)
-        m.setattr(store, "write_at", failing(store.write_at))
+        if positional_writes_of(store) is not None:
+            m.setattr(store, "write_at", failing(store.write_at))
         if multipart_of(store) is not None:
             m.setattr(store, "write_part", failing(store.write_part))
         with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
@@ -707,13 +708,14 @@ def test_capability_flags_match_the_capability_protocols():
     """Every registered store implements the `Store` protocol (`check_writable` and `close` included), and has a
     capability protocol exactly where its `Capabilities` say so: multipart uploads (with a part size S3 accepts) and
     local paths; writable mappings only with local paths. No store carries stubs of a capability it lacks."""
-    from hf_unified_ckpt.store import LocalPaths, MultipartUploads, Store, WritableMappings
+    from hf_unified_ckpt.store import LocalPaths, MultipartUploads, PositionalWrites, Store, WritableMappings
 
     for ref in ("/x", "file:///x", "memory://x", "s3://bucket/x"):
         store = store_for(ref)
         flags = store.capabilities
         assert isinstance(store, Store), ref
         assert flags.multipart == isinstance(store, MultipartUploads), ref
+        assert flags.positional_writes == isinstance(store, PositionalWrites), ref
         assert flags.local_paths == isinstance(store, LocalPaths), ref
         assert not isinstance(store, WritableMappings) or flags.local_paths, ref
         assert (flags.part_size >= 2 * flags.min_part_size > 0) if flags.multipart else flags.part_size == 0, ref

@@ -43,7 +43,8 @@ from typing import Protocol
 import torch
 
 from ..format.planning import FilePlan, WriteItem
-from ..store import WritableMaps, as_ref, is_file, join, listing, name_of, store_for, writable_mappings_of
+from ..store import (PositionalWrites, WritableMaps, as_ref, is_file, join, listing, name_of, positional_writes_of,
+                     store_for, writable_mappings_of)
 from ..format.checksum import crc32
 from .files import FileRecord, RangeRecord
 from .safetensors_io import write_shard
@@ -230,7 +231,7 @@ class Placed:
     def records(self, ref: str, file: FilePlan) -> list[RangeRecord]:
         """The record of the placed bytes, written at `ref` first where the save moved elsewhere (its fallback)."""
         if ref != self.ref:
-            store_for(ref).write_at(ref, [(0, self.view)], file.size)
+            in_place_store(ref).write_at(ref, [(0, self.view)], file.size)
         return [RangeRecord(file.name, 0, len(self.view), crc32(self.view))]
 
 
@@ -294,8 +295,8 @@ def natural_order(name: str) -> tuple:
 def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],
                  direct_io: bool = False) -> list[RangeRecord]:
     """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in file `ref`
-    (`Store.write_at`: created if missing, never truncated), and compute each range's CRC-32 from memory once the
-    bytes are in the page cache. With `direct_io`, a file this rank writes whole is streamed by `Store.write_whole`
+    (`PositionalWrites.write_at`: created if missing, never truncated), and compute each range's CRC-32 from memory
+    once the bytes are in the page cache. With `direct_io`, a file this rank writes whole is streamed by `Store.write_whole`
     with direct I/O (bypassing the page cache) where the store allows it, each tensor taken from `tensors` (which
     may compute it on access) while the one before is written. Returns one record per range written. The caller
     makes the file durable (`SharedFileWriter.write`)."""
@@ -308,8 +309,17 @@ def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Map
             written = store.write_whole(ref, ranges, file.size, direct_io=True)
         return [RangeRecord(file.name, offset, length, crc) for offset, length, crc in written]
     ranges = rank_ranges(file, rank, tensors)
-    store.write_at(ref, ranges, file.size if rank == file.header_rank else None)
+    in_place_store(ref).write_at(ref, ranges, file.size if rank == file.header_rank else None)
     return [RangeRecord(file.name, offset, len(data), crc32(data)) for offset, data in ranges]
+
+
+def in_place_store(ref: str) -> PositionalWrites:
+    """The store of `ref` as `PositionalWrites` (the strategy that writes pieces in place is chosen only where it
+    has them)."""
+    store = positional_writes_of(store_for(ref))
+    if store is None:
+        raise TypeError(f"{ref}: its store has no positional writes; pieces cannot be written in place there.")
+    return store
 
 
 def rank_ranges(file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, memoryview]]:

@@ -57,7 +57,8 @@ DELETING_SUFFIX = ".deleting"
 class Capabilities:
     """What a store can do; the save and remove algorithms choose their strategy from it."""
 
-    #: Several processes may write byte ranges of one file at offsets (`write_at`): shared files written in place.
+    #: Several processes may write byte ranges of one file at offsets (`PositionalWrites`): shared files written in
+    #: place.
     positional_writes: bool
     #: Renaming a folder is atomic (a save is staged aside and renamed into place); else the manifest is the commit.
     atomic_rename: bool
@@ -113,11 +114,6 @@ class Store(Protocol):
         caller may produce the next while this one is written. Durable only after `sync`. `direct_io`: bypass the
         page cache where the store has one and allows it."""
 
-    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
-        """Write `ranges` at their offsets into file `ref`, created if missing and never truncated, sized to
-        `size` first when it is given (the rank that writes the header). Only where
-        `capabilities.positional_writes`; durable only after `sync`."""
-
     def sync(self, ref: str) -> None:
         """Make the bytes written to file `ref` durable."""
 
@@ -149,6 +145,16 @@ class Store(Protocol):
     def close(self) -> None:
         """Release what this process holds open for the store (a client session and its thread); made again on
         next use. Nothing where the store holds nothing."""
+
+
+@runtime_checkable
+class PositionalWrites(Protocol):
+    """A store where several processes write byte ranges of one file at offsets (`Capabilities.positional_writes`):
+    shared files written in place."""
+
+    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
+        """Write `ranges` at their offsets into file `ref`, created if missing and never truncated, sized to
+        `size` first when it is given (the rank that writes the header). Durable only after `sync`."""
 
 
 @runtime_checkable
@@ -189,6 +195,11 @@ class WritableMappings(Protocol):
         """A writable shared mapping of file `ref` (created if missing) of `size` bytes, its blocks taken (ENOSPC
         raised here), kept in `maps` (`local_io.WritableMaps`) for the next write of the same file. Bytes copied
         into it are in the file; `sync` makes them durable."""
+
+
+def positional_writes_of(store: Store) -> PositionalWrites | None:
+    """`store` as `PositionalWrites`, or None where files are written whole."""
+    return store if isinstance(store, PositionalWrites) else None
 
 
 def multipart_of(store: Store) -> MultipartUploads | None:

@@ -88,10 +88,6 @@ class FsspecStore(RangedReads, ManifestCommit):
             raise
         return written
 
-    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
-        raise NotImplementedError(f"{self.scheme}:// has no positional writes (capabilities.positional_writes is "
-                                  "False): write whole files")
-
     def sync(self, ref: str) -> None:
         """A closed file is committed: nothing more to do."""
 

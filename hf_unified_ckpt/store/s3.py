@@ -177,10 +177,6 @@ class S3Store(RangedReads, ManifestCommit):
         failure aborts the upload, leaving no object."""
         return stream_upload(self, ref, ranges, size)
 
-    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
-        raise NotImplementedError("s3:// has no positional writes (capabilities.positional_writes is False): upload "
-                                  "parts (write_part) or whole files")
-
     def start_upload(self, ref: str) -> str:
         """Begin a multipart upload of `ref`; its upload ID, which every rank may upload parts to."""
         bucket, key = self._bucket_key(ref)
