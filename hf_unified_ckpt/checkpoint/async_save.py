@@ -93,9 +93,11 @@ class AsyncSaver:
         return outcome.concluded(after_commit)
 
     def release_mappings(self) -> None:
-        """Unmap the files the saves wrote through mappings (a run's end: the memory tier's files may be freed).
-        Call with no save in flight."""
+        """Release what the saves keep from one to the next (a run's end): the mappings of the files they wrote
+        through (the memory tier's files may be freed) and the writer process, if any. Call with no save in
+        flight; the next save starts again what it needs."""
         self._snapshots.release_mappings()
+        self._executor.close()
 
     def wait_for_snapshot(self) -> None:
         """Block until the in-flight save has copied what it writes (call before the optimizer changes it)."""
@@ -115,4 +117,3 @@ class AsyncSaver:
         except UnifiedCheckpointError as e:
             logger.error("%s", e)
         self.release_mappings()
-        self._executor.close()
