@@ -14,6 +14,7 @@ The synchronous save runs the same `save.finish` inline (`save.save_checkpoint`)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -22,8 +23,11 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 
+import torch
+
 from .. import dist
 from ..errors import WriterProcessDied
+from .persist import PersistJob
 from .save import Outcome, Started, discard, finish
 
 logger = logging.getLogger(__name__)
@@ -60,6 +64,7 @@ class ProcessExecutor:
 
     def __init__(self):
         self._writer: WriterProcess | None = None
+        self._shipping = BufferShipping()
 
     def prepare(self) -> None:
         """Start the writer processes where any rank has none alive (all ranks then start new ones, which meet on
@@ -70,12 +75,15 @@ class ProcessExecutor:
         self.close()
         address = dist.broadcast_object(_free_address() if dist.rank() == 0 else None)
         self._writer = WriterProcess(dist.rank(), dist.world_size(), address)
+        self._shipping = BufferShipping()  # a new writer holds no buffer yet
 
     def finish(self, started: Started, staged: tuple[bool, object], fallback: str | None) -> Outcome:
         """Run `save.finish` in the writer process and return its outcome (the background thread waits). Raises
         `WriterProcessDied` (after removing what the save wrote, on the folder's leader) if the writer died."""
+        job, new, live = self._shipping.pack(started.job if staged[0] else None)
+        started = dataclasses.replace(started, job=job)
         try:
-            return self._writer.run((started, staged, fallback))
+            return self._writer.run((started, (True, job) if staged[0] else staged, fallback, new, live))
         except WriterProcessDied:
             if started.staging.is_leader:
                 discard(started.staging.path, started.writer)
@@ -86,6 +94,40 @@ class ProcessExecutor:
         if self._writer is not None:
             self._writer.stop()
             self._writer = None
+
+
+class BufferShipping:
+    """The snapshot's host buffers as the writer process receives them: a buffer crosses once (its file
+    descriptor, the first time a job holds it); later jobs name it by number, and the writer keeps it mapped from
+    save to save (no descriptor per tensor per save, no new mapping to fault in). Each job says which buffers are
+    still in use; the writer drops the others."""
+
+    def __init__(self):
+        self._held: dict[int, torch.Tensor] = {}  # number -> buffer the writer holds
+
+    def pack(self, job: PersistJob | None) -> tuple[PersistJob | None, dict[int, torch.Tensor], list[int]]:
+        """`job` with every tensor replaced by its buffer's number; the buffers the writer does not hold yet; the
+        numbers in use (None: nothing to write, every buffer dropped)."""
+        if job is None:
+            self._held = {}
+            return None, {}, []
+        new, held, files = {}, {}, []
+        for file, tensors in job.files:
+            numbers = {}
+            for name, tensor in tensors.items():
+                number = id(tensor)  # the buffer stays alive while held here, so its number is its own
+                if self._held.get(number) is not tensor:
+                    new[number] = tensor
+                numbers[name], held[number] = number, tensor
+            files.append((file, numbers))
+        self._held = held
+        return dataclasses.replace(job, files=files), new, list(held)
+
+
+def unpack(job: PersistJob, buffers: dict[int, torch.Tensor]) -> PersistJob:
+    """The writer's side of `BufferShipping.pack`: `job` with each number replaced by its buffer."""
+    job.files = [(file, {name: buffers[number] for name, number in numbers.items()}) for file, numbers in job.files]
+    return job
 
 
 def executor_for(name: str):

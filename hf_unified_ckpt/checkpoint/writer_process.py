@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 
 from .. import dist
 from ..errors import UnifiedCheckpointError
-from .executors import AUTHKEY_ENV
+from .executors import AUTHKEY_ENV, unpack
 from .save import finish
 
 #: How long a collective of the writers waits for a peer before it fails (a peer writer that died fails it sooner:
@@ -26,7 +26,9 @@ TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def serve(conn: Connection) -> None:
-    """Answer jobs until None or the end of the connection."""
+    """Answer jobs until None or the end of the connection. The buffers the jobs' tensors live in stay mapped from
+    one job to the next (`executors.BufferShipping`)."""
+    buffers: dict[int, object] = {}
     while True:
         try:
             message = conn.recv()
@@ -34,12 +36,15 @@ def serve(conn: Connection) -> None:
             return
         if message is None:
             return
-        started, staged, fallback = message
+        started, staged, fallback, new, live = message
+        buffers = {number: new.get(number, buffers.get(number)) for number in live}
+        if staged[0]:
+            unpack(staged[1], buffers)
         try:
             answer = (True, finish(started, staged, fallback=fallback))
         except BaseException as e:  # sent back with its type
             answer = (False, _sendable(e))
-        del started, staged, message  # the shared tensors go before the trainer reuses their buffers
+        del started, staged, message, new  # the job's views go; the buffers stay mapped for the next job
         conn.send(answer)
 
 
