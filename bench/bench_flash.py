@@ -17,18 +17,18 @@ contenders, and each time is the slowest rank's, started after a barrier (and an
 printed with the absolute figures beside every ratio:
 
 (1) blocked time per flash save / memcpy of the rank's bytes              target <= 1.5
-    A trainer trained one step; then a flash tier is opened by hand on it (`FlashTier(...).open()` and `.start(...)`,
-    what `train()` does before its first step: the persister is started and the lease's heartbeat runs) and saves are
-    made with `trainer._save_checkpoint(trainer.model, None)` at increasing `global_step`s. Blocked = that call +
-    `trainer._uc_saver.wait_for_snapshot()` (the snapshot copy, straight into the memory files an evicted checkpoint
-    left, through mappings kept from save to save, which the next optimizer step waits for), per rank after a barrier,
-    slowest rank. Memcpy = one `torch.Tensor.copy_` of `trainer._uc_saver.snapshot_bytes` bytes (what this rank
-    snapshots) between two preallocated, already touched uint8 tensors, all ranks at once, slowest rank. K + 1
-    untimed rounds first (the save's gloo group made; the tier's memory taken: a save into fresh memory waits for
-    its fresh pages in the copy, a cost (2) counts in its first saves). Outside the timing, between repetitions:
-    `trainer._uc_saver.wait()` (the background write into memory) and, when the save was an Mth one, the
-    persister's durable copy of it, so each save starts on an idle machine (the persister's competition for the CPU
-    is what (2) measures).
+    A trainer trained one step; then a flash tier is opened by hand on it (`FlashTier(...).open()` and
+    `.start(...)`, what `train()` does before its first step: the persister is started and the lease's heartbeat
+    runs) and saves are made with `trainer._save_checkpoint(trainer.model, None)` at increasing `global_step`s.
+    Blocked = that call + `trainer._uc_session.saver.wait_for_snapshot()` (the snapshot copy, straight into the
+    memory files an evicted checkpoint left, through mappings kept from save to save, which the next optimizer step
+    waits for), per rank after a barrier, slowest rank. Memcpy = one `torch.Tensor.copy_` of
+    `trainer._uc_session.saver.snapshot_bytes` bytes (what this rank snapshots) between two preallocated, already
+    touched uint8 tensors, all ranks at once, slowest rank. K + 1 untimed rounds first (the save's gloo group made;
+    the tier's memory taken: a save into fresh memory waits for its fresh pages in the copy, a cost (2) counts in
+    its first saves). Outside the timing, between repetitions: `trainer._uc_session.saver.wait()` (the background
+    write into memory) and, when the save was an Mth one, the persister's durable copy of it, so each save starts on
+    an idle machine (the persister's competition for the CPU is what (2) measures).
 (2) training throughput with flash saves / without saves, steady state      target >= 0.95
     Fresh trainers, `--steps` steps each (default 20), alternating: no saves (`save_strategy="no"`, no flash) vs a
     flash save every `--save-every` steps (default 5) with M and K as above. The target is checked on the second
@@ -50,11 +50,11 @@ printed with the absolute figures beside every ratio:
     memory one); (b) disk: `resume_from_checkpoint=<output_dir>/checkpoint-k`, after `os.sync()` and
     `posix_fadvise(POSIX_FADV_DONTNEED)` on every file of it (its page cache dropped). Both include the whole
     resume: the flash tier's start, the checksum verification and the load. One untimed round of both first.
-    Why by hand: a flash `train()` frees the memory when it ends (`_uc_flash_finish` ends the lease and the
-    persister removes the run's memory folder), so a checkpoint saved inside `train()` is gone by the time the
-    next trainer starts. The hand-opened tier keeps it; the resuming trainers' `_uc_flash_finish` is replaced by a
+    Why by hand: a flash `train()` frees the memory when it ends (`CheckpointSession.make_durable` ends the lease
+    and the persister removes the run's memory folder), so a checkpoint saved inside `train()` is gone by the time
+    the next trainer starts. The hand-opened tier keeps it; the resuming trainers' `make_durable` is replaced by a
     no-op (each would otherwise end the lease and free the memory after its one step). At the end the saving
-    trainer's `_uc_flash_finish()` ends the lease as `train()` would and the persister frees the memory and exits.
+    trainer's `make_durable()` ends the lease as `train()` would and the persister frees the memory and exits.
 (4) durability lag                                                       (no target)
     One flash training run, persist_every=1 (so every save is made durable), a save every `--save-every` steps,
     `--reps` saves (+ 2 steps after the last): a thread on rank 0 polls every 10 ms for
@@ -144,14 +144,15 @@ def reset_accelerate() -> None:
 def open_flash(trainer):
     """Open a flash tier on an already trained `trainer` by hand, as `train()` does before its first step (the
     machines found, the memory checked, the persister started or reused, the lease's heartbeat running).
-    Collective. Close it with `trainer._uc_flash_finish()` (what `train()` runs at its end)."""
+    Collective. Close it with `trainer._uc_session.make_durable()` (what `train()` runs at its end)."""
     from hf_unified_ckpt.flash.tier import FlashTier, checkpoint_bytes
     from hf_unified_ckpt.trainer.storage import checkpoint_root
 
     flash = FlashTier(trainer.args.unified_checkpoint_options.flash, checkpoint_root(trainer))
-    trainer._uc_flash = flash
+    trainer._uc_session.flash = flash
     flash.open()
-    if not flash.start(checkpoint_bytes(trainer._uc_engine(), include_optimizer=not trainer.args.save_only_model)):
+    size = checkpoint_bytes(trainer._uc_session.engine(), include_optimizer=not trainer.args.save_only_model)
+    if not flash.start(size):
         raise SystemExit("flash: the memory folder cannot hold a checkpoint (see the warning above); nothing to "
                          "measure.")
     return flash
@@ -254,7 +255,7 @@ def blocked_worker(a: argparse.Namespace) -> None:
                                 persist_every=a.persist_every, keep=a.memory_keep)
     trainer.train()  # one step: the optimizer has its state; this train()'s own tier is finished and freed
     flash = open_flash(trainer)
-    saver, rank = trainer._uc_saver, dist.get_rank()
+    saver, rank = trainer._uc_session.saver, dist.get_rank()
     results = {"save_call": [], "blocked": [], "background_total": [], "memcpy": [], "params": trainer._bench_params,
                "world": world}
     saved: list[int] = []
@@ -298,7 +299,7 @@ def blocked_worker(a: argparse.Namespace) -> None:
                     wait_durable(flash, [saved[-1]])
                 dist.barrier()
     finally:
-        trainer._uc_flash_finish()  # the last save made durable; the lease ended; the persister frees the memory
+        trainer._uc_session.make_durable()  # the last save made durable; the lease ended; the persister frees memory
     finish_worker(out, "blocked", results)
 
 
@@ -368,7 +369,7 @@ def resume_worker(a: argparse.Namespace) -> None:
     results = {"memory": [], "disk": [], "params": owner._bench_params, "world": world, "step": k}
     try:
         owner._save_checkpoint(owner.model, None)  # checkpoint-k into memory; persist_every=1: made durable
-        owner._uc_saver.wait()
+        owner._uc_session.saver.wait()
         wait_durable(flash, [k])
         durable = run / f"checkpoint-{k}"
         memory_ckpt = Path(flash.final_dir(k))
@@ -381,7 +382,7 @@ def resume_worker(a: argparse.Namespace) -> None:
                 reset_accelerate()
                 trainer = build_ddp_trainer(run, world, a.size, a.memory_dir, flash=True, max_steps=k + 1,
                                             persist_every=1, keep=a.memory_keep)
-                trainer._uc_flash_finish = lambda: None  # keep the memory checkpoint (see the module docstring)
+                trainer._uc_session.make_durable = lambda: None  # keep the memory checkpoint (see the module docstring)
                 steps = step_callback()
                 trainer.add_callback(steps)
                 if kind == "disk" and dist.get_rank() == 0:
@@ -391,7 +392,7 @@ def resume_worker(a: argparse.Namespace) -> None:
                 start = time.perf_counter()
                 trainer.train(resume_from_checkpoint=True if kind == "memory" else str(durable))
                 seconds = max_over_ranks(steps.first_begin - start)
-                resumed = Path(str(trainer._uc_resume.layout.path)).resolve()
+                resumed = Path(str(trainer._uc_session.resume.layout.path)).resolve()
                 expected = (memory_ckpt if kind == "memory" else durable).resolve()
                 if resumed != expected:
                     raise RuntimeError(f"resume {kind}: resumed from {resumed}, expected {expected}")
@@ -403,7 +404,7 @@ def resume_worker(a: argparse.Namespace) -> None:
                 gc.collect()
                 dist.barrier()
     finally:
-        owner._uc_flash_finish()  # ends the lease: the persister frees the memory and exits
+        owner._uc_session.make_durable()  # ends the lease: the persister frees the memory and exits
     finish_worker(out, "resume", results)
 
 

@@ -58,7 +58,7 @@ def worker(mode: str, out: Path, size: str, blocks: int, block_steps: int) -> No
         def __init__(self):
             self.blocks: list[dict] = []
             self.began = None
-            self.watch = None
+            self.run = None
 
         def on_step_begin(self, args, state, control, **kwargs):
             now = time.perf_counter()
@@ -66,12 +66,13 @@ def worker(mode: str, out: Path, size: str, blocks: int, block_steps: int) -> No
                 self.blocks[-1]["steps"].append(now - self.began)
             if state.global_step % block_steps == 0:
                 on = (state.global_step // block_steps) % 2 == 0
-                watch = trainer._uc_preemption
-                if not on and watch is not None:
-                    watch.vote(now=True)  # the vote in flight, taken; the same watch goes back on later
-                    self.watch, trainer._uc_preemption = watch, None
-                elif on and watch is None:
-                    trainer._uc_preemption = self.watch
+                session = trainer._uc_session
+                run = session.preemption
+                if not on and run is not None:
+                    run.watch.vote(now=True)  # the vote in flight, taken; the same watch goes back on later
+                    self.run, session.preemption = run, None
+                elif on and run is None:
+                    session.preemption = self.run
                 self.blocks.append({"on": on, "steps": []})
             self.began = time.perf_counter()
 
@@ -87,7 +88,7 @@ def worker(mode: str, out: Path, size: str, blocks: int, block_steps: int) -> No
         trainer.add_callback(toggle)
     trainer.train()
     if mode == "toggle" and dist.get_rank() == 0:
-        watch = trainer._uc_preemption or toggle.watch
+        watch = (trainer._uc_session.preemption or toggle.run).watch
         (out / "blocks.json").write_text(json.dumps({"blocks": toggle.blocks,
                                                      "every": watch.agreement.every}))
     dist.barrier()

@@ -473,7 +473,7 @@ def ema_worker(out: Path, reps: int, dtype: str, engine: str, block: int = 5, si
 
         def on_step_begin(self, args, state, control, **kwargs):
             mode = order[state.global_step // block]
-            trainer._uc_average.interval = 1 if mode == "on" else 10**9
+            trainer._uc_session.ema.average.interval = 1 if mode == "on" else 10**9
             self.last = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -590,13 +590,13 @@ def resume_worker(out: Path, reps: int, dtype: str, engine: str = "zero2", size:
     for _ in range(reps):
         def load():
             manifest = verify_checkpoint(folder)
-            engine_adapter = trainer._uc_engine()
+            engine_adapter = trainer._uc_session.engine()
             groups = load_checkpoint(folder, engine_adapter, manifest, options)
-            trainer._uc_load_scheduler(folder, groups, engine_adapter)
+            trainer._uc_session.load_scheduler(folder, groups, engine_adapter)
         times.append(max_over_ranks(timed(load)[0]))
     results["ours_resume"] = times
     results["resume_world"] = world
-    results["resume_adapter"] = type(trainer._uc_engine()).__name__
+    results["resume_adapter"] = type(trainer._uc_session.engine()).__name__
     if dist.get_rank() == 0:
         (out / "save_results.json").write_text(json.dumps(results))
     dist.barrier()

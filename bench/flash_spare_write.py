@@ -24,7 +24,7 @@ args = hf_unified_ckpt.UnifiedCheckpointArguments(output_dir=out, max_steps=1, p
     use_cpu=True, report_to=[], disable_tqdm=True, unified_checkpoint=True, logging_steps=1000)
 t = Trainer(model=model, args=args, train_dataset=data); hf_unified_ckpt.attach(t); t.train()
 import torch.distributed as dist
-engine = t._uc_engine(); opts = t.args.unified_checkpoint_options
+engine = t._uc_session.engine(); opts = t.args.unified_checkpoint_options
 spare = out + "/spare"
 for i in range(6):
     use = i % 2 == 1 and i > 0

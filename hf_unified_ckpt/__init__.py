@@ -18,7 +18,7 @@ _PUBLIC = {
     "Layout": "checkpoint.layout", "detect_layout": "checkpoint.layout", "newest_complete": "checkpoint.layout",
     "UnifiedCheckpointOptions": "options", "parse_options": "options",
     "TrainingPreempted": "errors", "CheckpointNotFoundError": "errors", "RESUME_AUTO": "trainer.resume",
-    "wait_for_saves": "trainer.attach",
+    "wait_for_saves": "trainer.hooks",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -555,7 +555,7 @@ def run_spec(run: dict, world_size: int) -> dict:
         if run.get("expect_error"):
             return _refused(trainer, run.get("resume"), run["expect_error"])
         if run.get("fused_keys"):  # what the plugin wrote before conversions were handled: the run-time names
-            trainer._uc_conversion = None
+            trainer._uc_session.conversion = None
         if run.get("plant_ties"):  # before RecordAt: what is recorded (and saved) at that step holds the ties
             PlantTies(trainer, run["plant_ties"])
         at = RecordAt(trainer, run["record_at"]) if run.get("record_at") else None
@@ -573,7 +573,8 @@ def run_spec(run: dict, world_size: int) -> dict:
         assert_autotp(trainer, run["autotp"])
     if run.get("save_model"):  # the trainer's save_model after training, as a user calls it
         trainer.save_model(run["save_model"])
-    resumed = getattr(trainer, "_uc_resume", None)
+    session = vars(trainer).get("_uc_session")  # None: a plain Trainer
+    resumed = session.resume if session is not None else None
     return {**record(trainer, losses_of(trainer)), **({"at": at.record} if at else {}),
             "resumed_from": resumed.layout.path if resumed is not None else None,
             **(scaler.result() if scaler else {}),
@@ -624,7 +625,7 @@ class KillPersister:
         outer = self
 
         def kill() -> None:
-            run = trainer._uc_flash.run
+            run = trainer._uc_session.flash.run
             found = subprocess.run(["pgrep", "-f", f"hf_unified_ckpt.flash.persister {run}"], capture_output=True,
                                    text=True).stdout.split()
             assert found, "no persister to kill"
@@ -835,7 +836,7 @@ def stop_after_save(trainer, step: int, marker: str, mode: str):
         def on_save(self, args, state, control, **kwargs):
             if state.global_step != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
                 return
-            trainer._uc_saver.wait()
+            trainer._uc_session.saver.wait()
             if dist.is_initialized():
                 dist.barrier()
             if not dist.is_initialized() or dist.get_rank() == 0:

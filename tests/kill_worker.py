@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_unified_ckpt.checkpoint.async_save as async_save  # noqa: E402
-import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
+import hf_unified_ckpt.trainer.session as session  # noqa: E402
 import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
 import hf_unified_ckpt.checkpoint.save as save  # noqa: E402
 import hf_unified_ckpt.store.local as local_store  # noqa: E402
@@ -102,7 +102,7 @@ def run(run_dir: str, point: str) -> None:
     words = ["ema"] if point.startswith("ema-") else []
     point = point.removeprefix("o1-").removeprefix("ema-")
     {**POINTS, **ASYNC_POINTS}[point]()
-    mixin.save_checkpoint = count_saves(mixin.save_checkpoint)
+    session.save_checkpoint = count_saves(session.save_checkpoint)
     async_save.AsyncSaver.start = count_saves(async_save.AsyncSaver.start)
     limit = 1 if point == "during-rotation" else None
     words += ["async_save"] if point.startswith("async-") else []

@@ -26,7 +26,7 @@ from transformers import TrainerCallback  # noqa: E402
 import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
 import hf_unified_ckpt.preemption.watch as preemption  # noqa: E402
 import hf_unified_ckpt.dist as plugin_dist  # noqa: E402
-import hf_unified_ckpt.trainer.mixin as mixin  # noqa: E402
+import hf_unified_ckpt.trainer.session as session  # noqa: E402
 from _runs import (TokenDataset, disable_deepspeed_jit, free_process_group_users, freeze_imports, losses_of, make_trainer, record,  # noqa: E402
                    zero_config)
 from hf_unified_ckpt import TrainingPreempted  # noqa: E402
@@ -105,7 +105,7 @@ def run_one(run: dict, world: int) -> dict:
     trainer.callback_handler.callbacks.insert(0, Phase(run))  # before the plugin's own on_train_begin
     if run.get("progress"):
         trainer.add_callback(Progress(run["progress"], run.get("slow_steps", 0.0)))
-    hooks = [(mixin, "save_checkpoint", "sync_save"), (mixin, "load_checkpoint", "resume_load"),
+    hooks = [(session, "save_checkpoint", "sync_save"), (session, "load_checkpoint", "resume_load"),
              (persist.PersistJob, "run", "async_save")]
     saved = [(m, n, *patched(m, n, run, p)) for m, n, p in hooks]
     if run.get("vote_every", 1):  # the voting interval the ranks want, fixed so that the step a signal is honoured

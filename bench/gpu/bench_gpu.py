@@ -100,7 +100,8 @@ def timed_train(trainer, device: str, resume: str | None = None, isolate: bool =
 
     def timed_save(*args, **kwargs):
         _sync(device)
-        saver = getattr(trainer, "_uc_saver", None)
+        session = vars(trainer).get("_uc_session")  # None: the native Trainer
+        saver = session.saver if session is not None else None
         if isolate and saver is not None:
             started = time.perf_counter()
             saver.wait()
@@ -111,7 +112,7 @@ def timed_train(trainer, device: str, resume: str | None = None, isolate: bool =
         saves.append(time.perf_counter() - started)
         if trainer._bench_native:  # native: what making its files durable adds (ours fsyncs)
             synced.append(saves[-1] + _fsync_tree(trainer.args.output_dir))
-        tier = getattr(trainer, "_uc_flash", None)
+        tier = session.flash if session is not None else None
         marks["flash_active"] = tier is not None and tier.active  # False: saves fell back to durable storage
 
     trainer._save_checkpoint = timed_save

@@ -1,6 +1,7 @@
 """The small state of a Trainer checkpoint (RNG, trainer state, scheduler, scaler, configs, tokenizer, training
 args), captured as bytes when a save starts: an async save writes them later, in the background, and a persist job
-carries them as data."""
+carries them as data. `export_callback_states` puts the callbacks' state into the trainer state first, as the native
+save does."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def processing_class_files(trainer) -> dict[str, bytes]:
 def trainer_state_bytes(state) -> bytes:
     """`TrainerState.save_to_json`'s bytes."""
     return (json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def export_callback_states(trainer) -> None:
+    """Same as the native `_save_checkpoint`: store the `ExportableState` callbacks' state in the trainer state."""
+    from transformers.trainer_callback import ExportableState
+
+    handler = trainer.callback_handler
+    for cb in [c for c in handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
+        name, cb_state = type(cb).__name__, cb.state()
+        if isinstance(trainer.state.stateful_callbacks.get(name), list):
+            trainer.state.stateful_callbacks[name].append(cb_state)
+        else:
+            trainer.state.stateful_callbacks[name] = cb_state
