@@ -195,6 +195,37 @@ def test_attach_is_per_instance_and_idempotent(tmp_path):
     assert sum(isinstance(c, hf_unified_ckpt.UnifiedCheckpointCallback) for c in one.callback_handler.callbacks) == 1
 
 
+def test_the_trainer_holds_only_its_session(tmp_path):
+    """Issue 48: the plugin's state lives in one `CheckpointSession`; the Trainer holds `_uc_session` and no other
+    `_uc_*` attribute, after a save (in the background, with an EMA) and after a resume, and one callback calls it."""
+    from hf_unified_ckpt.trainer.hooks import SessionHooks
+    from hf_unified_ckpt.trainer.session import CheckpointSession
+
+    words = {"unified_checkpoint_config": "async_save ema"}
+    saved, _ = train(tmp_path / "a", max_steps=3, save_steps=3, **words)
+    resumed, _ = train(tmp_path / "b", max_steps=6, save_steps=3, resume=str(tmp_path / "a" / "checkpoint-3"), **words)
+    for trainer in (saved, resumed):
+        assert [name for name in vars(trainer) if name.startswith("_uc_")] == ["_uc_session"]
+        assert isinstance(trainer._uc_session, CheckpointSession) and trainer._uc_session.trainer is trainer
+        hooks = [c for c in trainer.callback_handler.callbacks if isinstance(c, SessionHooks)]
+        assert len(hooks) == 1 and hooks[0].session is trainer._uc_session
+    assert resumed._uc_session.resume.layout.path == str(tmp_path / "a" / "checkpoint-3")
+    assert detect_layout(tmp_path / "b" / "checkpoint-6").kind == "unified"
+
+
+def test_attach_lists_every_change_it_makes():
+    """`attach`'s docstring names every Trainer method the mixin overrides and every callback event it uses."""
+    from hf_unified_ckpt.trainer import attach as attach_module
+    from hf_unified_ckpt.trainer.hooks import SessionHooks
+    from hf_unified_ckpt.trainer.mixin import UnifiedCheckpointMixin
+
+    overrides = [n for n in vars(UnifiedCheckpointMixin) if callable(getattr(Trainer, n, None)) and n != "__init__"]
+    events = [n for n in vars(SessionHooks) if n.startswith("on_")]
+    assert len(overrides) >= 10 and len(events) == 4
+    missing = [n for n in overrides + events + ["_uc_session", "atexit"] if f"`{n}`" not in attach_module.__doc__]
+    assert not missing, f"trainer/attach.py's docstring does not list {missing}"
+
+
 def test_lora_checkpoint_loads_with_peft_from_pretrained(tmp_path):
     from peft import PeftModel
 
