@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 #: The environment variable that hands the writer process this process's multiprocessing authentication key (the
 #: shared tensors' file descriptors are fetched from this process's resource sharer, which checks it).
 AUTHKEY_ENV = "HF_UNIFIED_CKPT_WRITER_AUTHKEY"
+#: What torchrun tells its workers about its own store; a writer must not inherit it: with it, rank 0's writer would
+#: not host the writers' store but wait for an agent's that does not exist (torch's `_create_c10d_store`).
+LAUNCHER_STORE = ("TORCHELASTIC_USE_AGENT_STORE",)
 
 
 class ThreadExecutor:
@@ -140,7 +143,8 @@ class WriterProcess:
 
     def __init__(self, rank: int, world_size: int, address: str | None):
         ours, theirs = multiprocessing.Pipe(duplex=True)
-        env = {**os.environ, AUTHKEY_ENV: bytes(multiprocessing.current_process().authkey).hex()}
+        env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_STORE}
+        env[AUTHKEY_ENV] = bytes(multiprocessing.current_process().authkey).hex()
         command = [sys.executable, "-m", "hf_unified_ckpt.checkpoint.writer_process", str(theirs.fileno()),
                    str(rank), str(world_size), address or ""]
         self._process = subprocess.Popen(command, env=env, pass_fds=(theirs.fileno(),))
