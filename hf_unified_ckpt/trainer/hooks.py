@@ -1,7 +1,7 @@
 """What ties a `CheckpointSession` to its Trainer: `equip` (the checks, the session, the callback that calls it),
 the per-step hooks (`SessionHooks`, a `TrainerCallback`), and the interpreter-exit hook every session's saver is
-registered with (`wait_for_saves` waits for them). Used by `attach` and by the mixin's `__init__`, which import this
-module and nothing of each other."""
+registered with (`wait_for_saves` waits for them). Used by `attach` (which also imports the mixin, to subclass it)
+and by the mixin's `__init__` (which imports nothing of `attach`): no import circle between the two."""
 
 from __future__ import annotations
 
@@ -36,18 +36,22 @@ class SessionHooks(TrainerCallback):
         return self.session.saver if self.session is not None else None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """`CheckpointSession.before_optimizer_step`. Collective: the Trainer calls it on every rank."""
         if self.session is not None:
             self.session.before_optimizer_step()
 
     def on_step_end(self, args, state, control, **kwargs):
+        """`CheckpointSession.after_optimizer_step`. Local."""
         if self.session is not None:
             self.session.after_optimizer_step(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """`CheckpointSession.wait_for_background`. Local."""
         if self.session is not None:
             self.session.wait_for_background()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """`CheckpointSession.before_first_step`. Collective: the Trainer calls it on every rank."""
         if self.session is not None:
             self.session.before_first_step()
 

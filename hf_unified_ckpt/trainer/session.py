@@ -363,7 +363,7 @@ class CheckpointSession:
         return self.conversion
 
     def _parameter_fragments(self) -> dict:
-        """This rank's fragments of the trained weights (what the EMA averages). Local."""
+        """This rank's fragments of the trained weights (what the EMA averages)."""
         return engine_of(self.trainer).build(self.trainer).parameter_fragments()
 
     # ---- during training ------------------------------------------------------------------------------------------
@@ -434,7 +434,8 @@ class CheckpointSession:
 
     def _request(self, trial) -> tuple[str, SaveRequest]:
         """The run folder and the request of a save at this step (the options the lineage guard chose; the
-        Trainer's floating-point operations stored first, as its own save does)."""
+        Trainer's floating-point operations stored first, as its own save does: summed over the ranks). Collective:
+        all ranks call it."""
         trainer = self.trainer
         options = self._save_options()
         if trainer.hp_search_backend is None and trial is None:
