@@ -51,7 +51,7 @@ ASYNC_EXECUTORS = ("thread", "process")
 
 @dataclass(frozen=True)
 class PreemptionOptions:
-    """What a preemption signal does, with `unified_checkpoint=True` (`trainer/preemption.py`).
+    """What a preemption signal does, with `unified_checkpoint=True` (`preemption/`, `trainer/preempt.py`).
 
     Attributes:
         enabled: on a signal, the ranks agree at the next step boundary, save, and `train()` raises
@@ -74,7 +74,7 @@ class PreemptionOptions:
 
 @dataclass(frozen=True)
 class FlashOptions:
-    """The memory tier (`flash`; `flash/`, `trainer/flash.py`).
+    """The memory tier (`flash`; `flash/`, `flash/tier.py`).
 
     Attributes:
         enabled: saves go into node-local memory first; a persister process makes some durable.

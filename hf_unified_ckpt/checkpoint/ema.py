@@ -6,7 +6,8 @@ or partitions, FSDP2's local rows, or (one process, DDP) whole parameters. An en
 average is fp32, started from the weights at its first update (so no bias correction is needed), and updated as
 `ema = decay * ema + (1 - decay) * weights` every `interval` optimizer steps, off the training thread
 (`BackgroundUpdates`). What a checkpoint at step N holds is the average after the last update at or before N (a
-save before the first update starts the average from the weights there).
+save before the first update starts the average from the weights there). `EmaRun` is one `train()` call's EMA: the
+average, its background updates, and when they are due.
 
 `WithEma` wraps an engine adapter so that the save and load algorithms see one more component, keyed like the
 model weights: on save into a shared folder each rank writes its own ranges in place (`fragments`); into
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -158,3 +159,40 @@ class WithEma:
         self._engine.load(LoadSources(readers, sources.global_step))
         if reader is not None and self._load_average and sources.readers.get("optimizer") is not None:
             self._average.load(reader, self._engine.parameter_fragments())
+
+
+class EmaRun:
+    """The EMA of the weights during one `train()` call: the average (`checkpoint.ema`), its updates in the
+    background, and this rank's weight fragments folded into it (`fragments` asked for once)."""
+
+    def __init__(self, average: ExponentialAverage, fragments: Callable[[], dict]):
+        self.average = average
+        self.updates = BackgroundUpdates(average)
+        self._fragments_of = fragments
+        self._fragments: dict | None = None
+
+    def fragments(self) -> dict:
+        if self._fragments is None:
+            self._fragments = self._fragments_of()
+        return self._fragments
+
+    def after_step(self, step: int) -> None:
+        """Start folding this rank's weights into the average, in the background, when an update is due after
+        optimizer step `step`. Local only."""
+        if self.average.due(step):
+            self.updates.submit(self.fragments())
+
+    def ready(self) -> None:
+        """Before a save: the update in flight is folded in; a save before the first update starts the average
+        from the weights there. Local only."""
+        self.updates.wait()
+        if not self.average.parts:
+            self.average.update(self.fragments())
+
+    def wait_for_copy(self) -> None:
+        """Before an optimizer step: the update in flight has copied the weights. Local only."""
+        self.updates.wait_for_copy()
+
+    def wait(self) -> None:
+        """The update in flight is done; its error raised. Local only."""
+        self.updates.wait()

@@ -209,7 +209,7 @@ def begin(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, 
     staging = open_staging(as_ref(request.final_dir))
     plan = plan_save(engine, request, shared=staging.in_place)
     writer = choose_writer(staging, request)
-    raise_if_failed([writer.prepare(staging.path, plan.files)], staging)
+    raise_if_failed([writer.prepare(staging.path, plan.files)], staging, writer)
     show = request.show_progress and dist.rank() == 0
     files = assembled_files(engine, writer, plan.files, f"Saving {name_of(staging.final)}", show)
     job = PersistJob(staging.path, writer, small_files=dict(small_files))

@@ -1,6 +1,6 @@
 """`CheckpointSession`: the plugin's side of one Trainer, the one object its overrides and its callback call, as
 torchtitan's trainer calls its checkpoint manager (load, wait for staging, save, close). It owns the background
-saver (`AsyncSaver`), the memory tier (`flash.tier.FlashTier`), the EMA (`EmaRun`), the preemption handling
+saver (`AsyncSaver`), the memory tier (`flash.tier.FlashTier`), the EMA (`checkpoint.ema.EmaRun`), the preemption handling
 (`preempt.PreemptionRun`) and the resume state, and decides where each save goes: into memory (`flash`), in the
 background (`async_save`) or written inline.
 
@@ -34,7 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist
 from ..checkpoint.async_save import AsyncSaver, Fallback
-from ..checkpoint.ema import BackgroundUpdates, ExponentialAverage, WithEma
+from ..checkpoint.ema import EmaRun, ExponentialAverage, WithEma
 from ..checkpoint.layout import UNIFIED
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.placement import judge_path
@@ -65,43 +65,6 @@ logger = logging.getLogger(__name__)
 
 #: `CheckpointSession.conversion` until the first save or load works it out.
 NOT_YET = object()
-
-
-class EmaRun:
-    """The EMA of the weights during one `train()` call: the average (`checkpoint.ema`), its updates in the
-    background, and this rank's weight fragments folded into it (`fragments` asked for once)."""
-
-    def __init__(self, average: ExponentialAverage, fragments: Callable[[], dict]):
-        self.average = average
-        self.updates = BackgroundUpdates(average)
-        self._fragments_of = fragments
-        self._fragments: dict | None = None
-
-    def fragments(self) -> dict:
-        if self._fragments is None:
-            self._fragments = self._fragments_of()
-        return self._fragments
-
-    def after_step(self, step: int) -> None:
-        """Start folding this rank's weights into the average, in the background, when an update is due after
-        optimizer step `step`. Local only."""
-        if self.average.due(step):
-            self.updates.submit(self.fragments())
-
-    def ready(self) -> None:
-        """Before a save: the update in flight is folded in; a save before the first update starts the average
-        from the weights there. Local only."""
-        self.updates.wait()
-        if not self.average.parts:
-            self.average.update(self.fragments())
-
-    def wait_for_copy(self) -> None:
-        """Before an optimizer step: the update in flight has copied the weights. Local only."""
-        self.updates.wait_for_copy()
-
-    def wait(self) -> None:
-        """The update in flight is done; its error raised. Local only."""
-        self.updates.wait()
 
 
 class CheckpointSession:
