@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 from .. import dist
 from ..errors import UnifiedCheckpointError
 from .executors import AUTHKEY_ENV, unpack
+from .persist import lower_priority
 from .save import finish
 
 #: How long a collective of the writers waits for a peer before it fails (a peer writer that died fails it sooner:
@@ -60,6 +61,7 @@ def _sendable(e: BaseException) -> BaseException:
 def main(argv: list[str]) -> None:
     fd, rank, world_size, address = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
     multiprocessing.current_process().authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    lower_priority()  # as the background thread does: the writes take idle cycles, not training's
     if world_size > 1:
         import torch.distributed
 
