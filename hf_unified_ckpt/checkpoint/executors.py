@@ -28,7 +28,7 @@ import torch
 from .. import dist
 from ..errors import WriterProcessDied
 from .persist import PersistJob
-from .save import Outcome, Started, discard, finish
+from .save import Outcome, Started, discard, finish_in_background
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ThreadExecutor:
 
     def finish(self, started: Started, staged: tuple[bool, object], fallback: str | None) -> Outcome:
         """`save.finish` here (the background thread). Collective on the async-save group."""
-        return finish(started, staged, group=self._group, fallback=fallback)
+        return finish_in_background(started, staged, group=self._group, fallback=fallback)
 
     def close(self) -> None:
         pass

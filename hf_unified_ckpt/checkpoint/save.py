@@ -255,13 +255,21 @@ def finish(started: Started, staged: tuple[bool, object], group=None, fallback: 
     conclude, and where a folder ran out of space and `fallback` names another folder, write the same snapshot
     there. Collective (on `group`): all its ranks must call it."""
     outcome = guarded(staged[1].run) if staged[0] else staged
-    try:
-        reports = conclude(started, outcome, group=group)
-        if fallback is not None and staged[0] and out_of_space(reports):
-            return _save_elsewhere(started, staged[1], fallback, group, reports)
-    except Exception as e:  # a collective failed (another rank died): report it as this save's failure
-        reports = [(False, Failure.of(e))]
+    reports = conclude(started, outcome, group=group)
+    if fallback is not None and staged[0] and out_of_space(reports):
+        return _save_elsewhere(started, staged[1], fallback, group, reports)
     return Outcome(reports, started.staging, writer=started.writer)
+
+
+def finish_in_background(started: Started, staged: tuple[bool, object], group=None,
+                         fallback: str | None = None) -> Outcome:
+    """`finish` for a background executor: a collective that fails (another rank died) is this save's failure, an
+    outcome raised at the next wait (as every other failure), not an exception of a thread. Collective (on
+    `group`)."""
+    try:
+        return finish(started, staged, group=group, fallback=fallback)
+    except Exception as e:
+        return Outcome([(False, Failure.of(e))], started.staging, writer=started.writer)
 
 
 def _save_elsewhere(full: Started, job: PersistJob, fallback: str, group, reports) -> Outcome:

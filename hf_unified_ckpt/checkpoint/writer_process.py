@@ -19,7 +19,7 @@ from .. import dist
 from ..errors import UnifiedCheckpointError
 from .executors import AUTHKEY_ENV, unpack
 from .persist import lower_priority
-from .save import finish
+from .save import finish_in_background
 
 #: How long a collective of the writers waits for a peer before it fails (a peer writer that died fails it sooner:
 #: its connection closes).
@@ -42,7 +42,7 @@ def serve(conn: Connection) -> None:
         if staged[0]:
             unpack(staged[1], buffers)
         try:
-            answer = (True, finish(started, staged, fallback=fallback))
+            answer = (True, finish_in_background(started, staged, fallback=fallback))
         except BaseException as e:  # sent back with its type
             answer = (False, _sendable(e))
         del started, staged, message, new  # the job's views go; the buffers stay mapped for the next job
