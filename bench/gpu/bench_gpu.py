@@ -31,11 +31,13 @@ import time
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: raw_disk
+
 #: Llama shapes (vocab 32000, untied embeddings): ~8.5M, 134M, 953M parameters (measured).
 SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4),
          "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12),
          "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16)}
-MEASUREMENTS = ("save", "blocked", "throughput", "resume")
+MEASUREMENTS = ("save", "blocked", "throughput", "resume", "restart", "lag")
 
 
 def _sync(device: str) -> None:
@@ -45,8 +47,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def build(size: str, device: str, out: Path, steps: int, every: int | None, mode: str, batch: int, seq: int):
-    """A Trainer on the seeded Llama of `size`: `mode` is "native" (no plugin), "unified", "async" or "flash"."""
+def build(size: str, device: str, out: Path, steps: int, every: int | None, mode: str, batch: int, seq: int,
+          memory_dir: str | None = None, persist_every: int = 4):
+    """A Trainer on the seeded Llama of `size`: `mode` is "native" (no plugin), "unified", "async" or "flash"; flash
+    saves go to `memory_dir` (default: a fresh folder under /dev/shm) and every `persist_every`th is made durable."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer
 
@@ -66,8 +70,8 @@ def build(size: str, device: str, out: Path, steps: int, every: int | None, mode
         bf16=device == "cuda", report_to=[], disable_tqdm=True, logging_steps=10**6, save_only_model=False,
         save_total_limit=1,  # a 1B checkpoint is ~13 GB: the disk holds a few
         unified_checkpoint=mode != "native", unified_checkpoint_config=words,
-        unified_checkpoint_memory_dir=f"/dev/shm/hf_uc_bench_gpu_{uuid.uuid4().hex[:8]}",
-        unified_checkpoint_persist_every=4, unified_checkpoint_memory_keep=2)
+        unified_checkpoint_memory_dir=memory_dir or f"/dev/shm/hf_uc_bench_gpu_{uuid.uuid4().hex[:8]}",
+        unified_checkpoint_persist_every=persist_every, unified_checkpoint_memory_keep=2)
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in data])
     if mode != "native":
         hf_unified_ckpt.attach(trainer)
@@ -142,6 +146,7 @@ def run(size, device, work: Path, mode, steps, every, batch, seq, resume=None, k
     out = work / f"{mode}-{uuid.uuid4().hex[:6]}"
     trainer = build(size, device, out, steps, every, mode, batch, seq)
     result = {**timed_train(trainer, device, resume, isolate), "params": trainer._bench_params, "output_dir": str(out)}
+    result["checkpoint_bytes"] = _newest_checkpoint_bytes(out)
     memory = trainer.args.unified_checkpoint_memory_dir  # the run's own folder: empty once train() returned
     del trainer
     shutil.rmtree(memory, ignore_errors=True)
@@ -151,6 +156,21 @@ def run(size, device, work: Path, mode, steps, every, batch, seq, resume=None, k
     if mode == "flash" and result["saves_s"] and not result["flash_active"]:  # memory too small: saves went to disk
         raise RuntimeError("flash fell back to durable saves (see the warning above): /dev/shm cannot hold them")
     return result
+
+
+def _newest_checkpoint_bytes(out: Path) -> int:
+    """Bytes of the newest `checkpoint-N` under `out` (0 where none)."""
+    folders = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit(
+        "-", 1)[1].isdigit() else -1)
+    return sum(p.stat().st_size for p in folders[-1].rglob("*") if p.is_file()) if folders else 0
+
+
+def _raw(work: Path, nbytes: int) -> dict:
+    """A raw direct write of `nbytes` random bytes under `work` (bench/raw_disk.py): the disk's yardstick."""
+    from raw_disk import raw_write
+
+    work.mkdir(parents=True, exist_ok=True)
+    return raw_write(work, nbytes)
 
 
 def _free(device: str) -> None:
@@ -174,43 +194,197 @@ def _after_save_cost(r: dict, every: int) -> tuple[float, float]:
     return statistics.mean(costs[1:] or costs), costs[0]
 
 
+MANIFEST = "unified_checkpoint.json"
+
+
+def _open_flash(trainer):
+    """A flash tier opened by hand on a trained `trainer`, as `train()` opens one (bench_flash.py's `open_flash`, one
+    process). Closed by `trainer._uc_session.make_durable()`."""
+    from hf_unified_ckpt.flash.tier import FlashTier, checkpoint_bytes
+    from hf_unified_ckpt.trainer.storage import checkpoint_root
+
+    flash = FlashTier(trainer.args.unified_checkpoint_options.flash, checkpoint_root(trainer))
+    trainer._uc_session.flash = flash
+    flash.open()
+    if not flash.start(checkpoint_bytes(trainer._uc_session.engine())):
+        raise RuntimeError("flash: the memory folder cannot hold a checkpoint (see the warning above)")
+    return flash
+
+
+def _wait_durable(flash, step: int, timeout: float = 300.0) -> None:
+    from hf_unified_ckpt.flash.layout import DURABLE, FAILED, checkpoint_name
+
+    name, deadline = checkpoint_name(step), time.monotonic() + timeout
+    while not Path(flash.run, DURABLE, name).is_file():
+        if Path(flash.run, FAILED, name).is_file():
+            raise RuntimeError(f"the persister failed on {name}: {Path(flash.run, FAILED, name).read_text()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} was not made durable within {timeout:.0f} s")
+        time.sleep(0.01)
+
+
+def _drop_page_cache(folder: Path) -> None:
+    """Write back, then drop from the page cache, every file under `folder` (no root needed for clean pages)."""
+    import os
+
+    os.sync()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _restart(a, work: Path, note) -> dict:
+    """Restart to the first step: `train(resume_from_checkpoint=True)` finding the checkpoint of step 2 in the memory
+    tier, vs resuming the same checkpoint from disk with its page cache dropped. The checkpoint is written once by a
+    flash save (persist_every=1: made durable too) on a tier opened by hand; the resuming trainers keep it (their
+    `make_durable` is a no-op), the owner frees it at the end (bench_flash.py's `resume` measurement, one process)."""
+    memory = f"/dev/shm/hf_uc_bench_gpu_{uuid.uuid4().hex[:8]}"
+    out = work / f"restart-{uuid.uuid4().hex[:6]}"
+    common = dict(batch=a.batch, seq=a.seq, memory_dir=memory, persist_every=1)
+    owner = build(a.size, a.device, out, 2, None, "flash", **common)
+    owner.train()  # 2 steps, no saves
+    flash = _open_flash(owner)
+    figures = {"params": owner._bench_params}
+    try:
+        owner._save_checkpoint(owner.model, None)
+        owner._uc_session.saver.wait()
+        _wait_durable(flash, 2)
+        durable, in_memory = out / "checkpoint-2", Path(flash.final_dir(2))
+        figures["bytes"] = sum(p.stat().st_size for p in durable.rglob("*") if p.is_file())
+        for kind in ("memory", "disk"):
+            _free(a.device)
+            trainer = build(a.size, a.device, out, 3, None, "flash", **common)
+            trainer._uc_session.make_durable = lambda: None  # keep the memory checkpoint for the next resume
+            if kind == "disk":
+                _drop_page_cache(durable)
+            r = timed_train(trainer, a.device, resume=True if kind == "memory" else str(durable))
+            resumed = Path(str(trainer._uc_session.resume.layout.path)).resolve()
+            expected = (in_memory if kind == "memory" else durable).resolve()
+            if resumed != expected:
+                raise RuntimeError(f"restart {kind}: resumed from {resumed}, expected {expected}")
+            figures[f"{kind}_to_first_step_s"] = r["to_first_step_s"]
+            note(f"{kind}_to_first_step_s", r["to_first_step_s"])
+            del trainer
+    finally:
+        owner._uc_session.make_durable()  # ends the lease: the persister frees the memory and exits
+        del owner
+        _free(a.device)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
+    return {**figures, "memory_over_disk": figures["memory_to_first_step_s"] / figures["disk_to_first_step_s"],
+            "target": 0.3}
+
+
+def _lag(a, work: Path, note) -> dict:
+    """Durability lag: the save call of step `--lag-at` -> its manifest on disk (the commit), while training goes on
+    for `--lag-steps` more steps; async, and flash made durable at once (persist_every=1). Against a synchronous save
+    of the same state (the `save` measurement)."""
+    import threading
+
+    figures = {}
+    for mode in ("async", "flash"):
+        out = work / f"lag-{mode}-{uuid.uuid4().hex[:6]}"
+        trainer = build(a.size, a.device, out, a.lag_at + a.lag_steps, a.lag_at, mode, a.batch, a.seq,
+                        persist_every=1)
+        marks, stop = {}, threading.Event()
+        manifest = out / f"checkpoint-{a.lag_at}" / MANIFEST
+        save = trainer._save_checkpoint
+
+        def entered(*args, save=save, marks=marks, **kwargs):
+            marks.setdefault("called", time.perf_counter())
+            return save(*args, **kwargs)
+
+        def poll(manifest=manifest, marks=marks, stop=stop):
+            while not stop.wait(0.01):
+                if manifest.is_file():
+                    marks["committed"] = time.perf_counter()
+                    return
+
+        trainer._save_checkpoint = entered
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        memory = trainer.args.unified_checkpoint_memory_dir
+        trainer.train()
+        stop.set()
+        poller.join()
+        del trainer
+        _free(a.device)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
+        if "committed" not in marks:
+            raise RuntimeError(f"lag {mode}: no commit of checkpoint-{a.lag_at} seen")
+        figures[f"{mode}_lag_s"] = marks["committed"] - marks["called"]
+        note(f"{mode}_lag_s", figures[f"{mode}_lag_s"])
+    return {**figures, "lag_at": a.lag_at, "steps_after": a.lag_steps, "target_over_sync_save": 2.0}
+
+
 def measure(name: str, a, work: Path, note=lambda key, value: None) -> dict:
     """One measurement's figures; `note(key, value)` records each run's figure as it comes (a step cut off at its
     limit keeps them)."""
     args = (a.size, a.device, work)
     common = dict(batch=a.batch, seq=a.seq)
     if name == "save":  # a save after 2 steps, then 1 more step; the save call is the whole save
-        ours = run(*args, "unified", 3, 2, **common)
-        note("ours_s", ours["saves_s"][0])
-        native = run(*args, "native", 3, 2, **common)
-        return {"ours_s": ours["saves_s"][0], "native_s": native["saves_s"][0],
-                "ratio": ours["saves_s"][0] / native["saves_s"][0], "native_then_fsync_s": native["saves_synced_s"][0],
-                "ratio_to_durable_native": ours["saves_s"][0] / native["saves_synced_s"][0], "params": ours["params"]}
+        ours = run(*args, "unified", 3, 2, keep=True, **common)
+        shutil.rmtree(ours["output_dir"], ignore_errors=True)
+        figures = {"ours_s": ours["saves_s"][0], "bytes": ours["checkpoint_bytes"], "params": ours["params"],
+                   "ours_gb_s": ours["checkpoint_bytes"] / ours["saves_s"][0] / 1e9}
+        figures["s_per_gb"] = ours["saves_s"][0] / (ours["checkpoint_bytes"] / 1e9)
+        note("ours_s", figures["ours_s"])
+        if "raw" in a.versus:  # the same bytes, random, written raw with O_DIRECT in 16 MiB blocks, then fsync
+            raw = _raw(work, ours["checkpoint_bytes"])
+            figures.update(raw_s=raw["seconds"], raw_gb_s=raw["gb_s"], raw_direct=raw["direct"],
+                           ratio_to_raw=figures["ours_gb_s"] / raw["gb_s"], target_to_raw=0.85)
+            note("ratio_to_raw", figures["ratio_to_raw"])
+        if "native" in a.versus:
+            native = run(*args, "native", 3, 2, **common)
+            figures.update(native_s=native["saves_s"][0], ratio=ours["saves_s"][0] / native["saves_s"][0],
+                           native_then_fsync_s=native["saves_synced_s"][0],
+                           ratio_to_durable_native=ours["saves_s"][0] / native["saves_synced_s"][0])
+        return figures
     if name == "blocked":
         every, steps = 5, 5 * a.saves + 1
         out, firsts = {}, {}
-        for mode in ("unified", "async", "flash"):
+        for mode in a.blocked_modes.split(","):
             r = run(*args, mode, steps, every, isolate=True, **common)
             out[mode], firsts[mode] = _after_save_cost(r, every)  # the first allocates host buffers (pinned on a GPU)
             note(f"{mode}_s", out[mode])
             note(f"{mode}_first_save_s", firsts[mode])
-        return {**{f"{m}_s": v for m, v in out.items()}, **{f"{m}_first_save_s": v for m, v in firsts.items()},
-                "async_over_sync": out["async"] / out["unified"],
-                "flash_over_sync": out["flash"] / out["unified"], "saves": a.saves}
+        figures = {**{f"{m}_s": v for m, v in out.items()}, **{f"{m}_first_save_s": v for m, v in firsts.items()},
+                   **{f"{m}_first_over_later": firsts[m] / out[m] for m in out}, "saves": a.saves,
+                   "target_first_over_later": 2.0}
+        if "unified" in out:
+            figures.update({f"{m}_over_sync": out[m] / out["unified"] for m in ("async", "flash") if m in out})
+        return figures
     if name == "throughput":  # the whole train(), and to the end of its last step (before the last save's wait)
-        runs = {}
+        runs, last_bytes = {}, 0
         for mode, every in (("none", None), ("async", a.async_every), ("flash", a.flash_every)):
             r = run(*args, mode, a.steps, every, **common)
             runs[mode] = (r["total_s"], r["to_last_step_s"])
+            last_bytes = r["checkpoint_bytes"] if mode == "async" else last_bytes
             note(f"{mode}_s", r["total_s"])
             note(f"{mode}_to_last_step_s", r["to_last_step_s"])
         (none, none_last), ratios = runs["none"], {}
         for mode in ("async", "flash"):
             ratios[f"{mode}_ratio"] = none / runs[mode][0]
             ratios[f"{mode}_ratio_to_last_step"] = none_last / runs[mode][1]
+        # the end of train() with async saves: the wait for the last save's write (plus the end's own costs), against
+        # a raw write of that save's bytes
+        end_wait = (runs["async"][0] - runs["async"][1]) - (none - none_last)
+        raw = _raw(work, last_bytes) if last_bytes else {"seconds": float("nan")}
         return {**{f"{m}_s": t for m, (t, _) in runs.items()},
                 **{f"{m}_to_last_step_s": t for m, (_, t) in runs.items()}, **ratios, "steps": a.steps,
-                "async_every": a.async_every, "flash_every": a.flash_every, "step_s": none / a.steps, "target": 0.97}
+                "async_every": a.async_every, "flash_every": a.flash_every, "step_s": none / a.steps,
+                "target_to_last_step": {"async": 0.98, "flash": 0.97},
+                "async_end_wait_s": end_wait, "last_save_bytes": last_bytes, "raw_last_save_s": raw["seconds"],
+                "async_end_wait_over_raw": end_wait / raw["seconds"], "target_end_wait_over_raw": 1.2}
+    if name == "restart":
+        return _restart(a, work, note)
+    if name == "lag":
+        return _lag(a, work, note)
     if name == "resume":  # to the first step, from a checkpoint of step 2 written by each
         out = {}
         for mode in ("unified", "native"):
@@ -232,6 +406,11 @@ def main() -> None:
     parser.add_argument("--async-every", type=int, default=20, help="throughput: steps between async saves")
     parser.add_argument("--flash-every", type=int, default=5, help="throughput: steps between flash saves")
     parser.add_argument("--saves", type=int, default=3, help="blocked: saves per run")
+    parser.add_argument("--versus", default="native", help="save: against native and/or raw (a direct write of the "
+                        "same bytes), comma-separated")
+    parser.add_argument("--blocked-modes", default="unified,async,flash", help="blocked: the modes measured")
+    parser.add_argument("--lag-at", type=int, default=5, help="lag: the step whose save is timed")
+    parser.add_argument("--lag-steps", type=int, default=100, help="lag: steps trained after it")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--work", type=Path, default=Path("/tmp/hf_uc_bench_gpu"))

@@ -74,10 +74,39 @@ def steps(part: str, device: str, dry: bool, out: Path) -> list[tuple[str, list[
                 # a save every 100 steps (~18 s of training on an H200) outlasts its write; every 20 cannot (2026-11-26)
                 one("1b", "throughput", 200, "--steps", "200", "--async-every", "100", "--flash-every", "25"),
                 one("1b", "resume", 80), one("1b", "save", 100), *([] if dry else [one("100m", "save", 45)])]
+    if part == "49":  # issue 49: the speed figures, one command; each step deletes its files before the next
+        tiny = ["--steps", "12", "--async-every", "6", "--flash-every", "3", "--lag-at", "2", "--lag-steps", "4"]
+        def one(size: str, m: str, limit: int, *extra: str):
+            return (f"bench_{size}_{m}", [*bench, "--size", size, *(small if dry else []), *extra,
+                                          *(tiny if dry and m in ("throughput", "lag") else []),
+                                          "--only", m, *json_of(f"bench_{size}_{m}")], limit, {})
+
+        return [one("1b", "save", 80, "--versus", "raw"),
+                one("1b", "blocked", 120, "--blocked-modes", "async,flash", "--saves", "2"),
+                one("1b", "throughput", 200, *([] if dry else ["--steps", "200"]), "--async-every", "6" if dry else
+                    "100", "--flash-every", "3" if dry else "25"),
+                one("1b", "restart", 90), one("1b", "lag", 80, *([] if dry else ["--lag-steps", "60"])),
+                one("100m", "save", 45, "--versus", "raw")]
     if part == "3":
         return [(f"bench_100m_{m}", [*bench, "--size", "100m", *small, "--only", m, *json_of(f"bench_100m_{m}")], 200,
                  {}) for m in ("blocked", "throughput")]
-    raise ValueError(f"no part {part!r}: parts are 1, 2, 3 and all")
+    raise ValueError(f"no part {part!r}: parts are 1, 2, 3, all and 49")
+
+
+def derived_49(steps: dict) -> dict:
+    """The issue-49 ratios that take two steps' figures: the durability lag / a synchronous save, and the seconds per
+    GB of the 1B save / of the 100M one (how the save grows)."""
+    def figures(step: str, name: str) -> dict:
+        return steps.get(step, {}).get("result", {}).get("measurements", {}).get(name, {})
+
+    save, small, lag = figures("bench_1b_save", "save"), figures("bench_100m_save", "save"), figures("bench_1b_lag", "lag")
+    out = {}
+    for mode in ("async", "flash"):
+        if f"{mode}_lag_s" in lag and "ours_s" in save:
+            out[f"{mode}_lag_over_sync_save"] = lag[f"{mode}_lag_s"] / save["ours_s"]
+    if "s_per_gb" in save and "s_per_gb" in small:
+        out["s_per_gb_1b_over_100m"] = save["s_per_gb"] / small["s_per_gb"]
+    return out
 
 
 def run_step(name: str, cmd: list[str], limit: int, env: dict, out: Path) -> dict:
@@ -104,7 +133,7 @@ def run_step(name: str, cmd: list[str], limit: int, env: dict, out: Path) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", required=True, choices=("1", "2", "3", "all"))
+    parser.add_argument("--part", required=True, choices=("1", "2", "3", "all", "49"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--deadline", type=int, default=570,
                         help="seconds for the whole part: a step gets at most what is left (the device's command "
@@ -138,6 +167,10 @@ def main() -> None:
         summary.write_text(json.dumps(report, indent=1))
         step = report["steps"][name]
         print(f"   rc {step['rc']} in {step['seconds']} s", flush=True)
+    if a.part == "49":
+        report["derived"] = derived_49(report["steps"])
+        summary.write_text(json.dumps(report, indent=1))
+        print("derived", json.dumps(report["derived"]), flush=True)
     failed = [n for n, s in report["steps"].items() if s["rc"] != 0]
     print(f"part {a.part}: {len(report['steps']) - len(failed)} of {len(report['steps'])} steps ok"
           + (f"; failed: {', '.join(failed)}" if failed else "") + f"; {summary}")
