@@ -279,6 +279,17 @@ def _restart(a, work: Path, note) -> dict:
             "target": 0.3}
 
 
+def _save_at(step: int):
+    from transformers import TrainerCallback
+
+    class SaveAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_save = state.global_step == step
+            return control
+
+    return SaveAt()
+
+
 def _lag(a, work: Path, note) -> dict:
     """Durability lag: the save call of step `--lag-at` -> its manifest on disk (the commit), while training goes on
     for `--lag-steps` more steps; async, and flash made durable at once (persist_every=1). Against a synchronous save
@@ -288,14 +299,15 @@ def _lag(a, work: Path, note) -> dict:
     figures = {}
     for mode in ("async", "flash"):
         out = work / f"lag-{mode}-{uuid.uuid4().hex[:6]}"
-        trainer = build(a.size, a.device, out, a.lag_at + a.lag_steps, a.lag_at, mode, a.batch, a.seq,
-                        persist_every=1)
+        trainer = build(a.size, a.device, out, a.lag_at + a.lag_steps, 10**6, mode, a.batch, a.seq, persist_every=1)
+        trainer.add_callback(_save_at(a.lag_at))  # one save: save_steps=lag_at would save every lag_at steps
         marks, stop = {}, threading.Event()
         manifest = out / f"checkpoint-{a.lag_at}" / MANIFEST
         save = trainer._save_checkpoint
 
         def entered(*args, save=save, marks=marks, **kwargs):
             marks.setdefault("called", time.perf_counter())
+            marks["saves"] = marks.get("saves", 0) + 1
             return save(*args, **kwargs)
 
         def poll(manifest=manifest, marks=marks, stop=stop):
@@ -315,6 +327,8 @@ def _lag(a, work: Path, note) -> dict:
         _free(a.device)
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(memory, ignore_errors=True)
+        if marks.get("saves") != 1:
+            raise RuntimeError(f"lag {mode}: {marks.get('saves', 0)} saves, not the one of step {a.lag_at}")
         if "committed" not in marks:
             raise RuntimeError(f"lag {mode}: no commit of checkpoint-{a.lag_at} seen")
         figures[f"{mode}_lag_s"] = marks["committed"] - marks["called"]
