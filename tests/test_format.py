@@ -307,41 +307,70 @@ def test_direct_io_streams_the_same_bytes_through_a_reused_bounce_buffer(tmp_pat
     assert consumed == []
 
 
-def test_prefetching_runs_ahead_by_a_bounded_number_of_bytes_and_hands_over_errors():
-    """The converter's reader thread (`writer._prefetching`): every range in order; never more than the limit
-    (plus two ranges) produced ahead of the consumer; a reader error raised in the consumer; a consumer that stops
-    early stops the reader; nothing read before the consumer asks."""
-    import threading
+def test_direct_writes_of_ranks_pieces_tile_a_shared_file_with_their_edges_buffered(tmp_path):
+    """`write_at_direct` (the save's path to a local disk): two writers' interleaved runs of ranges, of random
+    lengths at random offsets (edges sharing a block with the other writer's bytes, runs under and over
+    `SMALL_RUN`, chunks of one block up to the default), written one writer after the other into one file grown to
+    its size by the first: the file holds every byte, each range's record is its offset, length and CRC-32; the
+    aligned blocks really went through direct writes (counted), the small runs and the edges did not."""
+    import os
+    import zlib
 
-    from hf_unified_ckpt.checkpoint.writer import _prefetching
+    import numpy as np
 
-    produced = []
+    from hf_unified_ckpt.store import direct
 
-    def ranges(n, fail_at=None):
-        for i in range(n):
-            if i == fail_at:
-                raise OSError("disk read failed")
-            produced.append(i)
-            yield i * 10, memoryview(bytes(10))
+    assert direct.direct_io_works(tmp_path)
+    rng = np.random.default_rng(0)
+    direct_writes = []
+    real_write = direct._ChunkWriters._write
+    direct._ChunkWriters._write = lambda self, o, n, p: direct_writes.append(n) or real_write(self, o, n, p)
+    try:
+        for trial in range(12):
+            size = int(rng.integers(1, 20_000_000))
+            data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+            cuts = sorted({0, size} | {int(x) for x in rng.integers(0, size, int(rng.integers(0, 12)))})
+            runs = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+            path = tmp_path / f"f{trial}"
+            for writer in range(2):
+                ranges = []
+                for a, b in runs[writer::2]:
+                    step = max(1, (b - a) // int(rng.integers(1, 4)))  # a run of one to three ranges
+                    ranges += [(o, memoryview(data)[o:min(o + step, b)]) for o in range(a, b, step)]
+                chunk = int(rng.choice([4096, 4096 * 3, 2**20, direct.CHUNK]))
+                records = direct.write_at_direct(path, iter(ranges), size if writer == 0 else None, chunk=chunk)
+                assert records == [(o, len(v), zlib.crc32(v)) for o, v in ranges]
+            assert path.read_bytes() == data, trial
+            os.unlink(path)
+    finally:
+        direct._ChunkWriters._write = real_write
+    assert direct_writes and all(n % 4096 == 0 for n in direct_writes)
+    small = tmp_path / "small"
+    assert direct.write_at_direct(small, [(0, memoryview(b"x" * 5000))], 5000) == [(0, 5000, zlib.crc32(b"x" * 5000))]
+    assert small.read_bytes() == b"x" * 5000
 
-    seen, lead = [], []
-    with _prefetching(ranges(50), limit=25) as items:
-        for offset, data in items:
-            seen.append(offset)
-            lead.append(len(produced) - len(seen))
-    assert seen == [i * 10 for i in range(50)]
-    assert 1 <= max(lead) <= 25 // 10 + 2  # ready: up to the limit + one range; one more in the reader's hands
-    with pytest.raises(OSError, match="disk read failed"):
-        with _prefetching(ranges(10, fail_at=4), limit=100) as items:
-            list(items)
-    produced.clear()
-    with _prefetching(ranges(1000), limit=20) as items:
-        next(items)
-    assert len(produced) < 10 and not any(t.name == "prefetch" for t in threading.enumerate())
-    produced.clear()
-    with _prefetching(ranges(10), limit=20):
-        pass  # the writer refused before asking for a range (no direct I/O here)
-    assert produced == []
+
+def test_a_failed_direct_write_is_raised_after_every_write_ended(tmp_path, monkeypatch):
+    """A write that fails in a writer thread (ENOSPC) is raised by `write_at_direct`, once no write is in flight."""
+    import errno
+    import os
+
+    from hf_unified_ckpt.store import direct
+
+    real = direct.pwrite_all
+    calls = []
+
+    def full(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct, "pwrite_all", full)
+    data = os.urandom(6 * 2**20 + 123)
+    with pytest.raises(OSError, match="No space"):
+        direct.write_at_direct(tmp_path / "f", [(0, memoryview(data))], len(data), chunk=2**20, writers=2)
+    assert len(calls) >= 3
 
 
 def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_the_writes(tmp_path, monkeypatch):

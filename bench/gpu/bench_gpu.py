@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: raw_disk
 #: Llama shapes (vocab 32000, untied embeddings): ~8.5M, 134M, 953M parameters (measured).
 SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4),
          "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12),
+         "300m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16),
          "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16)}
 MEASUREMENTS = ("save", "blocked", "throughput", "resume", "restart", "lag")
 

@@ -94,7 +94,7 @@ class MultipartWriter(SharedFileWriter):
         plan = self.part_plan(file, ref)
         failure, held = None, []
         try:
-            held = rank_ranges(file, self.rank, file.encoded(tensors, self.rank))
+            held = list(rank_ranges(file, self.rank, file.encoded(tensors, self.rank)))
         except Exception as e:  # raised after the exchange, which the other ranks wait for
             failure = e
         received = self._exchange(file, plan, held if failure is None else None)

@@ -71,9 +71,10 @@ class SaveRequest:
     options: UnifiedCheckpointOptions
     include_optimizer: bool = True
     show_progress: bool = True
-    #: Files one process writes whole go to disk with direct I/O (`store.direct`) where the filesystem allows:
-    #: the offline converter, whose output the job does not read back.
-    direct_io: bool = False
+    #: The whole blocks of the tensor files go to disk with direct I/O, several writes in flight
+    #: (`store.direct.write_at_direct`), where the filesystem allows: a save writes at the disk's speed and leaves the
+    #: job's page cache alone. False for the memory tier, whose files are memory read back by the persister.
+    direct_io: bool = True
     #: A folder of files an evicted checkpoint left (the memory tier): a file this rank writes alone takes the place
     #: of the spare file of the same name and overwrites its memory (`SharedFileWriter`), rather than being created.
     spare: str | None = None

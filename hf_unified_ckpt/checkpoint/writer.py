@@ -31,11 +31,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import itertools
 import os
 import re
-import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -295,22 +293,15 @@ def natural_order(name: str) -> tuple:
 def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],
                  direct_io: bool = False) -> list[RangeRecord]:
     """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in file `ref`
-    (`PositionalWrites.write_at`: created if missing, never truncated), and compute each range's CRC-32 from memory
-    once the bytes are in the page cache. With `direct_io`, a file this rank writes whole is streamed by `Store.write_whole`
-    with direct I/O (bypassing the page cache) where the store allows it, each tensor taken from `tensors` (which
-    may compute it on access) while the one before is written. Returns one record per range written. The caller
-    makes the file durable (`SharedFileWriter.write`)."""
-    ref, head = as_ref(ref), file.header_bytes
-    store = store_for(ref)
-    items = sorted(file.items_of(rank), key=lambda item: item.start)
-    if direct_io and _writes_whole(file, rank, items):
-        lazily = ((len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items)
-        with _prefetching(itertools.chain([(0, memoryview(head))], lazily)) as ranges:
-            written = store.write_whole(ref, ranges, file.size, direct_io=True)
-        return [RangeRecord(file.name, offset, length, crc) for offset, length, crc in written]
-    ranges = rank_ranges(file, rank, tensors)
-    in_place_store(ref).write_at(ref, ranges, file.size if rank == file.header_rank else None)
-    return [RangeRecord(file.name, offset, len(data), crc32(data)) for offset, data in ranges]
+    (`PositionalWrites.write_at`: created if missing, never truncated), each range's CRC-32 computed from memory.
+    The ranges are produced one at a time (`tensors` may compute each on access, a device tensor is copied to the
+    host) while the ones before are written; with `direct_io`, the aligned blocks go to the disk with direct I/O and
+    several writes in flight where the store allows it (`store.direct.write_at_direct`). Returns one record per
+    range written. The caller makes the file durable (`SharedFileWriter.write`)."""
+    ref = as_ref(ref)
+    written = in_place_store(ref).write_at(ref, rank_ranges(file, rank, tensors),
+                                           file.size if rank == file.header_rank else None, direct_io=direct_io)
+    return [RangeRecord(file.name, offset, length, crc) for offset, length, crc in written]
 
 
 def in_place_store(ref: str) -> PositionalWrites:
@@ -322,13 +313,15 @@ def in_place_store(ref: str) -> PositionalWrites:
     return store
 
 
-def rank_ranges(file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, memoryview]]:
+def rank_ranges(file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[int, memoryview]]:
     """What `rank` holds of `file`, as (offset in the file, bytes) in offset order: the header on the header rank,
-    then its write items, from `tensors` (by stored name, encoded)."""
+    then its write items, from `tensors` (by stored name, encoded), each taken (a device tensor copied to the host)
+    when the writer asks for it."""
     head = file.header_bytes
-    ranges = [(0, memoryview(head))] if rank == file.header_rank else []
-    items = sorted(file.items_of(rank), key=lambda item: item.start)
-    return ranges + [(len(head) + item.start, _item_bytes(item, tensors[item.name])) for item in items]
+    if rank == file.header_rank:
+        yield 0, memoryview(head)
+    for item in sorted(file.items_of(rank), key=lambda item: item.start):
+        yield len(head) + item.start, _item_bytes(item, tensors[item.name])
 
 
 def _writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
@@ -339,76 +332,6 @@ def _writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
             return False
         end = item.end
     return rank == file.header_rank and len(file.header_bytes) + end == file.size
-
-
-#: How many bytes of ranges the converter's reader may hold ready ahead of the writer (beyond the one being written).
-AHEAD_BYTES = 64 * 2**20
-
-
-@contextlib.contextmanager
-def _prefetching(ranges: Iterable[tuple[int, memoryview]], limit: int = AHEAD_BYTES) -> Iterator[Iterator]:
-    """`ranges`, produced by a helper thread that runs ahead of the caller (holding ready at most `limit` bytes
-    plus one range, and one more in hand), so that reading and assembling the next tensors overlaps writing this
-    one (both release the GIL). The thread starts when the caller asks for the first range (a writer that refuses
-    before reading any has nothing computed in vain)."""
-    ahead = _Ahead(iter(ranges), limit)
-    try:
-        yield ahead.consume()
-    finally:
-        ahead.stop()
-
-
-class _Ahead:
-    """A bounded hand-over of ranges from one producer thread to one consumer (see `_prefetching`)."""
-
-    def __init__(self, ranges: Iterator[tuple[int, memoryview]], limit: int):
-        self._ranges, self._limit = ranges, limit
-        self._ready: collections.deque = collections.deque()
-        self._held = 0
-        self._done = self._stopped = False
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._produce, name="prefetch", daemon=True)
-
-    def _produce(self) -> None:
-        try:
-            for item in self._ranges:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._stopped or not self._ready or self._held < self._limit)
-                    if self._stopped:
-                        return
-                    self._ready.append(item)
-                    self._held += len(item[1])
-                    self._cond.notify_all()
-        except BaseException as e:  # handed to the consumer
-            self._error = e
-        finally:
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
-
-    def consume(self) -> Iterator[tuple[int, memoryview]]:
-        self._thread.start()
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._ready or self._done)
-                if not self._ready:
-                    if self._error is not None:
-                        raise self._error
-                    return
-                item = self._ready.popleft()
-                self._held -= len(item[1])
-                self._cond.notify_all()
-            yield item
-            del item
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._ready.clear()
-            self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join()
 
 
 def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:

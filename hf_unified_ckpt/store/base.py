@@ -152,9 +152,11 @@ class PositionalWrites(Protocol):
     """A store where several processes write byte ranges of one file at offsets (`Capabilities.positional_writes`):
     shared files written in place."""
 
-    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
-        """Write `ranges` at their offsets into file `ref`, created if missing and never truncated, sized to
-        `size` first when it is given (the rank that writes the header). Durable only after `sync`."""
+    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None, direct_io: bool = False) -> list[Written]:
+        """Write `ranges` (in offset order) at their offsets into file `ref`, created if missing and never
+        truncated, sized to `size` first when it is given (the rank that writes the header); return each range's
+        (offset, length, CRC-32), computed from memory. The ranges are consumed one at a time. `direct_io`: the
+        aligned blocks bypass the page cache where the filesystem allows it. Durable only after `sync`."""
 
 
 @runtime_checkable

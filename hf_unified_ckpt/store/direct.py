@@ -16,11 +16,14 @@ through the page cache.
 
 from __future__ import annotations
 
+import collections
 import errno
 import mmap
 import os
+import queue
 import threading
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..format.checksum import crc32
@@ -122,3 +125,181 @@ def _write_from(fd: int, data: memoryview, offset: int) -> int:
     whole = len(data) - len(data) % _ALIGN
     pwrite_all(fd, data[:whole], offset)
     return whole
+
+
+# ---- ranges of a shared file, several writes in flight -------------------------------------------------------------
+#: Direct writes in flight per file: several, so that the disk's queue stays full while the next chunk is copied.
+WRITERS = 4
+#: A contiguous run shorter than this is written through the page cache whole (not worth aligning).
+SMALL_RUN = 256 * 1024
+_support: dict[int, bool] = {}
+_support_lock = threading.Lock()
+
+
+def direct_io_works(folder: str | os.PathLike) -> bool:
+    """Whether the filesystem of `folder` takes direct writes (probed once per device with a throw-away file: tmpfs
+    and some network filesystems refuse them with EINVAL)."""
+    device = os.stat(folder).st_dev
+    with _support_lock:
+        if device not in _support:
+            probe = Path(folder, f".direct_probe_{os.getpid()}_{threading.get_native_id()}")
+            buf = _aligned(_ALIGN)
+            fd = _open_direct(probe, memoryview(buf))
+            if fd is not None:
+                os.close(fd)
+            probe.unlink(missing_ok=True)
+            buf.close()
+            _support[device] = fd is not None
+        return _support[device]
+
+
+def write_at_direct(path: str | os.PathLike, ranges: Iterable[tuple[int, memoryview]], size: int | None,
+                    chunk: int = CHUNK, writers: int = WRITERS) -> list[tuple[int, int, int]]:
+    """Write `ranges` ((offset, bytes) in offset order, no overlaps; gaps are other writers' bytes) into `path`,
+    created if missing and never truncated, grown to `size` first where given; return each range's (offset, length,
+    CRC-32), computed from memory. The aligned blocks of each contiguous run of ranges go to the disk with direct
+    I/O, copied (GIL released) into page-aligned buffers by `writers` threads, each with one write in flight; the
+    partial blocks at a run's edges (which other writers' bytes may share) and runs under `SMALL_RUN` go through
+    the page cache. The ranges are consumed one at a time, at most `2 * writers` chunks ahead of the disk: the
+    caller may produce the next while these are written, and what it produced is released once written. The caller
+    checked `direct_io_works` and makes the file durable (fsync) afterwards."""
+    from .local_io import grow_to
+
+    buffered = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        if size is not None:
+            grow_to(buffered, size, path)
+        direct = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        try:
+            with _ChunkWriters(direct, chunk, writers) as pool:
+                runs, records = _Runs(buffered, pool), []
+                for offset, data in ranges:
+                    data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+                    runs.add(offset, data)
+                    records.append((offset, len(data), crc32(data)))  # GIL released: overlaps the writers
+                    del data
+                runs.close_run()
+                pool.wait()
+                return records
+        finally:
+            os.close(direct)
+    finally:
+        os.close(buffered)
+
+
+def _ceil(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+class _Runs:
+    """Cuts a stream of ranges into contiguous runs: each run's partial first block buffered, its whole blocks handed
+    to the writers chunk by chunk as the ranges arrive, its partial last block buffered; a run under `SMALL_RUN`
+    buffered whole. Holds only the ranges not yet handed over."""
+
+    def __init__(self, fd: int, pool: "_ChunkWriters"):
+        self.fd, self.pool = fd, pool
+        self.pending: collections.deque[tuple[int, memoryview]] = collections.deque()
+        self.start = self.end = self.pos = None  # the run's first byte, its end, the first byte not handed over
+        self.direct = False
+
+    def add(self, offset: int, data: memoryview) -> None:
+        if self.end is not None and offset < self.end:
+            raise ValueError(f"a range starts at byte {offset}, before the previous one ends ({self.end})")
+        if self.end is not None and offset != self.end:
+            self.close_run()
+        if self.start is None:
+            self.start = self.pos = offset
+        self.pending.append((offset, data))
+        self.end = offset + len(data)
+        if not self.direct and self.end - self.start >= SMALL_RUN:
+            self.direct = True
+            self._buffered(_ceil(self.start))
+        while self.direct and self.end - self.pos >= self.pool.chunk:
+            self._hand(self.pos + self.pool.chunk)
+
+    def close_run(self) -> None:
+        if self.start is None:
+            return
+        if self.direct and self.end // _ALIGN * _ALIGN > self.pos:
+            self._hand(self.end // _ALIGN * _ALIGN)
+        self._buffered(self.end)
+        self.pending.clear()
+        self.start = self.end = self.pos = None
+        self.direct = False
+
+    def _buffered(self, hi: int) -> None:
+        for offset, data in self._take(hi):
+            pwrite_all(self.fd, data, offset)
+
+    def _hand(self, hi: int) -> None:
+        self.pool.submit(self.pos, hi - self.pos, self._take(hi))
+
+    def _take(self, hi: int) -> list[tuple[int, memoryview]]:
+        """The pending bytes in [pos, hi), as (file offset, bytes); ranges wholly before `hi` are let go."""
+        pieces, lo = [], self.pos
+        while self.pending and lo < hi:
+            offset, data = self.pending[0]
+            a, b = max(lo, offset), min(hi, offset + len(data))
+            if a < b:
+                pieces.append((a, data[a - offset:b - offset]))
+            if offset + len(data) <= hi:
+                self.pending.popleft()
+            lo = b
+        self.pos = max(self.pos, hi)
+        return pieces
+
+
+class _ChunkWriters:
+    """Threads that each copy one aligned chunk into their page-aligned buffer and write it with direct I/O; at most
+    `2 * writers` chunks handed over and not yet written (`submit` blocks beyond). `wait` returns once every chunk
+    is written, and raises the first failure."""
+
+    def __init__(self, fd: int, chunk: int, writers: int):
+        self.fd, self.chunk = fd, chunk
+        self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="hf_unified_ckpt-direct")
+        self._buffers = [_aligned(chunk) for _ in range(writers)]
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for buf in self._buffers:
+            self._free.put(buf)
+        self._slots = threading.BoundedSemaphore(2 * writers)
+        self._futures: list = []
+
+    def submit(self, offset: int, length: int, pieces: list[tuple[int, memoryview]]) -> None:
+        self._slots.acquire()
+        self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
+        self._futures.append(self._pool.submit(self._write, offset, length, pieces))
+
+    def _write(self, offset: int, length: int, pieces: list[tuple[int, memoryview]]) -> None:
+        import numpy as np
+
+        buf = self._free.get()
+        try:
+            target = np.frombuffer(buf, dtype=np.uint8, count=length)
+            for at, data in pieces:
+                np.copyto(target[at - offset:at - offset + len(data)], np.frombuffer(data, dtype=np.uint8))
+            del pieces
+            pwrite_all(self.fd, memoryview(buf)[:length], offset)
+        finally:
+            self._free.put(buf)
+            self._slots.release()
+
+    def wait(self) -> None:
+        futures, self._futures = self._futures, []
+        for future in futures:
+            future.result()
+
+    def __enter__(self) -> "_ChunkWriters":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True)  # on a failure too: no write outlives the file's descriptor
+        for buf in self._buffers:
+            try:
+                buf.close()
+            except BufferError:  # a failed write's traceback still holds a view of it: unmapped once that goes
+                pass
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory of `nbytes`."""
+    return mmap.mmap(-1, nbytes)

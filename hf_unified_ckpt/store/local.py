@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from . import local_io
 from .base import (DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX, Capabilities, Range, Written, as_ref,
                    probe_write)
-from .direct import write_whole_direct
+from .direct import direct_io_works, write_at_direct, write_whole_direct
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,11 @@ class LocalStore:
                 return written
         return local_io.write_whole(path, ranges, size)
 
-    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None) -> None:
-        local_io.write_at(self._path(ref), ranges, size)
+    def write_at(self, ref: str, ranges: Iterable[Range], size: int | None, direct_io: bool = False) -> list[Written]:
+        path = self._path(ref)
+        if direct_io and direct_io_works(os.path.dirname(path) or "."):
+            return write_at_direct(path, ranges, size)
+        return local_io.write_at(path, ranges, size)
 
     def sync(self, ref: str) -> None:
         local_io.fsync_file(self._path(ref))

@@ -115,16 +115,21 @@ def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) 
     os.unlink(tmp)
 
 
-def write_at(path: str | os.PathLike, ranges, size: int | None) -> None:
-    """Write (offset, bytes) ranges into `path`, created if missing and never truncated; grown to `size` first."""
+def write_at(path: str | os.PathLike, ranges, size: int | None) -> list[tuple[int, int, int]]:
+    """Write (offset, bytes) ranges into `path`, created if missing and never truncated; grown to `size` first.
+    Returns each range's (offset, length, CRC-32), computed from memory once it is written."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    written = []
     try:
         if size is not None:
             grow_to(fd, size, path)
         for offset, data in ranges:
             pwrite_all(fd, data, offset)
+            written.append((offset, len(data), crc32(data)))
+            del data
     finally:
         os.close(fd)
+    return written
 
 
 def grow_to(fd: int, size: int, path) -> None:

@@ -471,7 +471,7 @@ class CheckpointSession:
                 logger.warning("flash: the memory folder %s is full (%s); checkpoint-%d was saved to %s instead, and "
                                "so are the next saves of this run.", flash.run, why, step, durable)
 
-        memory = dataclasses.replace(request, final_dir=flash.final_dir(step), spare=flash.spare)
+        memory = dataclasses.replace(request, final_dir=flash.final_dir(step), spare=flash.spare, direct_io=False)
         engine_of(self.trainer).step_barrier(self.trainer, self.wait_for_staging)
         self.saver.start(engine, memory, small, after_commit=lambda: flash.after_commit(step, durable, best, limit),
                          fallback=Fallback(durable, rotate, said))
