@@ -70,14 +70,34 @@ def test_read_only_output_folder_is_a_clear_error(tmp_path, monkeypatch, config)
     record_fault(f"read-only output folder ({config or 'sync'})", survived=True)
 
 
-def test_snapshot_buffers_are_reused(tmp_path):
+def test_snapshot_buffers_are_made_ahead_reused_and_released_at_the_end(tmp_path, monkeypatch):
+    """The host buffers of the first save are made after the first optimizer step, in the background (the first
+    save finds every one it copies into ready), reused by the next saves (one buffer per tensor, the same three
+    times), and freed when train() ends."""
+    from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
+    from hf_unified_ckpt.checkpoint.snapshot import HostBuffers
+
+    ready_at_start, used = [], {}
+    real_start, real_copy = AsyncSaver.start, HostBuffers.copy
+
+    def start(self, *args, **kwargs):
+        buffers = self._snapshots.buffers
+        buffers._join()
+        ready_at_start.append({key: id(b) for key, (b, _) in buffers._buffers.items()})
+        return real_start(self, *args, **kwargs)
+
+    def copy(self, key, tensor, *args, **kwargs):
+        out = real_copy(self, key, tensor, *args, **kwargs)
+        used.setdefault(key, set()).add(id(out))
+        return out
+
+    monkeypatch.setattr(AsyncSaver, "start", start)
+    monkeypatch.setattr(HostBuffers, "copy", copy)
     trainer, _ = train(tmp_path, max_steps=6, save_steps=2, **ASYNC)
     saver = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "saver")).saver
-    held = saver.host_buffer_bytes()
-    assert held > 0 and not saver.in_flight
-    buffers = saver._snapshots.buffers._buffers
-    ids = {id(b) for b in buffers.values()}
-    assert len(ids) == len(buffers)  # one buffer per tensor, kept across the three saves
+    assert len(ready_at_start) == 3 and used
+    assert all(ids == {ready_at_start[0][key]} for key, ids in used.items())  # made ahead, then reused
+    assert saver.host_buffer_bytes() == 0 and not saver.in_flight and not saver.prepared  # released at the end
 
 
 @pytest.mark.dist

@@ -20,17 +20,23 @@ raised there, on every rank (the outcome is shared by a collective). A failed sa
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .. import dist
 from ..engines.base import EngineAdapter
 from ..errors import UnifiedCheckpointError
+from ..store.node import mem_available
 from .executors import executor_for
 from .persist import Background
-from .save import SaveRequest, SmallFiles, Started, begin
-from .snapshot import Snapshots
+from .save import SaveRequest, SmallFiles, Started, begin, plan_save
+from .snapshot import Snapshots, snapshot_specs
 
 logger = logging.getLogger(__name__)
+
+#: The share of the memory available that host buffers made ahead may take.
+HEADROOM = 0.8
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class AsyncSaver:
         self._snapshots = Snapshots(shared=shared, place=not shared)
         self._background = Background("save", self._snapshots.buffers.transfers)
         self._in_flight: str | None = None  # the folder of the save in flight
+        self._prepared = False  # this run's host buffers were asked for (`prepare`)
 
     @property
     def in_flight(self) -> bool:
@@ -62,6 +69,11 @@ class AsyncSaver:
     def snapshot_bytes(self) -> int:
         """What the last save copied of this rank's tensors (into buffers or files)."""
         return self._snapshots.nbytes
+
+    @property
+    def prepared(self) -> bool:
+        """Whether this run's host buffers were asked for (`prepare`; reset at the run's end)."""
+        return self._prepared
 
     def host_buffer_bytes(self) -> int:
         """Host memory held by the reused snapshot buffers (the extra memory async_save costs; none for the files
@@ -92,11 +104,35 @@ class AsyncSaver:
             after_commit = fallback.after_commit
         return outcome.concluded(after_commit)
 
+    def prepare(self, engine: EngineAdapter, request: SaveRequest, device, placed_whole: bool = False) -> None:
+        """Once per run, before its first background save (after the first optimizer step, when the optimizer's
+        state exists): the host buffers that save will copy into are made in the background (allocated, faulted
+        in, pinned for a GPU; `snapshot.HostBuffers.prepare`), from the save plan of `request`, so that the first
+        save blocks training no longer than a later one. Skipped, said once, where they would not fit in the
+        memory available (the first save then makes them as it copies, as without this), and where a codec
+        stores the tensors (their encoded sizes are known only from the data). Collective (the save plan): all
+        ranks must call it."""
+        if self._prepared:
+            return
+        self._prepared = True
+        specs = snapshot_specs(plan_save(engine, request, shared=True).files, dist.rank(), placed_whole)
+        if not specs:
+            return
+        need = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
+        room = mem_available()
+        if room is not None and need > HEADROOM * room:
+            logger.info("The host buffers of the background saves (%.2f GB on this rank) are not made ahead: %.2f GB "
+                        "of memory is available; the first save makes them as it copies.", need / 1e9, room / 1e9)
+            return
+        self._snapshots.buffers.prepare(specs, device)
+
     def release_mappings(self) -> None:
-        """Release what the saves keep from one to the next (a run's end): the mappings of the files they wrote
-        through (the memory tier's files may be freed) and the writer process, if any. Call with no save in
-        flight; the next save starts again what it needs."""
+        """Release what the saves keep from one to the next (a run's end): the host buffers, the mappings of the
+        files they wrote through (the memory tier's files may be freed) and the writer process, if any. Call with
+        no save in flight; the next save (and the next run's `prepare`) makes again what it needs."""
         self._snapshots.release_mappings()
+        self._snapshots.buffers.release()
+        self._prepared = False
         self._executor.close()
 
     def wait_for_snapshot(self) -> None:

@@ -12,15 +12,18 @@ while they are written.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import torch
 
+from ..format.headers import TORCH_DTYPE_NAMES
 from ..format.planning import FilePlan
 from ..store import WritableMaps
-from .device_copy import Transfers, host_buffer
-from .persist import PersistJob
+from .device_copy import PAGE, Transfers, host_buffer
+from .persist import PersistJob, lower_priority
 from .reports import guarded
+from .writer import writes_whole
 
 
 class HostBuffers:
@@ -32,10 +35,47 @@ class HostBuffers:
         self._buffers: dict[object, tuple[torch.Tensor, bool]] = {}  # key -> (buffer, whether pinned)
         self.transfers = Transfers()
         self.shared = shared
+        self._preparing: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def prepare(self, specs: list[tuple[object, tuple[int, ...], torch.dtype]], device: torch.device) -> None:
+        """Make the buffers of `specs` ((key, shape, dtype) of the tensors the next copies will take, from `device`)
+        in a background thread at the lowest CPU priority: allocated, their pages faulted in (pinned, for a CUDA
+        device), so that the first copies find them ready instead of paying for them while training waits. `copy`
+        waits for a preparation still running; `release` stops it."""
+        self._join()
+        self._stop.clear()
+        like = torch.empty(0, device=device)
+        self._preparing = threading.Thread(target=self._allocate, args=(specs, like), daemon=True,
+                                           name="hf_unified_ckpt-host-buffers")
+        self._preparing.start()
+
+    def _allocate(self, specs, like: torch.Tensor) -> None:
+        lower_priority()
+        pin = like.device.type == "cuda" and not self.shared
+        for key, shape, dtype in specs:
+            if self._stop.is_set():
+                return
+            buffer = host_buffer(shape, dtype, like, shared=self.shared)
+            if not pin:  # pinning faults the pages in; a pageable buffer is touched once per page
+                fault_in(buffer)
+            self._buffers[key] = (buffer, pin)
+
+    def _join(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+
+    def release(self) -> None:
+        """Free every buffer (the end of a run); a preparation in progress stops first."""
+        self._stop.set()
+        self._join()
+        self._buffers.clear()
 
     def copy(self, key, tensor: torch.Tensor, dtype: torch.dtype | None = None, flat: bool = False) -> torch.Tensor:
         """A copy of `tensor` (flattened with `flat`, converted to `dtype` if given) in the buffer of `key` (for a
         CUDA tensor: queued, there once `transfers.settle()` returned)."""
+        self._join()
         shape = (tensor.numel(),) if flat else tuple(tensor.shape)
         dtype = dtype or tensor.dtype
         buffer, pinned = self._buffers.get(key, (None, False))
@@ -52,7 +92,45 @@ class HostBuffers:
             self._buffers.pop(key, None)
 
     def nbytes(self) -> int:
-        return sum(b.nbytes for b, _ in self._buffers.values())
+        return sum(b.nbytes for b, _ in list(self._buffers.values()))
+
+
+def fault_in(buffer: torch.Tensor) -> None:
+    """Touch one byte of every page of `buffer` (writing zeros), so that its pages exist before a copy needs them
+    (numpy's strided write releases the GIL)."""
+    if buffer.nbytes:
+        numpy = buffer.view(-1).view(torch.uint8).numpy()
+        numpy[::PAGE] = 0
+
+
+def snapshot_specs(files: Iterable[FilePlan], rank: int, placed_whole: bool = False
+                   ) -> list[tuple[object, tuple[int, ...], torch.dtype]] | None:
+    """(key, shape, dtype) of each tensor `rank` will copy into host buffers for a save of `files` (the save plan),
+    read from the plan alone: its pieces of the tensors written in place (flat) and, on a file's header rank, the
+    tensors it writes whole; with `placed_whole`, none of a file it writes whole (copied straight into place: the
+    memory tier's files on a CPU). None where a file has a codec (its encoded tensors are not known before the
+    data is)."""
+    specs = []
+    for file in files:
+        if rank not in file.writers:
+            continue
+        if file.codec is not None:
+            return None
+        items = sorted(file.items_of(rank), key=lambda item: item.start)
+        if placed_whole and writes_whole(file, rank, items):
+            continue
+        for name in file.pieces_held(rank):
+            count = next(count for r, _, count in file.held[name] if r == rank and count)
+            specs.append(((file.component, name), (count,), _dtype(file.header[name]["dtype"])))
+        if rank == file.header_rank:
+            for name in file.whole_names:
+                specs.append(((file.component, name), tuple(file.header[name]["shape"]),
+                              _dtype(file.header[name]["dtype"])))
+    return specs
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, TORCH_DTYPE_NAMES[name])
 
 
 class Snapshots:

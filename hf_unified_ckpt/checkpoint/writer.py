@@ -173,7 +173,7 @@ class SharedFileWriter(LocalWrites):
         items = sorted(file.items_of(self.rank), key=lambda item: item.start)
         mappings = writable_mappings_of(store_for(ref))
         if (self.spare is None or file.codec is not None or mappings is None
-                or not _writes_whole(file, self.rank, items)
+                or not writes_whole(file, self.rank, items)
                 or any(tensors[item.name].device.type != "cpu" for item in items)):
             return None
         take_spare(self.spare, ref, file.size)
@@ -324,7 +324,7 @@ def rank_ranges(file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) 
         yield len(head) + item.start, _item_bytes(item, tensors[item.name])
 
 
-def _writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
+def writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
     """Whether `rank`'s items (in offset order) and the header tile `file` (from the plan; no tensor is touched)."""
     end = 0
     for item in items:

@@ -41,7 +41,8 @@ class SessionHooks(TrainerCallback):
             self.session.before_optimizer_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        """`CheckpointSession.after_optimizer_step`. Local."""
+        """`CheckpointSession.after_optimizer_step`. Collective (after the run's first step: the background saves'
+        host buffers are planned)."""
         if self.session is not None:
             self.session.after_optimizer_step(state.global_step)
 

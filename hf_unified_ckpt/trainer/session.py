@@ -345,9 +345,27 @@ class CheckpointSession:
             self.preemption.start_vote()
 
     def after_optimizer_step(self, step: int) -> None:
-        """`on_step_end`: the EMA of the weights, when due (before the step's save, if any). Local."""
+        """`on_step_end`: the EMA of the weights, when due (before the step's save, if any); after the run's first
+        optimizer step, the background saves' host buffers made ahead (`prepare_background_saves`). Collective
+        (that preparation plans a save): all ranks call it."""
         if self.ema is not None:
             self.ema.after_step(step)
+        self.prepare_background_saves()
+
+    def prepare_background_saves(self) -> None:
+        """Once the optimizer holds its state: the host buffers of this run's first background save (`async_save`,
+        `flash`) are made in the background (`AsyncSaver.prepare`, once per run), so that the save does not wait
+        for them. Collective: all ranks call it."""
+        trainer, options = self.trainer, self.options
+        if (self.saver.prepared or not options.enabled or trainer.args.save_strategy == "no" or self.saver.in_flight
+                or not (options.async_save or (self.flash is not None and self.flash.active))):
+            return
+        engine, step = self.engine(), trainer.state.global_step
+        request = SaveRequest(join(checkpoint_root(trainer), f"{PREFIX_CHECKPOINT_DIR}-{step}"), step, options,
+                              include_optimizer=not trainer.args.save_only_model, show_progress=False)
+        on_cpu = trainer.args.device.type == "cpu"
+        self.saver.prepare(engine, request, trainer.args.device,
+                           placed_whole=on_cpu and self.flash is not None and self.flash.active)
 
     def before_first_step(self) -> None:
         """`on_train_begin`: a preemption signal that came during set-up ends the run here. Collective."""
