@@ -350,6 +350,34 @@ def test_direct_writes_of_ranks_pieces_tile_a_shared_file_with_their_edges_buffe
     assert small.read_bytes() == b"x" * 5000
 
 
+def test_memory_laid_out_as_the_file_is_written_straight_from_it(tmp_path, monkeypatch):
+    """A host buffer that starts as far into a page as its bytes do in the file (`device_copy.paged_buffer`, as the
+    snapshot's buffers made ahead are) goes to disk without a copy: every whole chunk of it alone straight from it
+    (the first chunk, which holds the header too, through a writer's buffer); the same bytes one byte off go
+    through the writers' buffers."""
+    import zlib
+
+    import torch
+
+    from hf_unified_ckpt.checkpoint.device_copy import paged_buffer
+    from hf_unified_ckpt.store import direct
+
+    copied = []
+    real = direct._ChunkWriters._through_buffer
+    monkeypatch.setattr(direct._ChunkWriters, "_through_buffer",
+                        lambda self, o, n, p: copied.append(o) or real(self, o, n, p))
+    head, n = b"h" * 1000, 3 * 2**20 + 4096 * 5  # data from byte 1000 of the file: four chunks of 1 MiB
+    for phase, expect_copies in ((1000, [0]), (1001, [0, 2**20, 2 * 2**20, 3 * 2**20])):  # the first has the header
+        buffer = paged_buffer((n,), torch.uint8, phase)
+        buffer.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+        data = memoryview(buffer.numpy())
+        copied.clear()
+        path = tmp_path / f"f{phase}"
+        records = direct.write_at_direct(path, [(0, memoryview(head)), (1000, data)], 1000 + n, chunk=2**20)
+        assert records[1] == (1000, n, zlib.crc32(data)) and path.read_bytes() == head + bytes(data)
+        assert copied == expect_copies, (phase, copied)
+
+
 def test_a_failed_direct_write_is_raised_after_every_write_ended(tmp_path, monkeypatch):
     """A write that fails in a writer thread (ENOSPC) is raised by `write_at_direct`, once no write is in flight."""
     import errno

@@ -88,3 +88,37 @@ def test_a_failed_or_cut_off_step_is_recorded_and_the_next_goes_on(tmp_path, mon
     assert report["fails"]["rc"] == 3 and "broken" in report["fails"]["output_tail"]
     assert report["hangs"]["rc"] == "cut off after 1 s" and report["hangs"]["seconds"] < 30
     assert report["works"]["rc"] == 0 and report["works"]["result"] == {"x": 1}
+
+
+def test_part_49_measures_the_speed_figures_in_priority_order_within_one_command(tmp_path):
+    """Issue 49's one command: the 1B save against a raw direct write of the same bytes, the blocked time of async
+    and flash saves (first vs later), throughput (200 steps, async every 100, flash every 25), restart from memory
+    vs disk, the durability lag, then the 100M save (growth); each step with its own limit."""
+    plan = run_all.steps("49", "cuda", False, tmp_path)
+    assert [name for name, *_ in plan] == ["bench_1b_save", "bench_1b_blocked", "bench_1b_throughput",
+                                          "bench_1b_restart", "bench_1b_lag", "bench_100m_save"]
+    throughput = plan[2][1]
+    for flag, value in (("--steps", "200"), ("--async-every", "100"), ("--flash-every", "25")):
+        assert throughput[throughput.index(flag) + 1] == value
+    assert all(cmd[cmd.index("--versus") + 1] == "raw" for name, cmd, *_ in plan if name.endswith("_save"))
+    derived = run_all.derived_49({
+        "bench_1b_save": {"result": {"measurements": {"save": {"ours_s": 10.0, "s_per_gb": 1.0}}}},
+        "bench_100m_save": {"result": {"measurements": {"save": {"s_per_gb": 0.5}}}},
+        "bench_1b_lag": {"result": {"measurements": {"lag": {"async_lag_s": 15.0, "flash_lag_s": 30.0}}}}})
+    assert derived == {"async_lag_over_sync_save": 1.5, "flash_lag_over_sync_save": 3.0, "s_per_gb_1b_over_100m": 2.0}
+
+
+@pytest.mark.slow  # ~85 s: `make test-slow` before a GPU machine runs it
+def test_part_49_dry_run_measures_every_figure(tmp_path):
+    report = _part("49", tmp_path)
+    figures = {step: record["result"]["measurements"] for step, record in report["steps"].items()}
+    save = figures["bench_1b_save"]["save"]
+    assert save["raw_direct"] and save["ratio_to_raw"] > 0 and save["bytes"] > 0
+    blocked = figures["bench_1b_blocked"]["blocked"]
+    assert {"async_first_over_later", "flash_first_over_later"} <= set(blocked)
+    throughput = figures["bench_1b_throughput"]["throughput"]
+    assert throughput["async_end_wait_over_raw"] > 0 and throughput["last_save_bytes"] > 0
+    restart = figures["bench_1b_restart"]["restart"]
+    assert restart["memory_to_first_step_s"] > 0 and restart["disk_to_first_step_s"] > 0
+    assert {"async_lag_s", "flash_lag_s"} <= set(figures["bench_1b_lag"]["lag"])
+    assert set(report["derived"]) == {"async_lag_over_sync_save", "flash_lag_over_sync_save", "s_per_gb_1b_over_100m"}

@@ -88,17 +88,20 @@ def timed_train(trainer, device: str, resume: str | None = None, isolate: bool =
     from transformers import TrainerCallback
 
     steps, saves, synced, waited, marks = [], [], [], [], {}
+    probe = _GilProbe()
 
     class Steps(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             _sync(device)
             marks.setdefault("first", time.perf_counter())
             marks["step"] = time.perf_counter()
+            probe.mark()
 
         def on_step_end(self, args, state, control, **kwargs):
             _sync(device)
             marks["last"] = time.perf_counter()
             steps.append(marks["last"] - marks["step"])
+            probe.step_ended()
 
     trainer.add_callback(Steps())
     save = trainer._save_checkpoint
@@ -122,12 +125,47 @@ def timed_train(trainer, device: str, resume: str | None = None, isolate: bool =
 
     trainer._save_checkpoint = timed_save
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=resume)
+    probe.start()
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        probe.stop()
     _sync(device)
     return {"total_s": time.perf_counter() - started, "to_first_step_s": marks["first"] - started,
             "to_last_step_s": marks["last"] - started, "steps_s": steps,
             "saves_s": saves, "saves_synced_s": synced, "waited_for_previous_s": waited,
-            "flash_active": marks.get("flash_active")}
+            "flash_active": marks.get("flash_active"), "gil_wait_ms": probe.per_step}
+
+
+class _GilProbe:
+    """How long a Python thread waits for the GIL, per training step: a thread that sleeps 1 ms at a time and adds
+    up how late it wakes (waking needs the GIL). Training holds it too; what a background save adds over a run
+    without saves is the background threads' share (issue 49: is the per-save loss the GIL?)."""
+
+    def __init__(self):
+        import threading
+
+        self._stop, self._late, self.per_step = threading.Event(), 0.0, []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="gil-probe")
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.001)
+            self._late += max(0.0, time.perf_counter() - t - 0.001)
+
+    def start(self):
+        self._thread.start()
+
+    def mark(self):
+        self._late = 0.0
+
+    def step_ended(self):
+        self.per_step.append(round(self._late * 1000, 2))
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
 
 
 def _fsync_tree(folder: str) -> float:
@@ -184,6 +222,20 @@ def _free(device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
     AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def _per_save_loss(run: dict, none: dict) -> dict:
+    """Where a save's cost lands: the extra seconds (over the run without saves' median step) and the extra GIL wait
+    of the step after each save and of the next four together, averaged over the saves after the first."""
+    base, gil = statistics.median(none["steps_s"]), statistics.median(none["gil_wait_ms"])
+    steps, waits, after, next4, gil_next4 = run["steps_s"], run["gil_wait_ms"], [], [], []
+    for k, step in enumerate(run["saves_after_step"][1:]):
+        if step + 5 <= len(steps):
+            after.append(steps[step] - base)
+            next4.append(sum(steps[step + 1:step + 5]) - 4 * base)
+            gil_next4.append((sum(waits[step:step + 5]) - 5 * gil) / 1000)
+    mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
+    return {"step_after_s": mean(after), "next_four_s": mean(next4), "gil_wait_5_steps_s": mean(gil_next4)}
 
 
 def _after_save_cost(r: dict, every: int) -> tuple[float, float]:
@@ -375,10 +427,13 @@ def measure(name: str, a, work: Path, note=lambda key, value: None) -> dict:
             figures.update({f"{m}_over_sync": out[m] / out["unified"] for m in ("async", "flash") if m in out})
         return figures
     if name == "throughput":  # the whole train(), and to the end of its last step (before the last save's wait)
-        runs, last_bytes = {}, 0
+        runs, last_bytes, profile = {}, 0, {}
         for mode, every in (("none", None), ("async", a.async_every), ("flash", a.flash_every)):
             r = run(*args, mode, a.steps, every, **common)
             runs[mode] = (r["total_s"], r["to_last_step_s"])
+            profile[mode] = {"steps_s": [round(x, 4) for x in r["steps_s"]], "gil_wait_ms": r["gil_wait_ms"],
+                             "saves_after_step": [every * (k + 1) for k in range(len(r["saves_s"]))] if every else []}
+            note("profile", profile)
             last_bytes = r["checkpoint_bytes"] if mode == "async" else last_bytes
             note(f"{mode}_s", r["total_s"])
             note(f"{mode}_to_last_step_s", r["to_last_step_s"])
@@ -395,7 +450,9 @@ def measure(name: str, a, work: Path, note=lambda key, value: None) -> dict:
                 "async_every": a.async_every, "flash_every": a.flash_every, "step_s": none / a.steps,
                 "target_to_last_step": {"async": 0.98, "flash": 0.97},
                 "async_end_wait_s": end_wait, "last_save_bytes": last_bytes, "raw_last_save_s": raw["seconds"],
-                "async_end_wait_over_raw": end_wait / raw["seconds"], "target_end_wait_over_raw": 1.2}
+                "async_end_wait_over_raw": end_wait / raw["seconds"], "target_end_wait_over_raw": 1.2,
+                "per_save_loss_s": {m: _per_save_loss(profile[m], profile["none"]) for m in ("async", "flash")},
+                "profile": profile}
     if name == "restart":
         return _restart(a, work, note)
     if name == "lag":

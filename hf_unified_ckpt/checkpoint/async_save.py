@@ -118,7 +118,7 @@ class AsyncSaver:
         specs = snapshot_specs(plan_save(engine, request, shared=True).files, dist.rank(), placed_whole)
         if not specs:
             return
-        need = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
+        need = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _ in specs)
         room = mem_available()
         if room is not None and need > HEADROOM * room:
             logger.info("The host buffers of the background saves (%.2f GB on this rank) are not made ahead: %.2f GB "

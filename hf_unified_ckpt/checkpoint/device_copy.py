@@ -31,9 +31,12 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor, shared: bool = False) -> torch.Tensor:
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor, shared: bool = False,
+                phase: int | None = None) -> torch.Tensor:
     """An empty host buffer for copies of `like`: pinned where `like` lives on a CUDA device, pageable otherwise;
-    with `shared`, in shared memory (another process maps the same pages: the writer process), pageable.
+    with `shared`, in shared memory (another process maps the same pages: the writer process), pageable. With
+    `phase` (not shared), the buffer starts `phase` bytes into a page, as the bytes it holds will in their file:
+    its whole pages then go to disk with direct I/O straight from it (`store.direct`), no copy.
 
     Pinned memory is page-locked in place (`cudaHostRegister`) over an allocation of the exact size: torch's pinned
     allocator (`pin_memory=True`) rounds every allocation up to a power of two and keeps it cached, so a snapshot
@@ -41,16 +44,25 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor, 
     if shared:
         return torch.empty(shape, dtype=dtype).share_memory_()
     if like.device.type != "cuda":
-        return torch.empty(shape, dtype=dtype)
-    buffer = registered_buffer(shape, dtype, _register, _unregister)
+        return torch.empty(shape, dtype=dtype) if phase is None else paged_buffer(shape, dtype, phase)
+    buffer = registered_buffer(shape, dtype, _register, _unregister, phase or 0)
     if buffer is None:
         logger.debug("cudaHostRegister failed; a pinned buffer from torch's allocator instead")
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     return buffer
 
 
+def paged_buffer(shape: tuple[int, ...], dtype: torch.dtype, phase: int = 0) -> torch.Tensor:
+    """An empty tensor of `shape` and `dtype` starting `phase` bytes into the first page of an anonymous memory map
+    (`phase` a multiple of the dtype's size)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    span = -(-max(phase + nbytes, 1) // PAGE) * PAGE
+    region = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)  # the storage keeps the map alive
+    return region[phase:phase + nbytes].view(dtype).view(shape)
+
+
 def registered_buffer(shape: tuple[int, ...], dtype: torch.dtype, register: Callable[[int, int], bool],
-                      unregister: Callable[[int], object]) -> torch.Tensor | None:
+                      unregister: Callable[[int], object], phase: int = 0) -> torch.Tensor | None:
     """An empty tensor of `shape` and `dtype` on whole pages of an exact-size host allocation (an anonymous memory
     map), locked by `register(address, length)` (False: not locked, None returned) and unlocked by
     `unregister(address)` once the tensor is gone (before its memory is freed: its views keep the memory, unlocked,
@@ -60,11 +72,11 @@ def registered_buffer(shape: tuple[int, ...], dtype: torch.dtype, register: Call
     byte, so a page-aligned view into a larger allocation (as an H100 run of bench/gpu/device_check.py found) is
     copied as pinned memory yet reported as pageable."""
     nbytes = math.prod(shape) * dtype.itemsize
-    span = -(-max(nbytes, 1) // PAGE) * PAGE
+    span = -(-max(phase + nbytes, 1) // PAGE) * PAGE
     region = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)  # the storage keeps the map alive
     if not register(region.data_ptr(), span):
         return None
-    buffer = region[:nbytes].view(dtype).view(shape)
+    buffer = region[phase:phase + nbytes].view(dtype).view(shape)
     weakref.finalize(buffer, unregister, region.data_ptr())
     return buffer
 

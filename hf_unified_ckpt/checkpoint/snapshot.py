@@ -38,11 +38,12 @@ class HostBuffers:
         self._preparing: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def prepare(self, specs: list[tuple[object, tuple[int, ...], torch.dtype]], device: torch.device) -> None:
-        """Make the buffers of `specs` ((key, shape, dtype) of the tensors the next copies will take, from `device`)
-        in a background thread at the lowest CPU priority: allocated, their pages faulted in (pinned, for a CUDA
-        device), so that the first copies find them ready instead of paying for them while training waits. `copy`
-        waits for a preparation still running; `release` stops it."""
+    def prepare(self, specs: list[tuple[object, tuple[int, ...], torch.dtype, int]], device: torch.device) -> None:
+        """Make the buffers of `specs` ((key, shape, dtype, phase) of the tensors the next copies will take, from
+        `device`) in a background thread at the lowest CPU priority: allocated (each `phase` bytes into a page, as
+        its bytes lie in their file: written to disk straight from the buffer), their pages faulted in (pinned, for
+        a CUDA device), so that the first copies find them ready instead of paying for them while training waits.
+        `copy` waits for a preparation still running; `release` stops it."""
         self._join()
         self._stop.clear()
         like = torch.empty(0, device=device)
@@ -53,10 +54,10 @@ class HostBuffers:
     def _allocate(self, specs, like: torch.Tensor) -> None:
         lower_priority()
         pin = like.device.type == "cuda" and not self.shared
-        for key, shape, dtype in specs:
+        for key, shape, dtype, phase in specs:
             if self._stop.is_set():
                 return
-            buffer = host_buffer(shape, dtype, like, shared=self.shared)
+            buffer = host_buffer(shape, dtype, like, shared=self.shared, phase=phase)
             if not pin:  # pinning faults the pages in; a pageable buffer is touched once per page
                 fault_in(buffer)
             self._buffers[key] = (buffer, pin)
@@ -104,12 +105,12 @@ def fault_in(buffer: torch.Tensor) -> None:
 
 
 def snapshot_specs(files: Iterable[FilePlan], rank: int, placed_whole: bool = False
-                   ) -> list[tuple[object, tuple[int, ...], torch.dtype]] | None:
-    """(key, shape, dtype) of each tensor `rank` will copy into host buffers for a save of `files` (the save plan),
-    read from the plan alone: its pieces of the tensors written in place (flat) and, on a file's header rank, the
-    tensors it writes whole; with `placed_whole`, none of a file it writes whole (copied straight into place: the
-    memory tier's files on a CPU). None where a file has a codec (its encoded tensors are not known before the
-    data is)."""
+                   ) -> list[tuple[object, tuple[int, ...], torch.dtype, int]] | None:
+    """(key, shape, dtype, phase) of each tensor `rank` will copy into host buffers for a save of `files` (the save
+    plan), read from the plan alone: its pieces of the tensors written in place (flat) and, on a file's header
+    rank, the tensors it writes whole; `phase`: where in a page its bytes begin in the file. With `placed_whole`,
+    none of a file it writes whole (copied straight into place: the memory tier's files on a CPU). None where a
+    file has a codec (its encoded tensors are not known before the data is)."""
     specs = []
     for file in files:
         if rank not in file.writers:
@@ -119,13 +120,13 @@ def snapshot_specs(files: Iterable[FilePlan], rank: int, placed_whole: bool = Fa
         items = sorted(file.items_of(rank), key=lambda item: item.start)
         if placed_whole and writes_whole(file, rank, items):
             continue
-        for name in file.pieces_held(rank):
-            count = next(count for r, _, count in file.held[name] if r == rank and count)
-            specs.append(((file.component, name), (count,), _dtype(file.header[name]["dtype"])))
+        starts = {item.name: len(file.header_bytes) + item.start for item in items}
+        wanted = [(name, (next(c for r, _, c in file.held[name] if r == rank and c),))
+                  for name in file.pieces_held(rank)]
         if rank == file.header_rank:
-            for name in file.whole_names:
-                specs.append(((file.component, name), tuple(file.header[name]["shape"]),
-                              _dtype(file.header[name]["dtype"])))
+            wanted += [(name, tuple(file.header[name]["shape"])) for name in file.whole_names]
+        specs += [((file.component, name), shape, _dtype(file.header[name]["dtype"]), starts.get(name, 0) % PAGE)
+                  for name, shape in wanted]
     return specs
 
 
