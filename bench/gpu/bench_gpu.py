@@ -38,6 +38,8 @@ SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=
          "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12),
          "300m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16),
          "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16)}
+#: `--executor`: where background saves write ("thread", "process"; None: the default).
+EXECUTOR: str | None = None
 MEASUREMENTS = ("save", "blocked", "throughput", "resume", "restart", "lag")
 
 
@@ -72,7 +74,8 @@ def build(size: str, device: str, out: Path, steps: int, every: int | None, mode
         save_total_limit=1,  # a 1B checkpoint is ~13 GB: the disk holds a few
         unified_checkpoint=mode != "native", unified_checkpoint_config=words,
         unified_checkpoint_memory_dir=memory_dir or f"/dev/shm/hf_uc_bench_gpu_{uuid.uuid4().hex[:8]}",
-        unified_checkpoint_persist_every=persist_every, unified_checkpoint_memory_keep=2)
+        unified_checkpoint_persist_every=persist_every, unified_checkpoint_memory_keep=2,
+        **({"unified_checkpoint_async_executor": EXECUTOR} if EXECUTOR else {}))
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in data])
     if mode != "native":
         hf_unified_ckpt.attach(trainer)
@@ -483,11 +486,15 @@ def main() -> None:
     parser.add_argument("--blocked-modes", default="unified,async,flash", help="blocked: the modes measured")
     parser.add_argument("--lag-at", type=int, default=5, help="lag: the step whose save is timed")
     parser.add_argument("--lag-steps", type=int, default=100, help="lag: steps trained after it")
+    parser.add_argument("--executor", choices=("thread", "process"), default=None,
+                        help="unified_checkpoint_async_executor of the background saves (default: the plugin's)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--work", type=Path, default=Path("/tmp/hf_uc_bench_gpu"))
     parser.add_argument("--json", type=Path, required=True)
     a = parser.parse_args()
+    global EXECUTOR
+    EXECUTOR = a.executor
     import torch
 
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
