@@ -31,7 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: raw_disk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: raw_disk, bench_flash
 
 #: Llama shapes (vocab 32000, untied embeddings): ~8.5M, 134M, 953M parameters (measured).
 SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4),
@@ -279,25 +279,13 @@ def _wait_durable(flash, step: int, timeout: float = 300.0) -> None:
         time.sleep(0.01)
 
 
-def _drop_page_cache(folder: Path) -> None:
-    """Write back, then drop from the page cache, every file under `folder` (no root needed for clean pages)."""
-    import os
-
-    os.sync()
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _restart(a, work: Path, note) -> dict:
     """Restart to the first step: `train(resume_from_checkpoint=True)` finding the checkpoint of step 2 in the memory
     tier, vs resuming the same checkpoint from disk with its page cache dropped. The checkpoint is written once by a
     flash save (persist_every=1: made durable too) on a tier opened by hand; the resuming trainers keep it (their
     `make_durable` is a no-op), the owner frees it at the end (bench_flash.py's `resume` measurement, one process)."""
+    from bench_flash import drop_page_cache  # bench/: the page cache dropped as bench_flash.py drops it
+
     memory = f"/dev/shm/hf_uc_bench_gpu_{uuid.uuid4().hex[:8]}"
     out = work / f"restart-{uuid.uuid4().hex[:6]}"
     common = dict(batch=a.batch, seq=a.seq, memory_dir=memory, persist_every=1)
@@ -316,7 +304,7 @@ def _restart(a, work: Path, note) -> dict:
             trainer = build(a.size, a.device, out, 3, None, "flash", **common)
             trainer._uc_session.make_durable = lambda: None  # keep the memory checkpoint for the next resume
             if kind == "disk":
-                _drop_page_cache(durable)
+                drop_page_cache(durable)
             r = timed_train(trainer, a.device, resume=True if kind == "memory" else str(durable))
             resumed = Path(str(trainer._uc_session.resume.layout.path)).resolve()
             expected = (in_memory if kind == "memory" else durable).resolve()

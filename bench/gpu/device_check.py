@@ -33,7 +33,8 @@ def _sync(device: str) -> None:
 def check(device: str, mb: int) -> dict:
     import torch
 
-    from hf_unified_ckpt.checkpoint.persist import Background, HostBuffers
+    from hf_unified_ckpt.checkpoint.persist import Background
+    from hf_unified_ckpt.checkpoint.snapshot import HostBuffers
 
     n = mb * 2**20 // 4
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "mb": mb}
