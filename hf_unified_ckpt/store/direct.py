@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from ..format.checksum import crc32
 from .local_io import pwrite_all
 
@@ -291,8 +293,6 @@ class _ChunkWriters:
         return True
 
     def _through_buffer(self, offset: int, length: int, pieces: list[tuple[int, memoryview]]) -> None:
-        import numpy as np
-
         buf = self._free.get()
         try:
             target = np.frombuffer(buf, dtype=np.uint8, count=length)
@@ -321,8 +321,6 @@ class _ChunkWriters:
 
 
 def _address(data: memoryview) -> int:
-    import numpy as np
-
     return np.frombuffer(data, dtype=np.uint8).ctypes.data if len(data) else 0
 
 
