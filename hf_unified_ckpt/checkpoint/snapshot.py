@@ -12,6 +12,7 @@ while they are written.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 
@@ -24,6 +25,8 @@ from .device_copy import PAGE, Transfers, host_buffer
 from .persist import PersistJob, lower_priority
 from .reports import guarded
 from .writer import writes_whole
+
+logger = logging.getLogger(__name__)
 
 
 class HostBuffers:
@@ -52,15 +55,20 @@ class HostBuffers:
         self._preparing.start()
 
     def _allocate(self, specs, like: torch.Tensor) -> None:
+        """The preparation's thread. A failure (memory refused) stops it, logged: the copies make what is missing."""
         lower_priority()
         pin = like.device.type == "cuda" and not self.shared
-        for key, shape, dtype, phase in specs:
-            if self._stop.is_set():
-                return
-            buffer = host_buffer(shape, dtype, like, shared=self.shared, phase=phase)
-            if not pin:  # pinning faults the pages in; a pageable buffer is touched once per page
-                fault_in(buffer)
-            self._buffers[key] = (buffer, pin)
+        try:
+            for key, shape, dtype, phase in specs:
+                if self._stop.is_set():
+                    return
+                buffer = host_buffer(shape, dtype, like, shared=self.shared, phase=phase)
+                if not pin:  # pinning faults the pages in; a pageable buffer is touched once per page
+                    fault_in(buffer)
+                self._buffers[key] = (buffer, pin)
+        except (MemoryError, OSError, RuntimeError) as e:
+            logger.info("The background saves' host buffers were not all made ahead (%s); the first save makes the "
+                        "rest as it copies.", e)
 
     def _join(self) -> None:
         if self._preparing is not None:
