@@ -1,17 +1,23 @@
-"""Writing a whole file with direct I/O (`O_DIRECT`): the bytes go from aligned memory to the disk, bypassing the
-page cache, so a large one-writer save does not first fill gigabytes of page cache and then wait for
-their writeback (fsync), and does not evict the page cache the job is using. Used where one process writes every
-byte of a file (the offline converter, the memory tier's persister); the caller still fsyncs the file for its
-metadata (size, extents).
+"""Writing files with direct I/O (`O_DIRECT`): the bytes go from aligned memory to the disk, bypassing the page
+cache, so a large save does not first fill gigabytes of page cache and then wait for their writeback (fsync), does
+not take the training's cores for that writeback, and does not evict the page cache the job is using. The caller
+still fsyncs each file for its metadata (size, extents). Direct I/O needs the buffer address, file offset and length
+aligned to the device's logical block size. Two writers:
 
-Direct I/O needs the buffer address, file offset and length aligned to the device's logical block size. A range
-in page-aligned memory (a mapped file: the persister's copy of a memory checkpoint) is written from where it lies;
-any other goes through a bounce buffer, page-aligned (anonymous `mmap`) and reused for every file of a thread. The
-file's last block is written padded, then the file is truncated to its real size. The ranges are consumed as an
-iterable, one at a time, so that the caller can produce (read, assemble) the next range while this one is written.
-Filesystems without direct I/O (tmpfs, some network filesystems) refuse it with EINVAL at open or at a first aligned
-write, made before any range is consumed: `write_whole_direct` then returns None, and the caller writes the file
-through the page cache.
+- `write_at_direct` (every save to a local folder, issue 49): a rank's ranges of a file, gaps allowed (other ranks'
+  bytes). The aligned blocks of each contiguous run go to disk in chunks by several threads, each with one write in
+  flight (a raw `dd oflag=direct` speed from one process), copied into their page-aligned buffers with the GIL
+  released, or written straight from memory laid out as the file (the snapshot's host buffers made ahead); the
+  partial blocks at a run's edges, which another rank's bytes may share, go through the page cache.
+  `direct_io_works` probes a filesystem once (tmpfs and some network filesystems refuse direct I/O).
+- `write_whole_direct` (the memory tier's persister): one file written whole by one thread. A range in page-aligned
+  memory (a mapped memory checkpoint) is written from where it lies; any other goes through a bounce buffer,
+  page-aligned and reused for every file of a thread. The file's last block is written padded, then the file is
+  truncated to its real size. Filesystems without direct I/O refuse it with EINVAL at open or at a first aligned
+  write, made before any range is consumed: it then returns None, and the caller writes through the page cache.
+
+Both consume their ranges as an iterable, one at a time, so that the caller can produce (read, assemble, copy off a
+device) the next range while these are written.
 """
 
 from __future__ import annotations
