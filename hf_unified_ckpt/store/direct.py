@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ..format.checksum import crc32
-from .local_io import pwrite_all
+from .local_io import grow_to, pwrite_all
 
 #: Bounce buffer size (a multiple of every logical block size in use: 512 B and 4 KiB).
 CHUNK = 8 * 2**20
@@ -123,7 +123,7 @@ def _stream(fd: int, ranges: Iterable[tuple[int, memoryview]], buf: memoryview) 
         records.append((offset, len(data), crc32(data)))
         del data  # before the producer is asked for the next range
     if filled:
-        pwrite_all(fd, buf[:-(-filled // _ALIGN) * _ALIGN], written)
+        pwrite_all(fd, buf[:_ceil(filled)], written)
     return records
 
 
@@ -171,8 +171,6 @@ def write_at_direct(path: str | os.PathLike, ranges: Iterable[tuple[int, memoryv
     the page cache. The ranges are consumed one at a time, at most `2 * writers` chunks ahead of the disk: the
     caller may produce the next while these are written, and what it produced is released once written. The caller
     checked `direct_io_works` and makes the file durable (fsync) afterwards."""
-    from .local_io import grow_to
-
     buffered = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         if size is not None:

@@ -360,9 +360,7 @@ class CheckpointSession:
         if (self.saver.prepared or not options.enabled or trainer.args.save_strategy == "no" or self.saver.in_flight
                 or not (options.async_save or (self.flash is not None and self.flash.active))):
             return
-        engine, step = self.engine(), trainer.state.global_step
-        request = SaveRequest(join(checkpoint_root(trainer), f"{PREFIX_CHECKPOINT_DIR}-{step}"), step, options,
-                              include_optimizer=not trainer.args.save_only_model, show_progress=False)
+        engine, request = self.engine(), self._request_in(checkpoint_root(trainer), options, show_progress=False)
         on_cpu = trainer.args.device.type == "cpu"
         self.saver.prepare(engine, request, trainer.args.device,
                            placed_whole=on_cpu and self.flash is not None and self.flash.active)
@@ -422,10 +420,13 @@ class CheckpointSession:
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()
         run_dir = checkpoint_root(trainer, trial)
-        step = trainer.state.global_step
-        return run_dir, SaveRequest(join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"), step, options,
-                                    include_optimizer=not trainer.args.save_only_model,
-                                    show_progress=not trainer.args.disable_tqdm)
+        return run_dir, self._request_in(run_dir, options, show_progress=not trainer.args.disable_tqdm)
+
+    def _request_in(self, run_dir: str, options, show_progress: bool) -> SaveRequest:
+        """The request of a save of this step into `run_dir` with `options`. Local."""
+        trainer, step = self.trainer, self.trainer.state.global_step
+        return SaveRequest(join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"), step, options,
+                           include_optimizer=not trainer.args.save_only_model, show_progress=show_progress)
 
     def _save_options(self):
         """The options of this save: the lineage guard may write it at O0 (lineage.py), said once."""
