@@ -83,6 +83,15 @@ class UnifiedCheckpointFields:
                           "of the trainer) or 'process' (a writer process per rank, with its own process group)."},
     )
 
+    unified_checkpoint_direct_io: bool = field(
+        default=True,
+        metadata={"help": "Write checkpoints (and save_model's weights) to local or mounted folders with direct I/O "
+                          "(O_DIRECT: several writes in flight, past the page cache: a save at the disk's speed that "
+                          "leaves the job's page cache alone) where the filesystem takes it; a filesystem that refuses "
+                          "it is found by a probe and written through the page cache. False: always through the page "
+                          "cache (e.g. a network filesystem where direct writes are slower)."},
+    )
+
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "With unified_checkpoint: on a preemption signal (preemption_signals) the ranks agree at the "
@@ -121,6 +130,7 @@ class UnifiedCheckpointFields:
             flash=parse_flash(self.unified_checkpoint_memory_dir, self.unified_checkpoint_persist_every,
                               self.unified_checkpoint_memory_keep, self.unified_checkpoint_memory_lease),
             async_executor=self.unified_checkpoint_async_executor,
+            direct_io=self.unified_checkpoint_direct_io,
         )
 
     @property
@@ -157,6 +167,6 @@ UnifiedCheckpointArguments.__doc__ = (
     "(unified_checkpoint, unified_checkpoint_config, ckpt_quant_stage, disable_ckpt_quant, ema_decay, ema_interval, "
     "unified_checkpoint_max_shard_size, unified_checkpoint_storage, unified_checkpoint_memory_dir, "
     "unified_checkpoint_persist_every, unified_checkpoint_memory_keep, unified_checkpoint_memory_lease, "
-    "unified_checkpoint_async_executor, save_on_preemption, preemption_signals, "
+    "unified_checkpoint_async_executor, unified_checkpoint_direct_io, save_on_preemption, preemption_signals, "
     "preemption_grace_period, slurm_requeue)."
 )

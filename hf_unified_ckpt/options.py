@@ -174,6 +174,8 @@ class UnifiedCheckpointOptions:
         flash: the memory tier (`FlashOptions`; on with the word `flash`).
         async_executor: where a background save (`async_save`, `flash`) writes after its snapshot: "thread" (a
             thread of the trainer) or "process" (a writer process per rank).
+        direct_io: write checkpoint files to local and mounted folders with direct I/O (`O_DIRECT`, past the page
+            cache) where the filesystem takes it (`unified_checkpoint_direct_io`); False: through the page cache.
     """
 
     enabled: bool = False
@@ -191,6 +193,7 @@ class UnifiedCheckpointOptions:
     storage: str | None = None
     flash: FlashOptions = FlashOptions()
     async_executor: str = "thread"
+    direct_io: bool = True
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
     #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
     quant_stage_requested: str | None = None
@@ -281,6 +284,7 @@ def parse_options(
     storage: str | None = None,
     flash: FlashOptions | None = None,
     async_executor: str = "thread",
+    direct_io: bool = True,
 ) -> UnifiedCheckpointOptions:
     """Parse the raw argument values into `UnifiedCheckpointOptions`.
 
@@ -340,6 +344,7 @@ def parse_options(
         storage=parse_storage(storage),
         flash=dataclasses.replace(flash or FlashOptions(), enabled="flash" in chosen),
         async_executor=async_executor,
+        direct_io=bool(direct_io),
     )
     validate_supported(options, words)
     return options

@@ -240,71 +240,60 @@ def test_the_checksum_is_zlibs_crc32():
     assert crc32.__module__ == "isal.isal_zlib"
 
 
-def test_direct_io_streams_the_same_bytes_through_a_reused_bounce_buffer(tmp_path, monkeypatch):
-    """`write_whole_direct` (the converter's O_DIRECT path): ranges consumed one at a time and copied through a
-    page-aligned buffer smaller than the file, a last block padded then truncated away, sizes that are no multiple
-    of any block, each range's CRC-32; ranges that do not tile the file are refused, and a filesystem that refuses
-    O_DIRECT (EINVAL at open or at the first write) gets None before any range is consumed."""
+def test_whole_files_go_through_the_same_direct_writers_or_the_page_cache_where_refused(tmp_path, monkeypatch):
+    """`LocalStore.write_whole(direct_io=True)` (machine-local folders, the persister, save_model): the writers of
+    `write_at_direct` over a new file, ranges consumed one at a time, sizes that are no multiple of any block, each
+    range's CRC-32; page-aligned memory (a mapped memory checkpoint) written straight from where it lies; ranges
+    that do not tile the file refused; a filesystem that refuses O_DIRECT (the probe) written through the page
+    cache, no O_DIRECT open tried; `direct_io=False` never opens with O_DIRECT."""
     import errno
+    import mmap
     import os
     import zlib
 
     from hf_unified_ckpt.store import direct
+    from hf_unified_ckpt.store.local import LocalStore
 
-    data = os.urandom(3 * 8192 + 77)
-    bounds = ((0, 13), (13, 9000), (9000, 9001), (9001, len(data)))
+    store, data = LocalStore(), os.urandom(3 * 2**20 + 77)
+    bounds = ((0, 13), (13, 9000), (9000, 2**20 + 1), (2**20 + 1, len(data)))
     ranges = [(a, memoryview(data)[a:b]) for a, b in bounds]
     expected = [(a, b - a, zlib.crc32(data[a:b])) for a, b in bounds]
-    for n, chunk in enumerate((8192, 4096 * 5, direct.CHUNK)):  # several buffer fills, one partial, one
-        path = tmp_path / f"f{n}"
-        assert direct.write_whole_direct(path, iter(ranges), len(data), chunk=chunk) == expected
-        assert path.read_bytes() == data
+    assert store.write_whole(str(tmp_path / "f"), iter(ranges), len(data), direct_io=True) == expected
+    assert (tmp_path / "f").read_bytes() == data
     with pytest.raises(ValueError, match="starts at byte 9000, expected 13"):
-        direct.write_whole_direct(tmp_path / "gap", ranges[:1] + ranges[2:], len(data))
+        store.write_whole(str(tmp_path / "gap"), ranges[:1] + ranges[2:], len(data), direct_io=True)
     with pytest.raises(ValueError, match="the file is"):
-        direct.write_whole_direct(tmp_path / "short", ranges, len(data) + 1)
-    consumed = []
+        store.write_whole(str(tmp_path / "short"), ranges, len(data) + 1, direct_io=True)
 
-    def watched():
-        for r in ranges:
-            consumed.append(r)
-            yield r
+    straight, real_straight = [], direct._ChunkWriters._straight
+    monkeypatch.setattr(direct._ChunkWriters, "_straight",
+                        lambda self, o, p: real_straight(self, o, p) and not straight.append(o))
+    (tmp_path / "source").write_bytes(data)
+    with open(tmp_path / "source", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        chunks = [(a, view[a:a + 2**20]) for a in range(0, len(data), 2**20)]
+        assert direct.write_whole_direct(tmp_path / "mapped", iter(chunks), len(data), chunk=2**20) == [
+            (a, len(v), zlib.crc32(v)) for a, v in chunks]
+        del chunks
+        view.release()
+    assert (tmp_path / "mapped").read_bytes() == data and sorted(straight) == [0, 2**20, 2 * 2**20]  # by 4 threads
+    monkeypatch.undo()
 
-    real_open, real_pwrite = os.open, os.pwrite
+    real_open, opened_direct = os.open, []
 
     def no_direct(path, flags, *args):
         if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            opened_direct.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")  # what tmpfs answers on some kernels
         return real_open(path, flags, *args)
 
-    def no_direct_write(fd, data, offset):
-        raise OSError(errno.EINVAL, "Invalid argument")
-
-    # page-aligned memory (a mapped file, as the persister copies from) is written from where it lies, whole blocks
-    # of each range that starts at an aligned offset; the tail through the buffer
-    import mmap
-
-    source = tmp_path / "source"
-    source.write_bytes(data)
-    straight = []
-    monkeypatch.setattr(direct, "_write_from", lambda fd, d, o, _f=direct._write_from: straight.append(o) or _f(fd, d, o))
-    with open(source, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        bounds = ((0, 8192), (8192, 16384), (16384, len(data)))
-        chunks = [(a, view[a:b]) for a, b in bounds]
-        assert direct.write_whole_direct(tmp_path / "mapped", iter(chunks), len(data)) == [
-            (a, b - a, zlib.crc32(data[a:b])) for a, b in bounds]
-        del chunks
-        view.release()
-    assert (tmp_path / "mapped").read_bytes() == data and straight == [0, 8192, 16384]
-    monkeypatch.undo()
-
-    monkeypatch.setattr(os, "open", no_direct)  # what tmpfs answers
-    assert direct.write_whole_direct(tmp_path / "tmpfs", watched(), len(data)) is None
-    monkeypatch.setattr(os, "open", real_open)
-    monkeypatch.setattr(os, "pwrite", no_direct_write)  # opened, but the first aligned write is refused
-    assert direct.write_whole_direct(tmp_path / "late", watched(), len(data)) is None
-    assert consumed == []
+    monkeypatch.setattr(os, "open", no_direct)
+    assert store.write_whole(str(tmp_path / "buffered"), iter(ranges), len(data), direct_io=False) == expected
+    assert not opened_direct
+    monkeypatch.setattr(direct, "_support", {})
+    assert store.write_whole(str(tmp_path / "refused"), iter(ranges), len(data), direct_io=True) == expected
+    assert len(opened_direct) == 1 and "direct_probe" in str(opened_direct[0])  # the probe only
+    assert (tmp_path / "refused").read_bytes() == data == (tmp_path / "buffered").read_bytes()
 
 
 def test_direct_writes_of_ranks_pieces_tile_a_shared_file_with_their_edges_buffered(tmp_path):
@@ -492,6 +481,28 @@ def test_file_plan_is_the_file_save_file_writes(tmp_path):
         WholeFileWriter().write(tmp_path, file, {n: tensors[n] for n in file.tensor_names})
         assert read_safetensors_header(tmp_path / file.name) == file.header
     assert files[[f.name for f in files].index(plan.weight_map["w"])].header_rank == 2
+
+
+def test_a_whole_file_written_with_direct_io_is_the_file_save_file_writes(tmp_path, monkeypatch):
+    """`WholeFileWriter(direct_io=True)` (machine-local folders, save_model under a sharded engine): the bytes and
+    CRC-32 of safetensors' `save_file`, its aligned blocks written by the direct writers."""
+    from safetensors.torch import save_file
+
+    from hf_unified_ckpt.checkpoint.files import file_crc32
+    from hf_unified_ckpt.checkpoint.writer import WholeFileWriter
+    from hf_unified_ckpt.format.planning import file_plans
+    from hf_unified_ckpt.store import direct
+
+    chunks, real = [], direct._ChunkWriters._write
+    monkeypatch.setattr(direct._ChunkWriters, "_write", lambda self, o, n, p: chunks.append(n) or real(self, o, n, p))
+    tensors = {"w": torch.randn(1001, 333), "v": torch.randn(77_777).to(torch.bfloat16), "s": torch.tensor(3)}
+    plan = plan_component("model", [TensorSpec.of(n, t) for n, t in tensors.items()], writers=1,
+                          max_shard_size=10**9)
+    (file,) = file_plans(plan)
+    (record,) = WholeFileWriter(direct_io=True).write(tmp_path, file, tensors)
+    save_file(tensors, tmp_path / "native.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / file.name).read_bytes() == (tmp_path / "native.safetensors").read_bytes()
+    assert record.crc32 == file_crc32(tmp_path / file.name) and sum(chunks) > 1_000_000
 
 
 def test_ranks_writing_their_pieces_in_place_make_the_file_save_file_writes(tmp_path):

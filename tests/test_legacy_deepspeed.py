@@ -151,6 +151,11 @@ def test_convert_can_compress_the_optimizer_moments(legacy, tmp_path):
     assert cli(["convert", str(src), str(exact), "--quiet", "--verify"]) == 0  # re-reads every CRC-32
     assert cli(["convert", str(src), str(small), "--ckpt-quant-stage", "O1", "--quiet"]) == 0
     assert cli(["verify", str(small)]) == 0
+    buffered = tmp_path / "buffered"  # through the page cache: the same bytes
+    assert cli(["convert", str(src), str(buffered), "--quiet", "--no-direct-io"]) == 0
+    tensor_files = sorted(p.name for p in exact.glob("*.safetensors"))
+    assert tensor_files and tensor_files == sorted(p.name for p in buffered.glob("*.safetensors"))
+    assert all((exact / n).read_bytes() == (buffered / n).read_bytes() for n in tensor_files)
     assert detect_layout(small).manifest["components"]["optimizer"]["codec"]["stage"] == "O1"
     with ComponentReader(exact, "optimizer") as a, ComponentReader(small, "optimizer") as b:
         assert a.keys() == b.keys()

@@ -96,7 +96,10 @@ def test_arguments_parse_from_cli_and_yaml(tmp_path):
     yaml_file = tmp_path / "args.yaml"
     yaml_file.write_text(f"output_dir: {tmp_path}\nunified_checkpoint: true\nuse_cpu: true\n")
     (args,) = parser.parse_yaml_file(str(yaml_file))
-    assert args.unified_checkpoint_options.enabled
+    assert args.unified_checkpoint_options.enabled and args.unified_checkpoint_options.direct_io
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--unified_checkpoint", "--unified_checkpoint_direct_io", "false"])
+    assert args.unified_checkpoint_options == UnifiedCheckpointOptions(enabled=True, direct_io=False)
     helps = {a.dest: a.help for a in parser._actions}
     assert "safetensors" in helps["unified_checkpoint"] and "async_save" in helps["unified_checkpoint_config"]
 

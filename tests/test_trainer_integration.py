@@ -50,6 +50,31 @@ def test_native_checkpoint_write_is_replaced_not_doubled(tmp_path, monkeypatch):
             "trainer_state.json", "rng_state_0.pth", "config.json"} <= names
 
 
+def test_direct_io_is_the_default_and_unified_checkpoint_direct_io_false_turns_it_off(tmp_path, monkeypatch):
+    """Checkpoint files go through the direct writers by default; with `unified_checkpoint_direct_io=False` through
+    the page cache only; the bytes are the same. (save_model on one plain process is the Trainer's own.)"""
+    import os
+
+    from hf_unified_ckpt.store import local
+
+    used = []
+    for name in ("write_at_direct", "write_whole_direct"):
+        real = getattr(local, name)
+        monkeypatch.setattr(local, name, lambda path, *a, _r=real, **k: used.append(os.path.basename(path)) or
+                            _r(path, *a, **k))
+    for run, direct_io in (("on", True), ("off", False)):
+        used.clear()
+        trainer, _ = train(tmp_path / run, max_steps=2, save_steps=2, unified_checkpoint_direct_io=direct_io)
+        trainer.save_model(str(tmp_path / f"{run}_model"))
+        assert trainer.args.unified_checkpoint_options.direct_io is direct_io
+        written = {"model.safetensors", "optimizer.safetensors", "master_weights.safetensors"} & set(used)
+        assert (written == {"model.safetensors", "optimizer.safetensors"}) if direct_io else used == [], (run, used)
+    for name in ("checkpoint-2/model.safetensors", "checkpoint-2/optimizer.safetensors", "model.safetensors"):
+        on, off = (tmp_path / "on" / name, tmp_path / "off" / name) if "/" in name else \
+            (tmp_path / "on_model" / name, tmp_path / "off_model" / name)
+        assert on.read_bytes() == off.read_bytes(), name
+
+
 def test_rotation_keeps_limit_and_never_touches_incomplete(tmp_path):
     stray = tmp_path / "checkpoint-1"
     stray.mkdir(parents=True)

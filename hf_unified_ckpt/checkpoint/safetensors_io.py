@@ -33,8 +33,9 @@ def _writable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def write_shard(ref: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
-    """Write one safetensors file with `{"format": "pt"}` metadata, durably, through its store; return its record.
+def write_shard(ref: str | os.PathLike, tensors: Mapping[str, torch.Tensor], direct_io: bool = False) -> FileRecord:
+    """Write one safetensors file with `{"format": "pt"}` metadata, durably, through its store (`direct_io`: past
+    the page cache where the store allows it); return its record.
 
     The bytes are those `safetensors.torch.save_file` writes (`planning.safetensors_header`: wider dtypes first,
     then by name), streamed tensor by tensor (`Store.write_whole`); the CRC-32 of each range is computed from
@@ -57,7 +58,7 @@ def write_shard(ref: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> 
                              ((len(head) + offsets[n][0], _bytes_of(out[n])) for n in sorted(out, key=offsets.get)))
     store = store_for(ref)
     crc = 0
-    for _, length, range_crc in store.write_whole(ref, ranges, size):
+    for _, length, range_crc in store.write_whole(ref, ranges, size, direct_io=direct_io):
         crc = crc32_combine(crc, range_crc, length)
     store.sync(ref)
     return FileRecord(name_of(ref), size, f"{crc:08x}")

@@ -73,7 +73,8 @@ class SaveRequest:
     show_progress: bool = True
     #: The whole blocks of the tensor files go to disk with direct I/O, several writes in flight
     #: (`store.direct.write_at_direct`), where the filesystem allows: a save writes at the disk's speed and leaves the
-    #: job's page cache alone. False for the memory tier, whose files are memory read back by the persister.
+    #: job's page cache alone. False for the memory tier, whose files are memory read back by the persister, and
+    #: where the user turned it off (`unified_checkpoint_direct_io=False`).
     direct_io: bool = True
     #: A folder of files an evicted checkpoint left (the memory tier): a file this rank writes alone takes the place
     #: of the spare file of the same name and overwrites its memory (`SharedFileWriter`), rather than being created.
@@ -224,7 +225,7 @@ def choose_writer(staging: Staging, request: SaveRequest) -> StorageWriter:
         return MultipartWriter(dist.rank())
     if staging.in_place:
         return SharedFileWriter(dist.rank(), request.direct_io, request.spare)
-    return WholeFileWriter()
+    return WholeFileWriter(request.direct_io)
 
 
 @dataclass(frozen=True)
@@ -455,11 +456,12 @@ def discard(staging: str, writer: StorageWriter | None = None) -> None:
 
 
 def save_model_weights(engine: EngineAdapter, folder: str | os.PathLike, max_shard_size: int, small_files: SmallFiles,
-                       show_progress: bool = True) -> None:
+                       show_progress: bool = True, direct_io: bool = True) -> None:
     """Write what `from_pretrained(folder)` loads — the model weights (sharded above `max_shard_size`, with their
     index) and, on rank 0, `small_files` (configs, tokenizer, training args) — into `folder`, which may already
     hold other files (a run's output_dir): each tensor is assembled on rank 0 and written into a staging
     subfolder, then the files are moved in, replacing the model files of an earlier save. Nothing else is touched.
+    `direct_io` as `SaveRequest.direct_io`.
 
     Collective: all ranks must call it; a failure on any rank is raised on every rank."""
     folder = as_ref(folder)
@@ -470,7 +472,7 @@ def save_model_weights(engine: EngineAdapter, folder: str | os.PathLike, max_sha
     raise_if_failed([dist.broadcast_object(status)], staging)
 
     def write() -> None:
-        writer = WholeFileWriter()
+        writer = WholeFileWriter(direct_io)
         files = assembled_files(engine, writer, file_plans(plan), f"Saving the model to {folder}",
                                 show_progress and dist.rank() == 0)
         PersistJob(staging.path, writer, ((f, writer.local_tensors(engine, f)) for f in files)).run()

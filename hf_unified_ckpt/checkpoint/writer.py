@@ -105,7 +105,11 @@ class LocalWrites:
 
 
 class WholeFileWriter(LocalWrites):
-    """Each file is written whole by its one writer (every write item names the same rank)."""
+    """Each file is written whole by its one writer (every write item names the same rank); `direct_io` as
+    `SharedFileWriter`'s."""
+
+    def __init__(self, direct_io: bool = False):
+        self.direct_io = direct_io
 
     def assemble(self, engine, file: FilePlan) -> None:
         """Assemble the file's tensors on its writer. Collective: all ranks must call it, in plan order."""
@@ -118,7 +122,7 @@ class WholeFileWriter(LocalWrites):
         return engine.tensors(file.component, file.tensor_names)
 
     def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
-        return [write_shard(join(folder, file.name), file.stored_tensors(dict(tensors)))]
+        return [write_shard(join(folder, file.name), file.stored_tensors(dict(tensors)), self.direct_io)]
 
     def syncing(self) -> contextlib.AbstractContextManager:
         """`write_shard` fsyncs each file itself (its CRC pass overlaps the wait)."""

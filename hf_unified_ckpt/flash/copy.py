@@ -36,9 +36,10 @@ POLL = 0.2
 
 
 def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[[], bool] = lambda: True,
-                       timeout: float = 600.0) -> None:
-    """Copy `memory_ckpt` to `info.durable_final` (see the module docstring); raise on a damaged file, or when
-    another machine's share did not arrive within `timeout` seconds. Local I/O only (no collective)."""
+                       timeout: float = 600.0, direct_io: bool = True) -> None:
+    """Copy `memory_ckpt` to `info.durable_final` (see the module docstring; `direct_io`: large files past the page
+    cache where the durable store allows it); raise on a damaged file, or when another machine's share did not
+    arrive within `timeout` seconds. Local I/O only (no collective)."""
     manifest_bytes = read_bytes(join(memory_ckpt, MANIFEST_NAME))
     attempt = f"{crc32(manifest_bytes):08x}"
     table = json.loads(manifest_bytes)["files"]
@@ -54,7 +55,7 @@ def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[
                   f"the leader's start of {info.durable_final}")
         mine = [n for n in table if n in here]
     for name in sorted(mine):
-        _copy_file(join(memory_ckpt, name), join(staging, name), table[name])
+        _copy_file(join(memory_ckpt, name), join(staging, name), table[name], direct_io)
     if not info.leader:
         store.put(join(staging, f"{DONE_MARK}{info.node}-{attempt}"), b"")
         return
@@ -71,7 +72,7 @@ def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[
     rotate_checkpoints(parent_of(info.durable_final), info.save_total_limit, protect=info.protect)
 
 
-def _copy_file(src: str, dst: str, record: dict) -> None:
+def _copy_file(src: str, dst: str, record: dict, direct_io: bool) -> None:
     """Copy `src` to `dst` durably; its CRC-32 must equal the manifest's. A file up to `CHUNK` bytes is put
     atomically (the small files rank 0 wrote are in every machine's folder, and machines may copy them at once), a
     larger one streamed (a tensor file lies in one machine's folder only): mapped from memory and written from the
@@ -92,7 +93,7 @@ def _copy_file(src: str, dst: str, record: dict) -> None:
         raise CorruptCheckpointError(f"{src} is {source.size(src)} bytes, its manifest says {size}: the memory copy "
                                      "is damaged; it is not made durable.")
     target = store_for(dst)
-    written = target.write_whole(dst, source.read_chunks(src, CHUNK), size, direct_io=True)
+    written = target.write_whole(dst, source.read_chunks(src, CHUNK), size, direct_io=direct_io)
     crc = 0
     for _, length, part in written:
         crc = crc32_combine(crc, part, length)

@@ -42,6 +42,7 @@ class Persister:
         config = read_record(join(run, RUN_FILE)) or {}
         self.durable_root = config["durable_root"]
         self.lease_timeout = float(config.get("lease_timeout", 600.0))
+        self.direct_io = bool(config.get("direct_io", True))
         self.gone_since: float | None = None
         self.job_seen_gone: str | None = None
 
@@ -88,7 +89,8 @@ class Persister:
         name = checkpoint_name(info.step)
         started = time.monotonic()
         try:
-            persist_checkpoint(join(self.run, CHECKPOINTS, name), info, still_wanted, timeout=self.lease_timeout)
+            persist_checkpoint(join(self.run, CHECKPOINTS, name), info, still_wanted, timeout=self.lease_timeout,
+                               direct_io=self.direct_io)
         except Exception as e:  # recorded for the trainer; this checkpoint's memory is kept
             logger.error("Persisting %s failed: %s", name, e, exc_info=True)
             write_record(join(self.run, FAILED, name), f"{type(e).__name__}: {e}".encode())

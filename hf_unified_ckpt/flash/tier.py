@@ -48,9 +48,10 @@ REPORT_EVERY = 30.0
 class FlashTier:
     """See the module docstring. `active` is False once saves fell back to durable storage."""
 
-    def __init__(self, options: FlashOptions, durable_root: str):
+    def __init__(self, options: FlashOptions, durable_root: str, direct_io: bool = True):
         self.options = options
         self.durable_root = durable_root
+        self.direct_io = direct_io  # how the persister writes durable files (`unified_checkpoint_direct_io`)
         self.run = run_folder(options.memory_dir, durable_root)
         self.root = join(self.run, CHECKPOINTS)
         self.active = True
@@ -102,7 +103,7 @@ class FlashTier:
         if self.is_machine_leader:
             for folder in (CHECKPOINTS, SAVES, DURABLE, FAILED):
                 store_for(self.run).make_folder(join(self.run, folder))
-            write_record(join(self.run, RUN_FILE), {"durable_root": self.durable_root,
+            write_record(join(self.run, RUN_FILE), {"durable_root": self.durable_root, "direct_io": self.direct_io,
                                                     "lease_timeout": self.options.lease_timeout})
             self._write_lease(ended=False)
             self._ensure_persister()

@@ -2,21 +2,19 @@
 cache, so a large save does not first fill gigabytes of page cache and then wait for their writeback (fsync), does
 not take the training's cores for that writeback, and does not evict the page cache the job is using. The caller
 still fsyncs each file for its metadata (size, extents). Direct I/O needs the buffer address, file offset and length
-aligned to the device's logical block size. Two writers:
+aligned to the device's logical block size.
 
-- `write_at_direct` (every save to a local folder, issue 49): a rank's ranges of a file, gaps allowed (other ranks'
-  bytes). The aligned blocks of each contiguous run go to disk in chunks by several threads, each with one write in
-  flight (a raw `dd oflag=direct` speed from one process), copied into their page-aligned buffers with the GIL
-  released, or written straight from memory laid out as the file (the snapshot's host buffers made ahead); the
-  partial blocks at a run's edges, which another rank's bytes may share, go through the page cache.
-  `direct_io_works` probes a filesystem once (tmpfs and some network filesystems refuse direct I/O).
-- `write_whole_direct` (the memory tier's persister): one file written whole by one thread. A range in page-aligned
-  memory (a mapped memory checkpoint) is written from where it lies; any other goes through a bounce buffer,
-  page-aligned and reused for every file of a thread. The file's last block is written padded, then the file is
-  truncated to its real size. Filesystems without direct I/O refuse it with EINVAL at open or at a first aligned
-  write, made before any range is consumed: it then returns None, and the caller writes through the page cache.
+One writer, `write_at_direct`: a rank's ranges of a file, gaps allowed (other ranks' bytes; every save to a local
+folder, issue 49). The aligned blocks of each contiguous run go to disk in chunks by several threads, each with one
+write in flight (a raw `dd oflag=direct` speed from one process), copied into their page-aligned buffers with the
+GIL released, or written straight from memory laid out as the file (the snapshot's host buffers made ahead, a mapped
+memory checkpoint the persister copies); the partial blocks at a run's edges, which another rank's bytes may share,
+go through the page cache. `write_whole_direct` is the same writer for a new file written whole (machine-local
+folders, the memory tier's persister, the converter's whole files), its ranges checked to tile the file.
+`direct_io_works` probes a filesystem once (tmpfs and some network filesystems refuse direct I/O); where it does not,
+the caller writes through the page cache.
 
-Both consume their ranges as an iterable, one at a time, so that the caller can produce (read, assemble, copy off a
+The ranges are consumed as an iterable, one at a time, so that the caller can produce (read, assemble, copy off a
 device) the next range while these are written.
 """
 
@@ -37,35 +35,14 @@ import numpy as np
 from ..format.checksum import crc32
 from .local_io import grow_to, pwrite_all
 
-#: Bounce buffer size (a multiple of every logical block size in use: 512 B and 4 KiB).
+#: Bytes of one direct write (a multiple of every logical block size in use: 512 B and 4 KiB).
 CHUNK = 8 * 2**20
 _ALIGN = 4096
-_local = threading.local()
-
-
-def write_whole_direct(path: Path, ranges: Iterable[tuple[int, memoryview]], size: int,
-                       chunk: int = CHUNK) -> list[tuple[int, int, int]] | None:
-    """Write `ranges` ((offset, bytes) in offset order, together covering [0, size) without gaps or overlaps) into
-    a new file `path` with direct I/O, consuming them one at a time. Returns (offset, length, CRC-32) of each range
-    (computed from memory as it is written), or None — nothing consumed — where the filesystem does not support
-    direct I/O. Ranges that do not tile the file raise ValueError (the caller checks its plan first)."""
-    buf = _bounce(chunk)
-    fd = _open_direct(path, buf)
-    if fd is None:
-        return None
-    try:
-        records = _stream(fd, ranges, buf)
-        end = sum(length for _, length, _ in records)
-        if end != size:
-            raise ValueError(f"{path}: the ranges end at {end}, the file is {size} bytes")
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    return records
 
 
 def _open_direct(path: Path, buf: memoryview) -> int | None:
-    """`path` created for direct I/O, after one aligned block was written to it; None where either is refused."""
+    """`path` created for direct I/O, after one aligned block was written to it (the probe of `direct_io_works`);
+    None where either is refused."""
     if not hasattr(os, "O_DIRECT"):
         return None
     try:
@@ -82,57 +59,6 @@ def _open_direct(path: Path, buf: memoryview) -> int | None:
             return None
         raise
     return fd
-
-
-def _bounce(chunk: int) -> memoryview:
-    """This thread's page-aligned buffer of `chunk` bytes (kept for the thread's next file)."""
-    if getattr(_local, "size", None) != chunk:
-        _local.buffer, _local.size = mmap.mmap(-1, chunk), chunk
-    return memoryview(_local.buffer)
-
-
-def _stream(fd: int, ranges: Iterable[tuple[int, memoryview]], buf: memoryview) -> list[tuple[int, int, int]]:
-    """Write the ranges into the file in order and return their records. A range that starts at an aligned file
-    offset is written straight from its own memory, its whole blocks at least, where the kernel accepts that memory
-    for direct I/O (page-aligned: a mapped file, e.g. a memory checkpoint the persister copies; 0.08 s of CPU per
-    600 MB here, against 0.22 s through the bounce buffer); the rest is copied through `buf`, one full buffer per
-    write, the last padded to a block."""
-    filled = written = 0
-    unaligned_memory = False
-    records = []
-    for offset, data in ranges:
-        if offset != written + filled:
-            raise ValueError(f"a range starts at byte {offset}, expected {written + filled} (gap or overlap)")
-        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        done = 0
-        if not filled and not unaligned_memory and len(data) >= _ALIGN:
-            try:
-                done = _write_from(fd, data, written)
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # EINVAL: memory the kernel will not take for direct I/O
-                    raise
-                unaligned_memory = True
-            written += done
-        while done < len(data):
-            n = min(len(buf) - filled, len(data) - done)
-            buf[filled:filled + n] = data[done:done + n]
-            filled, done = filled + n, done + n
-            if filled == len(buf):
-                pwrite_all(fd, buf, written)
-                written, filled = written + filled, 0
-        records.append((offset, len(data), crc32(data)))
-        del data  # before the producer is asked for the next range
-    if filled:
-        pwrite_all(fd, buf[:_ceil(filled)], written)
-    return records
-
-
-def _write_from(fd: int, data: memoryview, offset: int) -> int:
-    """Write the whole blocks of `data` at aligned `offset` straight from its memory (direct I/O); the count written.
-    EINVAL, before anything is written, when the memory is not aligned for direct I/O."""
-    whole = len(data) - len(data) % _ALIGN
-    pwrite_all(fd, data[:whole], offset)
-    return whole
 
 
 # ---- ranges of a shared file, several writes in flight -------------------------------------------------------------
@@ -191,6 +117,26 @@ def write_at_direct(path: str | os.PathLike, ranges: Iterable[tuple[int, memoryv
             os.close(direct)
     finally:
         os.close(buffered)
+
+
+def write_whole_direct(path: str | os.PathLike, ranges: Iterable[tuple[int, memoryview]], size: int,
+                       chunk: int = CHUNK, writers: int = WRITERS) -> list[tuple[int, int, int]]:
+    """`write_at_direct` into a new file `path` from `ranges` that tile [0, size) in offset order; a gap or an
+    overlap raises ValueError before the range is written, ranges that end short of `size` after. The caller checked
+    `direct_io_works`, made sure no file is at `path` (one that may be mapped is never truncated), and fsyncs."""
+    return write_at_direct(path, _tiling(ranges, size, path), size, chunk, writers)
+
+
+def _tiling(ranges: Iterable[tuple[int, memoryview]], size: int, path) -> Iterable[tuple[int, memoryview]]:
+    end = 0
+    for offset, data in ranges:
+        if offset != end:
+            raise ValueError(f"{path}: a range starts at byte {offset}, expected {end} (gap or overlap)")
+        end += data.nbytes
+        yield offset, data
+        del data
+    if end != size:
+        raise ValueError(f"{path}: the ranges end at {end}, the file is {size} bytes")
 
 
 def _ceil(offset: int) -> int:

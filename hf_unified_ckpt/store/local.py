@@ -1,7 +1,7 @@
 """`LocalStore`: checkpoints in a local (or network-mounted POSIX) folder, as they have always been written.
 
-Shared files are written in place (`pwrite` at planned offsets, several processes into one file), whole files may
-bypass the page cache (`direct.write_whole_direct`, where the filesystem allows it), and a save is staged in a
+Shared files are written in place (`pwrite` at planned offsets, several processes into one file), whole files
+streamed in order; both bypass the page cache where asked (`direct_io`) and the filesystem allows it (`direct.py`), and a save is staged in a
 hidden sibling folder that one `rename` publishes. Whether every rank sees the folder is found out per save
 (machine-local disks), so `seen_by_all_ranks` is not promised.
 """
@@ -79,12 +79,9 @@ class LocalStore:
 
     def write_whole(self, ref: str, ranges: Iterable[Range], size: int, direct_io: bool = False) -> list[Written]:
         path = self._path(ref)
-        local_io.unlink_existing(path)  # a new file: one that may be mapped is never truncated (direct I/O's open does)
-        if direct_io:
-            ranges = iter(ranges)
-            written = write_whole_direct(path, ranges, size)
-            if written is not None:
-                return written
+        if direct_io and direct_io_works(os.path.dirname(path) or "."):
+            local_io.unlink_existing(path)  # a new file: one that may be mapped is never truncated
+            return write_whole_direct(path, ranges, size)
         return local_io.write_whole(path, ranges, size)
 
     def write_at(self, ref: str, ranges: Iterable[Range], size: int | None, direct_io: bool = False) -> list[Written]:

@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="then re-read every file from disk and check its CRC-32, as `verify` does (default: "
                                 "the checksums are computed from the bytes as they are written, and the folder is "
                                 "checked complete with the sizes its manifest records)")
+    p_convert.add_argument("--no-direct-io", dest="direct_io", action="store_false",
+                           help="write through the page cache (default: direct I/O where the filesystem takes it, as "
+                                "unified_checkpoint_direct_io)")
     p_convert.add_argument("--quiet", action="store_true", help="no progress bar")
     p_export = sub.add_parser("export", help="a unified checkpoint's weights (model, fp32 master or EMA) as a plain "
                                              "Hugging Face model folder that from_pretrained loads")
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             from .convert import convert
 
             out = convert(args.legacy_dir, args.out_dir, args.max_shard_size, show_progress=not args.quiet,
-                          ckpt_quant_stage=args.ckpt_quant_stage)
+                          ckpt_quant_stage=args.ckpt_quant_stage, direct_io=args.direct_io)
             print(f"converted {args.legacy_dir} -> {out}")
             return _verify(str(out), checksums=args.verify)
         if args.command == "info":

@@ -94,10 +94,11 @@ class _OnLookup(Mapping):
 
 
 def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "100MB",
-            show_progress: bool = True, ckpt_quant_stage: str = "O0") -> str:
+            show_progress: bool = True, ckpt_quant_stage: str = "O0", direct_io: bool = True) -> str:
     """Convert `legacy_dir` (a DeepSpeed `checkpoint-N` or save_model folder, or an FSDP `checkpoint-N` folder)
     into a complete unified folder `out_dir` (a store reference: a local path or a URL), its optimizer moments
-    compressed at `ckpt_quant_stage` (O0/O1/O2). Returns `out_dir`."""
+    compressed at `ckpt_quant_stage` (O0/O1/O2), written with direct I/O where asked and the filesystem takes it.
+    Returns `out_dir`."""
     legacy_dir, out_dir = as_ref(legacy_dir), as_ref(out_dir)
     require_new_folder(out_dir)
     layout = detect_layout(legacy_dir)
@@ -110,9 +111,10 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
             "optimizer_0/, or pytorch_model_fsdp.bin + optimizer.bin).")
     legacy = open_legacy(layout, for_conversion=True)
     engine = with_weight_conversion(OfflineEngine(legacy_components(legacy), legacy.saved_by()), legacy_dir)
-    options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size)
+    options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size,
+                            direct_io=direct_io)
     step = layout.global_step if layout.global_step is not None else legacy.global_step
-    request = SaveRequest(out_dir, step, options, show_progress=show_progress, direct_io=True)
+    request = SaveRequest(out_dir, step, options, show_progress=show_progress, direct_io=direct_io)
     if is_folder(out_dir):
         remove(out_dir)  # empty (checked above): the commit renames the staging folder into place
     out = save_checkpoint(engine, request, _extra_files(legacy_dir))

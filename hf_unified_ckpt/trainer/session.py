@@ -122,7 +122,7 @@ class CheckpointSession:
         if options.enabled and options.ema:
             self.ema = EmaRun(ExponentialAverage(options.ema_decay, options.ema_interval), self._parameter_fragments)
         if options.enabled and options.flash.enabled:
-            self.flash = FlashTier(options.flash, checkpoint_root(trainer, trial))
+            self.flash = FlashTier(options.flash, checkpoint_root(trainer, trial), options.direct_io)
         self._refuse(trial)
         if self.flash is not None:
             self.flash.open()
@@ -426,7 +426,8 @@ class CheckpointSession:
         """The request of a save of this step into `run_dir` with `options`. Local."""
         trainer, step = self.trainer, self.trainer.state.global_step
         return SaveRequest(join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"), step, options,
-                           include_optimizer=not trainer.args.save_only_model, show_progress=show_progress)
+                           include_optimizer=not trainer.args.save_only_model, show_progress=show_progress,
+                           direct_io=options.direct_io)
 
     def _save_options(self):
         """The options of this save: the lineage guard may write it at O0 (lineage.py), said once."""
@@ -547,7 +548,7 @@ class CheckpointSession:
         engine = self.engine()
         small = {**engine.config_files(), **processing_class_files(trainer), ARGS_FILE: torch_bytes(trainer.args)}
         save_model_weights(engine, folder, self.options.max_shard_size, small,
-                           show_progress=not trainer.args.disable_tqdm)
+                           show_progress=not trainer.args.disable_tqdm, direct_io=self.options.direct_io)
         if trainer.args.push_to_hub and not _internal_call:
             trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
         return None
