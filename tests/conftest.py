@@ -14,21 +14,86 @@ from _runs import THREADS  # noqa: E402  (every run pins its own threads; launch
 
 def torchrun(nproc: int, runs: list[dict], workdir: Path, timeout: int = 900, expect_failure: bool = False,
              launcher_args: tuple[str, ...] = (), env: dict | None = None):
-    """Launch `nproc` real processes (gloo, CPU) running `runs` in one launch; fail with their output.
+    """Launch `nproc` real processes (gloo, CPU) running `runs` in one launch (`fork_launch.py`, or torchrun itself
+    with `launcher_args`); fail with their output.
     With `expect_failure`, return the completed process of a launch that must fail; `launcher_args` go to torchrun
     (e.g. --max-restarts=1), `env` to its environment."""
     spec = workdir / f"spec-{nproc}-{len(list(workdir.glob('spec-*')))}.json"
     spec.write_text(json.dumps({"runs": runs}))
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *launcher_args, str(TESTS / "dist_worker.py"), str(spec)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if launcher_args or os.environ.get("HF_UC_TEST_LAUNCHER") == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *launcher_args, str(TESTS / "dist_worker.py"), str(spec)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    else:  # the ranks forked from a process that imported the stack once (fork_launch.py: torchrun's environment)
+        proc = _LAUNCHES.launch(nproc, spec, env, timeout)
     if expect_failure:
         assert proc.returncode != 0, "the launch was expected to fail"
         return proc
     if proc.returncode != 0:
         pytest.fail(f"torchrun -n {nproc} failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+class _Launches:
+    """The session's launch server (`fork_launch.py --serve`), started at the first launch, stopped at the end of
+    the session (`pytest_sessionfinish`)."""
+
+    def __init__(self):
+        self.server: subprocess.Popen | None = None
+        self.path: str | None = None
+
+    def launch(self, nproc: int, spec: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        """One launch of `spec` on `nproc` forked ranks; its output and status, as `subprocess.run` gives them."""
+        import socket
+
+        request = {"nproc": nproc, "spec": str(spec), "env": env, "cwd": os.getcwd(),
+                   "stdout": str(spec.with_suffix(".out")), "stderr": str(spec.with_suffix(".err"))}
+        cmd = [sys.executable, str(TESTS / "fork_launch.py"), str(nproc), str(spec)]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self._serving())
+            conn.settimeout(timeout)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            answer = conn.makefile("r")
+            launcher = int(answer.readline())
+            try:
+                status = int(answer.readline())
+            except (TimeoutError, socket.timeout):
+                kill_tree(launcher)
+                raise subprocess.TimeoutExpired(cmd, timeout) from None
+        return subprocess.CompletedProcess(cmd, status, Path(request["stdout"]).read_text(errors="replace"),
+                                           Path(request["stderr"]).read_text(errors="replace"))
+
+    def _serving(self) -> str:
+        import tempfile
+        import time
+
+        if self.server is None or self.server.poll() is not None:
+            self.path = os.path.join(tempfile.mkdtemp(prefix="hf_uc_launch_"), "socket")
+            env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
+            self.server = subprocess.Popen([sys.executable, str(TESTS / "fork_launch.py"), "--serve", self.path],
+                                           env=env, start_new_session=True)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(self.path):
+                assert self.server.poll() is None and time.monotonic() < deadline, "the launch server did not start"
+                time.sleep(0.05)
+        return self.path
+
+    def stop(self) -> None:
+        if self.server is not None and self.server.poll() is None:
+            self.server.kill()
+            self.server.wait()
+        if self.path:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+_LAUNCHES = _Launches()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _LAUNCHES.stop()
 
 
 def kill_tree(pid: int) -> list[int]:
