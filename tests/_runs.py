@@ -523,6 +523,10 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("record_reuse"):  # how many files the saves wrote over spare files (the memory tier's reuse)
         with record_reuse() as reused:
             return {**run_spec({k: v for k, v in run.items() if k != "record_reuse"}, world_size), "reused": reused}
+    if run.get("record_buffers"):  # the snapshot's host buffers: made before the first save, then reused
+        with record_buffers() as buffers:
+            return {**run_spec({k: v for k, v in run.items() if k != "record_buffers"}, world_size),
+                    "buffers": buffers}
     if run.get("record_pieces"):  # which tensors each save writes in place, piece by piece (no assembling)
         with record_pieces() as pieces:
             return {**run_spec({k: v for k, v in run.items() if k != "record_pieces"}, world_size), "pieces": pieces}
@@ -889,6 +893,35 @@ def record_reuse():
         yield record
     finally:
         writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take = originals
+
+
+@contextlib.contextmanager
+def record_buffers():
+    """Record, on this rank, the host buffers the snapshot had made before each background save started
+    (`AsyncSaver.start`; key -> buffer id, the background preparation joined first) and the buffers each save's
+    copies went into (`HostBuffers.copy`; key -> the set of buffer ids)."""
+    from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
+    from hf_unified_ckpt.checkpoint.snapshot import HostBuffers
+
+    originals = AsyncSaver.start, HostBuffers.copy
+    record = {"ready_at_start": [], "used": {}}
+
+    def start(self, *args, **kwargs):
+        buffers = self._snapshots.buffers
+        buffers._join()
+        record["ready_at_start"].append({key: id(b) for key, (b, _) in buffers._buffers.items()})
+        return originals[0](self, *args, **kwargs)
+
+    def copy(self, key, tensor, *args, **kwargs):
+        out = originals[1](self, key, tensor, *args, **kwargs)
+        record["used"].setdefault(key, set()).add(id(out))
+        return out
+
+    AsyncSaver.start, HostBuffers.copy = start, copy
+    try:
+        yield record
+    finally:
+        AsyncSaver.start, HostBuffers.copy = originals
 
 
 @contextlib.contextmanager

@@ -105,13 +105,13 @@ def test_async_resume_is_exact_on_every_engine(tmp_path):
     """The saving runs' snapshots sleep 1 s before copying: the next optimizer step must wait for the copy on
     every engine (DeepSpeed steps inside backward, through its own optimizer's step), or the resume drifts. With
     the writer processes of `unified_checkpoint_async_executor="process"` (world size 2), the same, and the same
-    tensor files as the threads write."""
+    tensor files as the threads write. On every engine the first save copies into host buffers made ahead."""
     engines = {"ddp": {}, "z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}, "z2-process": {"zero": 2}}
     runs = []
     for name, spec in engines.items():
         overrides = {**ASYNC, "unified_checkpoint_async_executor": "process"} if "process" in name else ASYNC
         runs.append({**spec, "overrides": overrides, "output_dir": str(tmp_path / name),
-                     "result": str(tmp_path / f"{name}.pt"), "slow_snapshot": 1.0})
+                     "result": str(tmp_path / f"{name}.pt"), "slow_snapshot": 1.0, "record_buffers": True})
         runs.append({**spec, "overrides": overrides, "output_dir": str(tmp_path / f"{name}-r"),
                      "resume": str(tmp_path / name / "checkpoint-3"), "result": str(tmp_path / f"{name}-r.pt")})
     torchrun(2, runs, tmp_path)
@@ -126,6 +126,10 @@ def test_async_resume_is_exact_on_every_engine(tmp_path):
         assert [resumed["losses"][s] for s in (4, 5, 6)] == [base["losses"][s] for s in (4, 5, 6)], name
         assert all(torch.equal(resumed["state"][k], v) for k, v in base["state"].items()), name
         assert detect_layout(tmp_path / name / "checkpoint-6").complete
+        # rank 0's snapshot buffers (pieces of every sharded tensor under ZeRO-3 and FSDP2): all made before the
+        # first save, then reused by the second
+        made, used = base["buffers"]["ready_at_start"], base["buffers"]["used"]
+        assert len(made) == 2 and used and all(ids == {made[0][key]} for key, ids in used.items()), name
     single = run_spec({"output_dir": str(tmp_path / "z3-single"), "resume": str(tmp_path / "z3" / "checkpoint-3")}, 1)
     base = torch.load(tmp_path / "z3.pt", weights_only=False)
     assert all(abs(single["losses"][s] - base["losses"][s]) <= 1e-5 * abs(base["losses"][s]) for s in (4, 5, 6))
