@@ -71,7 +71,8 @@ class _Launches:
         if self.server is None or self.server.poll() is not None:
             self.path = os.path.join(tempfile.mkdtemp(prefix="hf_uc_launch_"), "socket")
             env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
-            self.server = subprocess.Popen([sys.executable, str(TESTS / "fork_launch.py"), "--serve", self.path],
+            self.server = subprocess.Popen([sys.executable, str(TESTS / "fork_launch.py"), "--serve", self.path,
+                                            str(os.getpid())],
                                            env=env, start_new_session=True)
             deadline = time.monotonic() + 120
             while not os.path.exists(self.path):

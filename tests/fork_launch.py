@@ -2,7 +2,7 @@
 does for a worker, without each worker importing the training stack again.
 
     python tests/fork_launch.py N spec.json          # one launch
-    python tests/fork_launch.py --serve SOCKET       # a server of launches (what conftest.torchrun uses)
+    python tests/fork_launch.py --serve SOCKET PID   # a server of launches for process PID (conftest.torchrun's)
 
 Every worker of a torchrun launch imports torch, transformers' Trainer, accelerate, DeepSpeed and PEFT: about 6.5 s
 per process on the 2-core VM, the larger part of a launch of a few short runs. Here one process imports them once
@@ -102,8 +102,9 @@ def launch(nproc: int, spec: str) -> int:
     return status
 
 
-def serve(path: str) -> None:
-    """Answer launch requests on the Unix socket `path`, one at a time, until a request says stop. A request is one
+def serve(path: str, parent: int) -> None:
+    """Answer launch requests on the Unix socket `path`, one at a time, until a request says stop or the process that
+    started this one (pid `parent`) is gone. A request is one
     line of JSON {"nproc", "spec", "env", "cwd", "stdout", "stderr"}; the answer is two lines: the launcher's pid
     (its session's leader: kill that tree to stop the launch), then the launch's exit status."""
     freeze_imports()
@@ -111,8 +112,15 @@ def serve(path: str) -> None:
     server.bind(f"{path}.binding")
     server.listen()
     os.rename(f"{path}.binding", path)  # `path` appears once it accepts
+    server.settimeout(2.0)
     while True:
-        conn, _ = server.accept()
+        try:
+            conn, _ = server.accept()
+        except (TimeoutError, socket.timeout):
+            if os.getppid() != parent:  # the test session was killed without stopping this server
+                return
+            continue
+        conn.settimeout(None)
         with conn, conn.makefile("rw") as stream:
             request = json.loads(stream.readline() or "{}")
             if not request or request.get("stop"):
@@ -149,7 +157,7 @@ def _launcher(request: dict) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        serve(sys.argv[2])
+        serve(sys.argv[2], int(sys.argv[3]))
     else:
         freeze_imports()
         sys.exit(launch(int(sys.argv[1]), sys.argv[2]))
