@@ -7,7 +7,7 @@ A `--mb` MB file of random bytes is written into /dev/shm (its pages in use, as 
 are), then copied into `--durable` (default: the working folder's filesystem, `.` ) and fsynced, four ways,
 alternating, `--reps` times: the source read into fresh buffers (`Store.read` per 64 MB range: what the persister
 did until this was measured) or mapped (`Store.read_chunks`: views of one mapping), written through the page
-cache or with direct I/O (`direct.write_whole_direct`). Prints wall and CPU (user + system of this process)
+cache or with direct I/O (`direct.write_whole_direct`: four writer threads since 2026-11-27, one before). Prints wall and CPU (user + system of this process)
 medians per way and the CPU ratio of each to the persister's way (mapped + direct).
 """
 
