@@ -1,9 +1,9 @@
 """`LocalStore`: checkpoints in a local (or network-mounted POSIX) folder, as they have always been written.
 
 Shared files are written in place (`pwrite` at planned offsets, several processes into one file), whole files
-streamed in order; both bypass the page cache where asked (`direct_io`) and the filesystem allows it (`direct.py`), and a save is staged in a
-hidden sibling folder that one `rename` publishes. Whether every rank sees the folder is found out per save
-(machine-local disks), so `seen_by_all_ranks` is not promised.
+streamed in order; both bypass the page cache where asked (`direct_io`) and the filesystem allows it (`direct.py`),
+and a save is staged in a hidden sibling folder that one `rename` publishes. Whether every rank sees the folder is
+found out per save (machine-local disks), so `seen_by_all_ranks` is not promised.
 """
 
 from __future__ import annotations

@@ -111,8 +111,7 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
             "optimizer_0/, or pytorch_model_fsdp.bin + optimizer.bin).")
     legacy = open_legacy(layout, for_conversion=True)
     engine = with_weight_conversion(OfflineEngine(legacy_components(legacy), legacy.saved_by()), legacy_dir)
-    options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size,
-                            direct_io=direct_io)
+    options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size)
     step = layout.global_step if layout.global_step is not None else legacy.global_step
     request = SaveRequest(out_dir, step, options, show_progress=show_progress, direct_io=direct_io)
     if is_folder(out_dir):
