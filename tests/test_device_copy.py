@@ -4,6 +4,8 @@ runs in `bench/gpu/device_check.py` on a GPU machine, and that script's CPU dry 
 
 import threading
 
+from pathlib import Path
+
 import torch
 
 from hf_unified_ckpt.checkpoint.device_copy import Transfers, host_buffer
@@ -72,3 +74,19 @@ def test_pinned_buffers_are_exact_whole_pages_registered_while_they_live():
     assert locked == {}  # unregistered once the buffer is gone
     assert float(view.float().sum()) == 3001  # a view outliving it still reads its memory
     assert registered_buffer((4,), torch.float32, lambda a, n: False, locked.pop) is None  # refused: the caller pins
+
+
+def test_pinned_buffers_are_faulted_in_before_they_are_locked():
+    """The pages of a buffer made ahead exist before it is page-locked: faulted in by the preparing thread, not
+    inside `cudaHostRegister`, where an H200 held the training thread 3.9 s (docs/gpu.md, issue 59). The resident
+    memory of this process, read from /proc when `register` is called, already holds the buffer's 64 MiB."""
+    from hf_unified_ckpt.checkpoint.device_copy import PAGE, registered_buffer
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE
+
+    before, seen = resident(), []
+    buffer = registered_buffer((64 * 2**20,), torch.uint8, lambda a, n: seen.append(resident()) is None,
+                               lambda a: None)
+    assert buffer is not None and len(seen) == 1
+    assert seen[0] - before >= 60 * 2**20, f"only {(seen[0] - before) / 2**20:.1f} MiB resident when locked"

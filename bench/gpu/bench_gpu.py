@@ -423,7 +423,9 @@ def measure(name: str, a, work: Path, note=lambda key, value: None) -> dict:
             r = run(*args, mode, a.steps, every, **common)
             runs[mode] = (r["total_s"], r["to_last_step_s"])
             profile[mode] = {"steps_s": [round(x, 4) for x in r["steps_s"]], "gil_wait_ms": r["gil_wait_ms"],
-                             "saves_after_step": [every * (k + 1) for k in range(len(r["saves_s"]))] if every else []}
+                             "saves_after_step": [every * (k + 1) for k in range(len(r["saves_s"]))] if every else [],
+                             # each save call's own time: what a save blocks, beside the steps' time (issue 59)
+                             "saves_s": [round(x, 4) for x in r["saves_s"]]}
             note("profile", profile)
             last_bytes = r["checkpoint_bytes"] if mode == "async" else last_bytes
             note(f"{mode}_s", r["total_s"])

@@ -63,7 +63,7 @@ class HostBuffers:
                 if self._stop.is_set():
                     return
                 buffer = host_buffer(shape, dtype, like, shared=self.shared, phase=phase)
-                if not pin:  # pinning faults the pages in; a pageable buffer is touched once per page
+                if not pin:  # a pinned buffer is faulted in before it is locked (`device_copy`); a pageable one here
                     fault_in(buffer)
                 self._buffers[key] = (buffer, pin)
         except (MemoryError, OSError, RuntimeError) as e:
