@@ -27,6 +27,9 @@ CONFIG_WORDS: dict[str, str] = {
     "flash": "save into node-local memory (unified_checkpoint_memory_dir, /dev/shm by default) at memory speed, "
              "snapshot as async_save does; a persister process that outlives the trainer makes every "
              "unified_checkpoint_persist_every-th save durable; resume picks the newest checkpoint across tiers",
+    "trust_pickles": "resume from a legacy DeepSpeed or FSDP folder you trust even where its pickles name classes "
+                     "beyond tensors, plain values and the known DeepSpeed/DCP ones (unpickled whole, as DeepSpeed "
+                     "and torch.distributed.checkpoint do: runs any code they hold)",
 }
 
 #: Words whose implementation has not landed yet: accepted by the parser, refused by `validate_supported`.
@@ -176,6 +179,8 @@ class UnifiedCheckpointOptions:
             thread of the trainer) or "process" (a writer process per rank).
         direct_io: write checkpoint files to local and mounted folders with direct I/O (`O_DIRECT`, past the page
             cache) where the filesystem takes it (`unified_checkpoint_direct_io`); False: through the page cache.
+        trust_pickles: a legacy folder resumed from is unpickled whole (`trust_pickles`), not with `weights_only`
+            and an allow-list (`checkpoint/pickles.py`).
     """
 
     enabled: bool = False
@@ -194,6 +199,7 @@ class UnifiedCheckpointOptions:
     flash: FlashOptions = FlashOptions()
     async_executor: str = "thread"
     direct_io: bool = True
+    trust_pickles: bool = False
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
     #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
     quant_stage_requested: str | None = None
@@ -345,6 +351,7 @@ def parse_options(
         flash=dataclasses.replace(flash or FlashOptions(), enabled="flash" in chosen),
         async_executor=async_executor,
         direct_io=bool(direct_io),
+        trust_pickles="trust_pickles" in chosen,
     )
     validate_supported(options, words)
     return options

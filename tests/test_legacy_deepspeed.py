@@ -116,13 +116,13 @@ def test_convert_matches_zero_to_fp32_and_verifies(legacy, name, tmp_path, capsy
 
 def test_partitions_are_read_without_deepspeed_and_without_running_pickled_code(legacy, tmp_path):
     """The partition files are unpickled with `weights_only` and stand-ins for DeepSpeed's classes: a fresh process
-    reads every saver's tensors without importing DeepSpeed. A file pickling anything else is still read (by the
-    classes it names); a damaged one is a clear error."""
+    reads every saver's tensors without importing DeepSpeed. A file pickling anything else is refused, naming the
+    global and the opt-in, and read whole only with it; a damaged one is a clear error."""
     import subprocess
     import sys
     from fractions import Fraction
 
-    from hf_unified_ckpt.errors import CorruptCheckpointError
+    from hf_unified_ckpt.errors import CorruptCheckpointError, UnsupportedCheckpointError
     from hf_unified_ckpt.legacy.deepspeed import _load
 
     folders = [str(legacy[0] / name / "checkpoint-3") for name in SAVERS]
@@ -136,7 +136,9 @@ def test_partitions_are_read_without_deepspeed_and_without_running_pickled_code(
     assert proc.stdout.splitlines() == ["2 False [0]", "3 False []", "2 True [0]", "deepspeed imported: False"]
     other = tmp_path / "other.pt"
     torch.save({"scale": Fraction(1, 3), "t": torch.ones(3)}, other)
-    assert _load(other)["scale"] == Fraction(1, 3)
+    with pytest.raises(UnsupportedCheckpointError, match=r"other.pt pickles fractions.Fraction: .*trust_pickles"):
+        _load(other)
+    assert _load(other, trust_pickles=True)["scale"] == Fraction(1, 3)
     other.write_bytes(other.read_bytes()[:100])
     with pytest.raises(CorruptCheckpointError, match="other.pt cannot be read"):
         _load(other)
@@ -240,3 +242,36 @@ def test_resume_refuses_the_folder_save_model_writes(legacy, tmp_path, capsys):
         run_spec({"output_dir": str(tmp_path / "run"), "resume": str(interrupted)}, 1)
     assert cli(["convert", str(interrupted), str(tmp_path / "converted"), "--quiet"]) == 1
     assert "trainer_state.json is missing" in capsys.readouterr().err
+
+
+def test_a_partition_file_that_pickles_code_is_refused_unless_the_folder_is_trusted(legacy, tmp_path, capsys):
+    """A `zero_pp_rank_0_mp_rank_00_optim_states.pt` holding a pickle whose unpickling runs code (it writes a marker
+    file): `convert` and a plugin resume of a plain one-process job refuse the folder before anything loads, naming
+    the global, the file and the opt-in; nothing runs, nothing is written, the run's other checkpoints stay as they
+    were. Trusted (`--trust-pickles`, `trust_pickles`), it is unpickled whole, as DeepSpeed would: the code runs and
+    the folder converts and resumes."""
+    from hostile import WritesMarker, fingerprint
+
+    run, marker = tmp_path / "run", tmp_path / "marker"
+    shutil.copytree(legacy[0] / "z2" / "checkpoint-3", run / "checkpoint-3")
+    shutil.copytree(legacy[0] / "z2" / "checkpoint-6", run / "checkpoint-6")
+    hostile = run / "checkpoint-3" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(hostile, weights_only=False)  # the real file, with DeepSpeed's classes
+    torch.save({**state, "extra": WritesMarker(marker)}, hostile)
+    before = fingerprint(run)
+
+    assert cli(["convert", str(run / "checkpoint-3"), str(tmp_path / "converted"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "builtins.eval" in err and str(hostile) in err and "--trust-pickles" in err and "trust_pickles" in err, err
+    refused = run_spec({"output_dir": str(run), "resume": str(run / "checkpoint-3"),
+                        "expect_error": "builtins.eval"}, 1)
+    assert refused["error"].startswith("UnsupportedCheckpointError") and refused["global_step"] == 0
+    assert str(hostile) in refused["error"] and "trust_pickles" in refused["error"]
+    assert not marker.exists() and not (tmp_path / "converted").exists() and fingerprint(run) == before
+
+    assert cli(["convert", str(run / "checkpoint-3"), str(tmp_path / "converted"), "--quiet", "--trust-pickles"]) == 0
+    assert marker.exists()
+    marker.unlink()
+    resumed = run_spec({"output_dir": str(tmp_path / "trusted"), "resume": str(run / "checkpoint-3"),
+                        "overrides": {"unified_checkpoint_config": "trust_pickles"}}, 1)
+    assert marker.exists() and resumed["global_step"] == 6

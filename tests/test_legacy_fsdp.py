@@ -4,6 +4,7 @@ at another world size and into other engines (the next save unified), and conver
 Real FSDP on CPU through the Trainer (shim as in test_fsdp.py); tolerances as in test_resume_equivalence.py."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -106,3 +107,52 @@ def test_convert_into_a_bucket(legacy, s3_bucket, tmp_path, capsys):
             assert all(torch.equal(remote.get(k), here.get(k)) for k in here.keys())
     assert cli(["convert", str(src), url]) == 1  # never overwrites
     assert "not empty" in capsys.readouterr().err
+
+
+def test_a_dcp_metadata_file_that_pickles_code_is_refused_unless_the_folder_is_trusted(legacy, tmp_path, capsys):
+    """DCP reads `.metadata` with a plain `pickle.load`. One whose unpickling runs code (it writes a marker file):
+    `convert` and a plugin resume of a plain one-process job refuse the folder before anything loads, naming the
+    global, the file and the opt-in; nothing runs, nothing is written. Trusted (`--trust-pickles`), DCP's own read
+    runs it and the folder converts."""
+    import pickle
+
+    from hostile import WritesMarker, fingerprint
+
+    run, marker = tmp_path / "run", tmp_path / "marker"
+    shutil.copytree(legacy[0] / "f2sharded" / "checkpoint-3", run / "checkpoint-3")
+    shutil.copytree(legacy[0] / "f2sharded" / "checkpoint-6", run / "checkpoint-6")
+    hostile = run / "checkpoint-3" / "optimizer_0" / ".metadata"
+    metadata = pickle.loads(hostile.read_bytes())
+    metadata.planner_data = {**(metadata.planner_data or {}), "extra": WritesMarker(marker)}
+    hostile.write_bytes(pickle.dumps(metadata))
+    before = fingerprint(run)
+
+    assert cli(["convert", str(run / "checkpoint-3"), str(tmp_path / "converted"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "builtins.eval" in err and str(hostile) in err and "--trust-pickles" in err and "trust_pickles" in err, err
+    refused = run_spec({"output_dir": str(run), "resume": str(run / "checkpoint-3"),
+                        "expect_error": "builtins.eval"}, 1)
+    assert refused["error"].startswith("UnsupportedCheckpointError") and refused["global_step"] == 0
+    assert str(hostile) in refused["error"] and "trust_pickles" in refused["error"]
+    assert not marker.exists() and not (tmp_path / "converted").exists() and fingerprint(run) == before
+
+    assert cli(["convert", str(run / "checkpoint-3"), str(tmp_path / "converted"), "--quiet", "--trust-pickles"]) == 0
+    assert marker.exists()
+
+
+def test_legacy_fsdp_reads_no_entry_with_dcps_full_unpickle(legacy, tmp_path, monkeypatch):
+    """DCP unpickles a non-tensor entry (`DefaultLoadPlanner.load_bytes`) with `torch.load(weights_only=False)`:
+    converting a sharded folder never calls it (tensors are asked for by key, the param groups read with
+    `weights_only`), and gives the same optimizer as before."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    src = legacy[0] / "f1sharded" / "checkpoint-3"
+    assert cli(["convert", str(src), str(tmp_path / "trusted"), "--quiet", "--trust-pickles"]) == 0  # DCP's reads
+    read = []
+    monkeypatch.setattr(DefaultLoadPlanner, "load_bytes", lambda self, item, value: read.append(item.dest_index.fqn))
+    assert cli(["convert", str(src), str(tmp_path / "converted"), "--quiet"]) == 0
+    assert read == []
+    for name in ("optimizer.safetensors", "optimizer.safetensors.index.json", "model.safetensors"):
+        assert (tmp_path / "converted" / name).read_bytes() == (tmp_path / "trusted" / name).read_bytes(), name
+    index = json.loads((tmp_path / "converted" / "optimizer.safetensors.index.json").read_text())
+    assert index["metadata"]["param_groups"][0]["lr"] > 0 and index["metadata"]["param_groups"][0]["params"]

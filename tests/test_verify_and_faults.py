@@ -191,3 +191,23 @@ def test_adapter_mismatch_says_how_many_tensors(tmp_path):
     with pytest.raises(UnsupportedCheckpointError) as e:
         ReplicatedEngine(model, None).load_model(reader)
     assert "missing 2 tensor(s): [" in str(e.value) and "unexpected 14 tensor(s): [" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "rng_state_0.pth"])
+def test_a_small_file_that_pickles_code_is_refused_by_name(ckpt, name, tmp_path):
+    """A `scheduler.pt` or `rng_state_0.pth` holding a pickle whose unpickling runs code (it writes a marker file),
+    its manifest record re-signed as a forger would: the resume unpickles it with `weights_only`, refusing it with an
+    error that names the file and the global; nothing runs."""
+    import torch
+
+    from hostile import WritesMarker
+
+    marker = tmp_path / "marker"
+    state = torch.load(ckpt / name, weights_only=False)
+    torch.save({**state, "extra": WritesMarker(marker)}, ckpt / name)
+    manifest = json.loads((ckpt / "unified_checkpoint.json").read_text())
+    manifest["files"][name] = {"size": (ckpt / name).stat().st_size, "crc32": file_crc32(ckpt / name)}
+    (ckpt / "unified_checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(UnsupportedCheckpointError, match=rf"{name} pickles builtins.eval"):
+        train(tmp_path / "resumed", max_steps=6, resume=str(ckpt))
+    assert not marker.exists()

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..store import as_ref, is_file, join, read_bytes
+from .pickles import load_pickle
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +28,10 @@ def capture_rng_state() -> dict:
     return state
 
 
-def _numpy_safe_globals():
+def _numpy_globals() -> list:
+    """What NumPy's generator state pickles beyond `weights_only`'s defaults: its array-reconstruct function."""
     np_core = getattr(np, "_core", None) or np.core
-    return torch.serialization.safe_globals(
-        [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))])
+    return [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def restore_rng_state(folder: str | os.PathLike, rank: int, saved_world_size: int, world_size: int) -> str | None:
@@ -49,8 +50,7 @@ def restore_rng_state(folder: str | os.PathLike, rank: int, saved_world_size: in
                 f"own {rng_file_name(0).replace('0', '<rank>')} continue from rank 0's stream.")
     if not is_file(path):
         return f"{rng_file_name(0)} is missing: random generators were not restored."
-    with _numpy_safe_globals():
-        state = torch.load(io.BytesIO(read_bytes(path)), weights_only=True)
+    state = load_pickle(io.BytesIO(read_bytes(path)), str(path), _numpy_globals())
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.random.set_rng_state(state["cpu"])

@@ -6,19 +6,21 @@ from __future__ import annotations
 from ..errors import UnsupportedCheckpointError
 
 
-def open_legacy(layout, for_conversion: bool = False):
-    """The reader for a complete legacy `layout` of kind deepspeed or fsdp. A folder without trainer state (a model
-    folder written by `Trainer.save_model`) is opened only `for_conversion`: training cannot resume from it."""
+def open_legacy(layout, for_conversion: bool = False, trust_pickles: bool = False):
+    """The reader for a complete legacy `layout` of kind deepspeed or fsdp, its pickles read (here, before anything
+    loads) with `weights_only` and an allow-list, or whole where the user trusts the folder (`trust_pickles`). A
+    folder without trainer state (a model folder written by `Trainer.save_model`) is opened only `for_conversion`:
+    training cannot resume from it."""
     if not layout.trainer_state and not for_conversion:
         raise UnsupportedCheckpointError(_not_resumable(layout))
     if layout.kind == "deepspeed":
         from .deepspeed import LegacyDeepSpeedCheckpoint
 
-        return LegacyDeepSpeedCheckpoint(layout.path)
+        return LegacyDeepSpeedCheckpoint(layout.path, trust_pickles)
     if layout.kind == "fsdp":
         from .fsdp import LegacyFSDPCheckpoint
 
-        return LegacyFSDPCheckpoint(layout.path)
+        return LegacyFSDPCheckpoint(layout.path, trust_pickles)
     raise UnsupportedCheckpointError(f"{layout.path} is a '{layout.kind}' folder, not a DeepSpeed or FSDP one.")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..format.components import saved_by
+from ..checkpoint.pickles import TRUST_OPT_IN, load_pickle
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..format.optim_state import OptimizerStateEncoder
 from .sources import TensorSource
@@ -43,7 +44,7 @@ _ZERO_STAGES = {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights":
 
 def _enum_member(cls, name: str):
     """Stands in for `getattr` in `getattr(ZeroStageEnum, "gradients")` (an enum pickled by member name); any other
-    use is refused (the file is then read with DeepSpeed's classes)."""
+    use is refused."""
     if cls is not _ZeroStage or name not in _ZERO_STAGES:
         raise ValueError(f"getattr({cls!r}, {name!r}) is not a ZeRO stage")
     return _ZeroStage(_ZERO_STAGES[name])
@@ -53,28 +54,30 @@ class _PickledState:
     """Stands in for a DeepSpeed class pickled as its attributes (`fragment_address`: start, numel; `LossScaler`)."""
 
 
-#: DeepSpeed classes the partition files pickle, and plain stand-ins for them: reading a checkpoint neither imports
-#: DeepSpeed (0.5 s, most of what reading the pickles costs) nor runs arbitrary pickled code (`weights_only`).
+#: Every DeepSpeed class the files of a `global_stepN` folder pickle, with a plain stand-in: reading a checkpoint
+#: neither imports DeepSpeed (0.5 s, most of what reading the pickles costs) nor runs pickled code (`weights_only`).
+#: Checked against the checkpoint code of DeepSpeed's release tags (where each class lives: v0.6.0 to v0.19.5; what
+#: `state_dict` of ZeRO-1/2, ZeRO-3 and the bf16 optimizer and the engine's `_save_checkpoint` store: v0.7.0 to
+#: v0.19.5) and against the files 0.19.8 writes under ZeRO-2, ZeRO-3 and bf16 (tests/test_legacy_deepspeed.py,
+#: `torch.serialization.get_unsafe_globals_in_checkpoint`): `ZeroStageEnum` since 0.7.0 (an int before),
+#: `fragment_address` in `runtime.bf16_optimizer` 0.6.2-0.7.2 and in `utils.tensor_fragment` since 0.7.3, the loss
+#: scalers in `runtime.fp16.loss_scaler` all along; everything else is tensors and plain values. The Trainer needs
+#: DeepSpeed >= 0.9.3. A file that pickles anything else (a custom scheduler's class, say) is refused unless the
+#: user trusts the folder (`trust_pickles`).
 _STAND_INS = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
               (_PickledState, "deepspeed.utils.tensor_fragment.fragment_address"),
+              (_PickledState, "deepspeed.runtime.bf16_optimizer.fragment_address"),
               (_PickledState, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
               (_PickledState, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
               (_enum_member, "builtins.getattr"), (_enum_member, "__builtin__.getattr")]
 
 
-def _load(path: Path) -> dict:
+def _load(path: Path, trust_pickles: bool = False) -> dict:
     """The pickled dict of a partition file, its tensors memory-mapped. Read with `weights_only` and the stand-ins
-    above; a file that pickles anything else (another DeepSpeed version's classes) is read by DeepSpeed's own
-    classes (unpickling imports DeepSpeed)."""
-    try:
-        with torch.serialization.safe_globals(_STAND_INS):
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # an unknown global, or a damaged file (reported below)
-        logger.debug("%s: reading with DeepSpeed's classes (%s)", path, e)
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # pickle, zip and mmap errors alike
-        raise CorruptCheckpointError(f"legacy DeepSpeed file {path} cannot be read ({type(e).__name__}: {e}).") from e
+    above; a file that needs any other global is refused, naming it and the opt-in. `trust_pickles`: unpickled
+    whole, by DeepSpeed's own classes (unpickling imports DeepSpeed), as DeepSpeed itself loads it."""
+    return load_pickle(path, f"legacy DeepSpeed file {path}", _STAND_INS, trusted=trust_pickles,
+                       opt_in=TRUST_OPT_IN, map_location="cpu", mmap=True)
 
 
 def _copy_out(pieces: list[torch.Tensor], numel: int, mapped: list[tuple[int, int]],
@@ -155,7 +158,7 @@ def step_folder(folder: Path) -> Path:
 class LegacyDeepSpeedCheckpoint:
     """Tensors of a legacy DeepSpeed checkpoint by parameter name: model, master weights, optimizer state."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, trust_pickles: bool = False):
         self.folder = Path(folder)
         self.dir = step_folder(self.folder)
         ranked = sorted((int(m.group(1)), p) for p in self.dir.iterdir() if (m := _RANK_RE.match(p.name)))
@@ -163,7 +166,7 @@ class LegacyDeepSpeedCheckpoint:
             raise CorruptCheckpointError(f"{self.dir}: the optimizer partitions of ranks 0..N-1 are not all there "
                                          f"(found ranks {[r for r, _ in ranked]}).")
         self.world_size = len(ranked)
-        self.optim = [_load(p)["optimizer_state_dict"] for _, p in ranked]
+        self.optim = [_load(p, trust_pickles)["optimizer_state_dict"] for _, p in ranked]
         stage = int(getattr(self.optim[0]["zero_stage"], "value", self.optim[0]["zero_stage"]))
         self.stage = stage
         model_files = ([self.dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.world_size)]
@@ -171,7 +174,7 @@ class LegacyDeepSpeedCheckpoint:
         missing = [str(p) for p in model_files if not p.is_file()]
         if missing:
             raise CorruptCheckpointError(f"legacy DeepSpeed checkpoint {self.dir} lacks {missing}.")
-        self.models = [_load(p) for p in model_files]
+        self.models = [_load(p, trust_pickles) for p in model_files]
         self._mapped = _file_mappings([p for _, p in ranked] + list(model_files))
         config = self.models[0].get("ds_config") or {}
         if (config.get("fp16") or {}).get("enabled"):

@@ -7,6 +7,10 @@ without a process group:
 - full (`pytorch_model_fsdp.bin` + `optimizer.bin`, what FSDP2 writes with FULL_STATE_DICT): opened with
   `torch.load(mmap=True)`, so only the pages a tensor needs are read.
 
+No pickled code runs: DCP's `.metadata` is unpickled allowing only its metadata classes and plain values, every
+other pickle with `weights_only` (`legacy/dcp.py`, `checkpoint/pickles.py`), unless the user trusts the folder
+(`trust_pickles`).
+
 FSDP keeps its parameters in fp32 (mixed precision casts only for compute), so the model weights are also
 the master weights.
 """
@@ -20,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..format.components import saved_by
-from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..checkpoint.pickles import TRUST_OPT_IN, load_pickle
+from ..errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
 from ..format.names import canonical_name
 from ..format.optim_state import OptimizerStateEncoder
 from .sources import TensorSource
@@ -30,14 +35,21 @@ MODEL_BIN, OPTIM_BIN = "pytorch_model_fsdp.bin", "optimizer.bin"
 
 
 class _DCPFolder:
-    """Tensor-by-tensor reads of one DCP folder."""
+    """Tensor-by-tensor reads of one DCP folder, no pickled code run (`legacy/dcp.py`): tensors are asked for by
+    their keys only; the few other entries (param groups) are unpickled with `weights_only`. `trust_pickles`: DCP's
+    own reads (plain unpickling), for a folder the user trusts."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, trust_pickles: bool = False):
         from torch.distributed.checkpoint import FileSystemReader
 
-        self.path = path
+        from .dcp import RestrictedReader
+
+        self.path, self.trusted = path, trust_pickles
+        self.reader = FileSystemReader(str(path)) if trust_pickles else RestrictedReader(path)
         try:
-            self.metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            self.metadata = self.reader.read_metadata().state_dict_metadata
+        except UnifiedCheckpointError:
+            raise
         except Exception as e:
             raise CorruptCheckpointError(f"{path} is not a readable torch.distributed.checkpoint folder ({e}).") from e
         self.ranks = len(list(path.glob("__*_0.distcp")))
@@ -48,12 +60,27 @@ class _DCPFolder:
         return {k: (tuple(m.size), m.properties.dtype) for k, m in self.metadata.items()
                 if isinstance(m, TensorStorageMetadata)}
 
-    def load(self, keys_to_templates: dict) -> dict:
+    def load(self, templates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors `templates` (key -> an empty tensor of its full shape), read into them."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
 
-        dcp.load(keys_to_templates, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
-        return keys_to_templates
+        if not all(torch.is_tensor(t) for t in templates.values()):
+            raise TypeError(f"{self.path}: load() reads tensors; values() reads the other entries")
+        dcp.load(templates, storage_reader=self.reader, no_dist=True)
+        return templates
+
+    def values(self, keys) -> dict:
+        """The non-tensor entries `keys`, unpickled with `weights_only` (DCP's `load_bytes` unpickles them whole:
+        only for a trusted folder)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        from .dcp import WeightsOnlyPlanner
+
+        entries = dict.fromkeys(keys)
+        planner = DefaultLoadPlanner() if self.trusted else WeightsOnlyPlanner(self.path)
+        dcp.load(entries, storage_reader=self.reader, planner=planner, no_dist=True)
+        return entries
 
     def tensor(self, key: str) -> torch.Tensor:
         shape, dtype = self.tensor_keys()[key]
@@ -63,18 +90,19 @@ class _DCPFolder:
 class LegacyFSDPCheckpoint:
     """Tensors of a legacy FSDP checkpoint by parameter name."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, trust_pickles: bool = False):
         self.folder = Path(folder)
         if (self.folder / MODEL_DIR).is_dir():
             self.kind = "sharded"
             if not (self.folder / OPTIM_DIR).is_dir():
                 raise CorruptCheckpointError(f"{self.folder} has {MODEL_DIR}/ but no {OPTIM_DIR}/.")
-            self._model, self._optim = _DCPFolder(self.folder / MODEL_DIR), _DCPFolder(self.folder / OPTIM_DIR)
+            self._model = _DCPFolder(self.folder / MODEL_DIR, trust_pickles)
+            self._optim = _DCPFolder(self.folder / OPTIM_DIR, trust_pickles)
             self.world_size = self._model.ranks
         elif (self.folder / MODEL_BIN).is_file() and (self.folder / OPTIM_BIN).is_file():
             self.kind = "full"
-            self._model_sd = _torch_load(self.folder / MODEL_BIN)
-            self._optim_sd = _torch_load(self.folder / OPTIM_BIN)
+            self._model_sd = _torch_load(self.folder / MODEL_BIN, trust_pickles)
+            self._optim_sd = _torch_load(self.folder / OPTIM_BIN, trust_pickles)
             self.world_size = max(1, len(list(self.folder.glob("rng_state_*.pth"))))
         else:
             raise UnsupportedCheckpointError(
@@ -128,8 +156,7 @@ class LegacyFSDPCheckpoint:
     def _param_groups(self) -> list[dict]:
         if self.kind == "full":
             return [{**g, "params": [canonical_name(p) for p in g["params"]]} for g in self._optim_sd["param_groups"]]
-        entries = {k: None for k in self._optim.metadata if k.startswith("optimizer.param_groups.")}
-        loaded = self._optim.load(entries)
+        loaded = self._optim.values([k for k in self._optim.metadata if k.startswith("optimizer.param_groups.")])
         groups: dict[int, dict] = {}
         for key, value in loaded.items():
             match = re.fullmatch(r"optimizer\.param_groups\.(\d+)\.(.+)", key)
@@ -141,11 +168,9 @@ class LegacyFSDPCheckpoint:
         return out
 
 
-def _torch_load(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:
-        raise CorruptCheckpointError(f"legacy FSDP file {path} cannot be read ({type(e).__name__}: {e}).") from e
+def _torch_load(path: Path, trust_pickles: bool = False) -> dict:
+    return load_pickle(path, f"legacy FSDP file {path}", trusted=trust_pickles, opt_in=TRUST_OPT_IN,
+                       map_location="cpu", mmap=True)
 
 
 def _step(folder: Path) -> int:

@@ -1,4 +1,5 @@
-"""`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`, `convert LEGACY_DIR OUT_DIR [--ckpt-quant-stage]`,
+"""`hf-unified-ckpt` command line: `info PATH [--json]`, `verify PATH`,
+`convert LEGACY_DIR OUT_DIR [--ckpt-quant-stage] [--trust-pickles]`,
 `export CHECKPOINT OUT_DIR [--weights model|master|ema] [--dtype] [--merge-lora [--base-model]]`. A checkpoint PATH
 or OUT_DIR is a local path or a URL of a registered store (memory://...); LEGACY_DIR is a local folder."""
 
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_convert.add_argument("--no-direct-io", dest="direct_io", action="store_false",
                            help="write through the page cache (default: direct I/O where the filesystem takes it, as "
                                 "unified_checkpoint_direct_io)")
+    p_convert.add_argument("--trust-pickles", action="store_true",
+                           help="unpickle the legacy files whole, as DeepSpeed and torch.distributed.checkpoint do "
+                                "(runs any code they hold): only for a folder you trust. Default: only tensors, "
+                                "plain values and known classes; a file that needs more is refused")
     p_convert.add_argument("--quiet", action="store_true", help="no progress bar")
     p_export = sub.add_parser("export", help="a unified checkpoint's weights (model, fp32 master or EMA) as a plain "
                                              "Hugging Face model folder that from_pretrained loads")
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             from .convert import convert
 
             out = convert(args.legacy_dir, args.out_dir, args.max_shard_size, show_progress=not args.quiet,
-                          ckpt_quant_stage=args.ckpt_quant_stage, direct_io=args.direct_io)
+                          ckpt_quant_stage=args.ckpt_quant_stage, direct_io=args.direct_io,
+                          trust_pickles=args.trust_pickles)
             print(f"converted {args.legacy_dir} -> {out}")
             return _verify(str(out), checksums=args.verify)
         if args.command == "info":

@@ -94,11 +94,13 @@ class _OnLookup(Mapping):
 
 
 def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "100MB",
-            show_progress: bool = True, ckpt_quant_stage: str = "O0", direct_io: bool = True) -> str:
+            show_progress: bool = True, ckpt_quant_stage: str = "O0", direct_io: bool = True,
+            trust_pickles: bool = False) -> str:
     """Convert `legacy_dir` (a DeepSpeed `checkpoint-N` or save_model folder, or an FSDP `checkpoint-N` folder)
     into a complete unified folder `out_dir` (a store reference: a local path or a URL), its optimizer moments
     compressed at `ckpt_quant_stage` (O0/O1/O2), written with direct I/O where asked and the filesystem takes it.
-    Returns `out_dir`."""
+    Its pickles are read with `weights_only` and an allow-list (a file needing more is refused before anything is
+    written), or whole with `trust_pickles` (a folder the user trusts). Returns `out_dir`."""
     legacy_dir, out_dir = as_ref(legacy_dir), as_ref(out_dir)
     require_new_folder(out_dir)
     layout = detect_layout(legacy_dir)
@@ -109,7 +111,7 @@ def convert(legacy_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard
             "(checkpoint-N with global_stepN/ ZeRO partitions, or a folder written by Trainer.save_model under "
             "ZeRO-3 without 16-bit weights) and FSDP folders (pytorch_model_fsdp_0/ + "
             "optimizer_0/, or pytorch_model_fsdp.bin + optimizer.bin).")
-    legacy = open_legacy(layout, for_conversion=True)
+    legacy = open_legacy(layout, for_conversion=True, trust_pickles=trust_pickles)
     engine = with_weight_conversion(OfflineEngine(legacy_components(legacy), legacy.saved_by()), legacy_dir)
     options = parse_options(True, ckpt_quant_stage=ckpt_quant_stage, max_shard_size=max_shard_size)
     step = layout.global_step if layout.global_step is not None else legacy.global_step

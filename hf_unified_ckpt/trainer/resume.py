@@ -83,11 +83,11 @@ def resolve(trainer, value) -> tuple[str | None, Resume | None]:
         raise UnsupportedCheckpointError(engine.native_folder_refusal.format(path=path))
     if not verdict.complete:  # this rank sees it whole, another does not
         raise IncompleteCheckpointError(f"{path}: {verdict.reason}.")
-    resume = None
+    resume, trust = None, trainer.args.unified_checkpoint_options.trust_pickles
     if layout.kind == FSDP:  # always read offline: works from and into every engine and world size
-        resume = Resume(layout, legacy=open_legacy(layout))
-    elif layout.kind == DEEPSPEED:
-        legacy = open_legacy(layout)
+        resume = Resume(layout, legacy=open_legacy(layout, trust_pickles=trust))
+    elif layout.kind == DEEPSPEED:  # its pickles read (or refused) here, also where DeepSpeed then loads it
+        legacy = open_legacy(layout, trust_pickles=trust)
         if legacy.topology() != engine.topology(trainer):
             check_readable(legacy)
             resume = Resume(layout, legacy=legacy)  # resharded offline; native DeepSpeed refuses

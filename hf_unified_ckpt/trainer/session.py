@@ -29,7 +29,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist
@@ -37,6 +36,7 @@ from ..checkpoint.async_save import AsyncSaver, Fallback
 from ..checkpoint.ema import EmaRun, ExponentialAverage, WithEma
 from ..checkpoint.layout import UNIFIED
 from ..checkpoint.load import load_checkpoint
+from ..checkpoint.pickles import load_pickle
 from ..checkpoint.placement import judge_path
 from ..checkpoint.retention import rotate_checkpoints
 from ..checkpoint.rng import restore_rng_state
@@ -247,7 +247,8 @@ class CheckpointSession:
         scheduler = self.trainer.lr_scheduler
         if scheduler is None or not is_file(join(folder, SCHEDULER_FILE)):
             return
-        saved = torch.load(io.BytesIO(read_bytes(join(folder, SCHEDULER_FILE))), weights_only=True)
+        path = join(folder, SCHEDULER_FILE)
+        saved = load_pickle(io.BytesIO(read_bytes(path)), str(path))  # weights_only, as the Trainer reads it
         if saved_groups is not None:
             matched = match_groups(live_groups(engine, saved_groups), engine.param_group_names())
             saved = fit_scheduler_state(saved, scheduler.state_dict(), matched)
