@@ -275,3 +275,25 @@ def test_a_partition_file_that_pickles_code_is_refused_unless_the_folder_is_trus
     resumed = run_spec({"output_dir": str(tmp_path / "trusted"), "resume": str(run / "checkpoint-3"),
                         "overrides": {"unified_checkpoint_config": "trust_pickles"}}, 1)
     assert marker.exists() and resumed["global_step"] == 6
+
+
+def test_files_deepspeed_alone_would_unpickle_are_vetted_before_it_loads_the_folder(legacy, tmp_path):
+    """Where the topology matches, DeepSpeed's own `load_checkpoint` reads the folder and unpickles every file it
+    opens whole, MoE experts' files included, which this library's reader never opens: every `.pt` file of the step
+    folder is checked first, statically (nothing runs), and one that pickles code is refused naming it and the
+    opt-in; a clean folder passes, and a trusted one is left to DeepSpeed."""
+    from hostile import WritesMarker
+
+    from hf_unified_ckpt.legacy import open_legacy
+
+    folder, marker = tmp_path / "checkpoint-3", tmp_path / "marker"
+    shutil.copytree(legacy[0] / "z2" / "checkpoint-3", folder)
+    open_legacy(detect_layout(str(folder))).vet_for_deepspeed()  # the files DeepSpeed 0.19.8 writes pass
+    expert = folder / "global_step3" / "layer_0_expert_0_mp_rank_00_model_states.pt"
+    torch.save({"weight": torch.zeros(2), "extra": WritesMarker(marker)}, expert)
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        open_legacy(detect_layout(str(folder))).vet_for_deepspeed()
+    assert str(expert) in str(refused.value) and "builtins.eval" in str(refused.value)
+    assert "trust_pickles" in str(refused.value) and not marker.exists()
+    open_legacy(detect_layout(str(folder)), trust_pickles=True).vet_for_deepspeed()  # trusted: DeepSpeed's call
+    assert not marker.exists()

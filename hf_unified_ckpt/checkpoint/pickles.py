@@ -49,7 +49,23 @@ def _refusal(source, name: str, error: Exception, opt_in: str) -> Exception:
     if not unknown:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return CorruptCheckpointError(f"{name} cannot be read ({first}).")
+    return _unsafe(name, unknown, opt_in)
+
+
+def _unsafe(name: str, unknown, opt_in: str) -> UnsupportedCheckpointError:
     return UnsupportedCheckpointError(
         f"{name} pickles {', '.join(sorted(unknown))}: unpickling that could run any code, so it is not done. "
         "Only tensors, plain Python values and known classes are read from a checkpoint's pickles"
         f"{'. ' + opt_in if opt_in else '.'}")
+
+
+def vet_pickle(path, name: str, allowed_names: set[str], opt_in: str = "") -> None:
+    """Refuse the `torch.save` file at `path` (`name` in errors) if its pickle needs a global outside
+    `allowed_names` ("module.Class"), read statically: nothing is unpickled. For files another library then loads
+    with a full unpickle (DeepSpeed's own `load_checkpoint`), which `load_pickle` never sees."""
+    try:
+        unknown = set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - set(allowed_names)
+    except Exception as e:  # not a torch.save zip file
+        raise CorruptCheckpointError(f"{name} cannot be read ({type(e).__name__}: {e}).") from e
+    if unknown:
+        raise _unsafe(name, unknown, opt_in)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..format.components import saved_by
-from ..checkpoint.pickles import TRUST_OPT_IN, load_pickle
+from ..checkpoint.pickles import TRUST_OPT_IN, load_pickle, vet_pickle
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..format.optim_state import OptimizerStateEncoder
 from .sources import TensorSource
@@ -160,6 +160,7 @@ class LegacyDeepSpeedCheckpoint:
 
     def __init__(self, folder: str | Path, trust_pickles: bool = False):
         self.folder = Path(folder)
+        self.trust_pickles = trust_pickles
         self.dir = step_folder(self.folder)
         ranked = sorted((int(m.group(1)), p) for p in self.dir.iterdir() if (m := _RANK_RE.match(p.name)))
         if not ranked or [r for r, _ in ranked] != list(range(len(ranked))):
@@ -187,6 +188,18 @@ class LegacyDeepSpeedCheckpoint:
         self.group_of = {n: g for g, shapes in enumerate(self.param_shapes) for n in shapes}
         self.shape_of = {n: tuple(s) for shapes in self.param_shapes for n, s in shapes.items()}
         self._z3_offsets = self._zero3_offsets() if stage == 3 else None
+
+    def vet_for_deepspeed(self) -> None:
+        """Before DeepSpeed's own `load_checkpoint` reads this folder (the topology matches): DeepSpeed unpickles
+        every file it opens whole, also those this reader never opens (MoE experts' `*expert*_model_states.pt`,
+        other mp_rank files), so each `.pt` file of the step folder is checked statically against the stand-ins'
+        globals first (nothing unpickled); one that needs any other is refused, naming it and the opt-in. Skipped
+        where the user trusts the folder (`trust_pickles`)."""
+        if self.trust_pickles:
+            return
+        allowed = {name for _, name in _STAND_INS}
+        for path in sorted(self.dir.glob("*.pt")):
+            vet_pickle(path, f"legacy DeepSpeed file {path}", allowed, TRUST_OPT_IN)
 
     # ---- layout ------------------------------------------------------------------------------------------
     def topology(self) -> dict:

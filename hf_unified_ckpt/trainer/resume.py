@@ -88,7 +88,9 @@ def resolve(trainer, value) -> tuple[str | None, Resume | None]:
         resume = Resume(layout, legacy=open_legacy(layout, trust_pickles=trust))
     elif layout.kind == DEEPSPEED:  # its pickles read (or refused) here, also where DeepSpeed then loads it
         legacy = open_legacy(layout, trust_pickles=trust)
-        if legacy.topology() != engine.topology(trainer):
+        if legacy.topology() == engine.topology(trainer):
+            legacy.vet_for_deepspeed()  # DeepSpeed loads it itself, unpickling every file whole
+        else:
             check_readable(legacy)
             resume = Resume(layout, legacy=legacy)  # resharded offline; native DeepSpeed refuses
             if dist.rank() == 0:
