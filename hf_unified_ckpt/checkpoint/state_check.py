@@ -99,7 +99,7 @@ class RecordedComponent:
             return dict(self.stored)  # stored as read (an unknown codec: the resume refuses it by name)
         malformed = codec_metadata_problems(meta)
         if malformed:
-            self.problems += [f"{index}: {meta['name']!r} codec metadata: {p}" for p in malformed]
+            self.problems += [f"{index}: the {meta['name']!r} codec metadata is malformed: {p}" for p in malformed]
             return {}
         anchor = anchor if meta["name"] == RESIDUAL_CODEC else None
         self.problems += [f"{self.file_of(key) or index}: {key!r} {p}"

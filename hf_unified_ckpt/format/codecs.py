@@ -563,7 +563,7 @@ def codec_from_metadata(metadata: Mapping, where: str, anchor=None, index: str =
     problems = codec_metadata_problems(meta)
     if problems:
         raise CorruptCheckpointError(
-            f"{where}: the {meta['name']!r} codec metadata in {index} is malformed: {'; '.join(problems[:5])}"
+            f"{where}: {index}: the {meta['name']!r} codec metadata is malformed: {'; '.join(problems[:5])}"
             f"{'; ...' if len(problems) > 5 else ''}. The index was changed after the save; nothing was read. "
             "Resume from another checkpoint.")
     return cls.from_metadata(meta, anchor) if cls is ResidualCodec else cls.from_metadata(meta)
