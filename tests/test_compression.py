@@ -38,6 +38,11 @@ class _Stored:
     def get_slice(self, name):
         return self.tensors[name]
 
+    def specs(self):
+        from hf_unified_ckpt.format.headers import safetensors_dtype
+
+        return {n: (tuple(t.shape), safetensors_dtype(t.dtype)) for n, t in self.tensors.items()}
+
 
 def round_trip(stage: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
     codec = MomentCodec(stage)

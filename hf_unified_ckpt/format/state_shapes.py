@@ -117,6 +117,10 @@ def codec_metadata_problems(meta: Mapping) -> list[str]:
         return ["'tensors' is not an object"]
     if meta.get("name") == MOMENT_CODEC:
         return _moment_metadata_problems(meta, tensors)
+    return _residual_metadata_problems(tensors) if meta.get("name") == RESIDUAL_CODEC else []
+
+
+def _residual_metadata_problems(tensors: Mapping) -> list[str]:
     out = []
     for name, entry in tensors.items():
         if not (isinstance(entry, dict) and _shape(entry.get("shape")) and _count(entry.get("ties"))):
@@ -165,12 +169,12 @@ def codec_stored_problems(meta: Mapping, stored: Specs, anchor: Specs | None = N
         if meta.get("name") == MOMENT_CODEC:
             wanted[name] = ((-(-n * meta["bits"] // 8),), "U8", "codes")
             wanted[name + SCALES] = ((-(-n // meta["block_size"]),), "F32", "scales")
-        else:
+        elif meta.get("name") == RESIDUAL_CODEC:
             wanted[name] = (tuple(entry["shape"]), "I16", "residual")
             if entry["ties"]:
                 wanted[name + TIES] = ((entry["ties"],), "I64", "ties")
     problems = [(key, _stored_problem(stored.get(key), *expected)) for key, expected in wanted.items()]
-    if anchor is not None:
+    if anchor is not None and meta.get("name") == RESIDUAL_CODEC:
         problems += [(name, _stored_problem(anchor.get(name), tuple(entry["shape"]), "BF16", "bf16 model weight"))
                      for name, entry in tensors.items()]
     return [(key, problem) for key, problem in problems if problem]
@@ -189,7 +193,7 @@ def logical_specs(meta: Mapping | None, stored: Specs) -> dict[str, tuple[tuple[
     """The tensors an engine sees of a component stored through the (well-formed) codec `meta` (None: as stored)."""
     if not meta:
         return dict(stored)
-    hidden = SCALES if meta.get("name") == MOMENT_CODEC else TIES
+    hidden = {MOMENT_CODEC: SCALES, RESIDUAL_CODEC: TIES}[meta["name"]]
     out = {name: spec for name, spec in stored.items() if not name.endswith(hidden)}
     for name, entry in meta["tensors"].items():
         out[name] = (tuple(entry["shape"]), entry.get("dtype", "F32"))
