@@ -190,18 +190,20 @@ def test_any_torch_optimizer_state_round_trips(make):
 
 
 def test_state_rules_refuse_what_an_optimizer_cannot_hold():
-    """A moment is its parameter's shape exactly (a factored shape only for a state not known per element), floating
-    point; a step count is 0-d; master weights and EMA are their weight's shape; a residual's ties and bf16 weights
-    are as its codec metadata lists them."""
+    """A moment is its parameter's shape exactly, a factored second moment a factored shape, both floating point; a
+    step count is 0-d; a state name not known is not judged; master weights and EMA are their weight's shape; a
+    residual's ties and bf16 weights are as its codec metadata lists them."""
     from hf_unified_ckpt.format.state_shapes import (codec_metadata_problems, codec_stored_problems,
                                                      optimizer_state_problems, parameter_state_problems)
 
     shapes = {"w": (4, 6), "b": (6,)}
     specs = {"w/exp_avg": ((4,), "F32"), "w/exp_avg_sq": ((6, 4), "F32"), "b/exp_avg": ((6,), "I32"),
              "w/step": ((1,), "F32"), "w/row_var": ((4, 1), "F32"), "b/step": ((), "I64"), "w/eta": ((), "F32"),
-             "w/exp_inf": ((), "F32"), "x/exp_avg": ((9,), "F32"), "b/count": ((6,), "F32")}
+             "w/exp_inf": ((), "F32"), "x/exp_avg": ((9,), "F32"), "b/count": ((6,), "F32"),
+             "w/col_var": ((4, 6), "F32"), "w/state1": ((4, 6), "U8"), "w/absmax1": ((1,), "F32")}
     found = dict(optimizer_state_problems(specs, shapes.get, {"b/count": "int"}))
-    assert sorted(found) == ["b/count", "b/exp_avg", "w/exp_avg", "w/exp_avg_sq", "w/exp_inf", "w/step"], found
+    assert sorted(found) == ["b/count", "b/exp_avg", "w/col_var", "w/exp_avg", "w/exp_avg_sq", "w/exp_inf",
+                             "w/step"], found
     assert found["w/exp_avg_sq"] == "has shape [6, 4], expected [4, 6] (its parameter's shape)"
     assert found["b/exp_avg"].startswith("is I32, expected a floating-point dtype")
     assert parameter_state_problems({"w": ((24,), "F32"), "b": ((6,), "I16")}, shapes) == [

@@ -4,9 +4,11 @@ only, before any tensor is read or any buffer is made from what a header says. P
 none): each function returns `(key, problem)` pairs, and the caller names the file and the fix.
 
 - Optimizer state (`<param>/<state>`): a per-element state (a moment: `exp_avg`, `exp_avg_sq`, ... `ELEMENTWISE`)
-  has exactly its parameter's shape and a floating-point dtype (an I32 moment is refused, never cast); a step count
-  (`step`) and any value saved as a Python number is 0-d; another state is 0-d, or floating-point of its
-  parameter's shape or a factored second moment of it (Adafactor keeps one row and one column vector per matrix).
+  has exactly its parameter's shape and a floating-point dtype (an I32 moment is refused, never cast); a factored
+  second moment (Adafactor's row and column vectors, `FACTORED`) is floating-point, its parameter's shape with one of
+  the last two dimensions dropped or 1; a step count (`step`) and any value saved as a Python number is 0-d. A state
+  name this version does not know is left to its optimizer (bitsandbytes' 8-bit states are uint8 codes, per-block
+  scales and a code book: no rule fits every optimizer).
 - Master weights and EMA: floating-point, the shape of the weight they are keyed like.
 - Codecs (`format/codecs.py`): their index metadata well formed (O1/O2 stage, bits, block size, code books, each
   encoded tensor's kind, shape and dtype; a residual's shape and tie count), and the stored tensors what the
@@ -28,8 +30,11 @@ SCALES, TIES = ":scales", ":ties"
 #: square root (non-negative running squares).
 SIGNED_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
 SQRT_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta"})
-#: States that hold one value per element of their parameter: refused in any other shape.
-ELEMENTWISE = SIGNED_MOMENTS | SQRT_MOMENTS | {"exp_inf"}
+#: States that hold one value per element of their parameter (torch's optimizers' and transformers' Adafactor's):
+#: refused in any other shape.
+ELEMENTWISE = SIGNED_MOMENTS | SQRT_MOMENTS | {"exp_inf", "prev", "ax", "variance"}
+#: Factored second moments (transformers' and torch's Adafactor): a row and a column vector per matrix.
+FACTORED = frozenset({"exp_avg_sq_row", "exp_avg_sq_col", "row_var", "col_var"})
 #: States that are one number per parameter.
 SCALAR_STATES = frozenset({"step"})
 FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
@@ -66,14 +71,18 @@ def _state_problem(state: str, shape: tuple, dtype: str, param: tuple | None, ki
     if kind is not None or state in SCALAR_STATES:
         what = f"a Python {kind}" if kind else f"'{state}'"
         return "" if shape == () else f"has shape {_shown(shape)}, expected [] ({what} is saved as a 0-d tensor)"
-    if shape == () and state not in ELEMENTWISE and param != ():
-        return ""  # one number per parameter (NAdam's mu_product, ASGD's eta)
+    if state not in ELEMENTWISE and state not in FACTORED:
+        return ""  # a state this version does not know: its optimizer's business
     if dtype not in FLOATING:
         return (f"is {dtype}, expected a floating-point dtype (F32, BF16, F16): optimizer state is not cast from "
                 "integers")
-    if param is None or shape == param or (state not in ELEMENTWISE and shape in _factored(param)):
+    if param is None:
         return ""
-    return f"has shape {_shown(shape)}, expected {_shown(param)} (its parameter's shape)"
+    if state in ELEMENTWISE:
+        return "" if shape == param else f"has shape {_shown(shape)}, expected {_shown(param)} (its parameter's shape)"
+    factored = _factored(param)
+    return "" if shape in factored else (f"has shape {_shown(shape)}, expected one of "
+                                         f"{sorted(map(list, factored))} (its parameter's shape, factored)")
 
 
 def _factored(shape: tuple) -> set[tuple]:
