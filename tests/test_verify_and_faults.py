@@ -1,5 +1,6 @@
 """Complete or loud: corrupted, truncated and missing files and hostile names are found before any tensor
-loads, by `hf-unified-ckpt verify`, by `verify_checkpoint`, and by a Trainer resume."""
+loads, by `hf-unified-ckpt verify`, by `verify_checkpoint`, and by a Trainer resume; so is optimizer state or EMA
+that does not fit its parameter, in files whose manifest was re-signed (one process, ZeRO-3, FSDP2)."""
 
 import json
 import shutil
@@ -17,6 +18,7 @@ from hf_unified_ckpt.checkpoint.load import verify_checkpoint
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
+    """A one-process checkpoint in several files per component, with an EMA."""
     run = tmp_path_factory.mktemp("good")
     train(run, max_steps=3, save_steps=3, unified_checkpoint_max_shard_size="40KB", unified_checkpoint_config="ema")
     return run / "checkpoint-3"
