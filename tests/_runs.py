@@ -748,6 +748,39 @@ class RecordAt:
         trainer.add_callback(_Callback())
 
 
+def resign(ckpt, name: str) -> None:
+    """What anyone crafting a file does (a CRC-32 is a checksum, not a signature): record file `name`'s new size and
+    CRC-32 in the checkpoint's manifest, so that its checksums match again."""
+    import json
+
+    from hf_unified_ckpt.checkpoint.files import file_crc32
+
+    path = os.path.join(str(ckpt), "unified_checkpoint.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    file = os.path.join(str(ckpt), name)
+    manifest["files"][name] = {"size": os.path.getsize(file), "crc32": file_crc32(file)}
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def rewrite_tensor(ckpt, stem: str, key: str, change) -> str:
+    """Replace tensor `key` of component `stem` by `change(tensor)` in the safetensors file holding it, and re-sign
+    that file (`resign`). Returns the file's name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(str(ckpt), f"{stem}.safetensors.index.json")) as f:
+        name = json.load(f)["weight_map"][key]
+    path = os.path.join(str(ckpt), name)
+    tensors = load_file(path)
+    tensors[key] = change(tensors[key]).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    resign(ckpt, name)
+    return name
+
+
 def _refused(trainer, resume, expected: str) -> dict:
     """A run that must be refused: its error, and how many steps it trained first."""
     try:

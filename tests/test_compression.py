@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from _runs import train
+from _runs import resign, rewrite_tensor, train
 from conftest import torchrun
 from hf_unified_ckpt.tools.cli import _info, main as cli_main
 from hf_unified_ckpt.format.codecs import (CHUNK, CODE_BOOKS, MomentCodec, ResidualCodec, count_ties, dequantize, quantize,
@@ -37,6 +37,11 @@ class _Stored:
 
     def get_slice(self, name):
         return self.tensors[name]
+
+    def specs(self):
+        from hf_unified_ckpt.format.headers import safetensors_dtype
+
+        return {n: (tuple(t.shape), safetensors_dtype(t.dtype)) for n, t in self.tensors.items()}
 
 
 def round_trip(stage: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -443,3 +448,54 @@ def test_a_compressed_checkpoint_resumes_in_one_process(engines, tmp_path):
     loaded = _moments(at.record["optim"])
     for key, value in _moments(out["ddp-o2"]["at"]["optim"]).items():
         assert torch.equal(loaded[key], round_trip("O2", key, value)), key
+
+
+# ---- codec metadata and stored codes that disagree (re-signed: checksums match) -------------------------------------
+def _edit_codec(ckpt, change) -> None:
+    index = json.loads((ckpt / "optimizer.safetensors.index.json").read_text())
+    change(index["metadata"]["codec"])
+    (ckpt / "optimizer.safetensors.index.json").write_text(json.dumps(index))
+    resign(ckpt, "optimizer.safetensors.index.json")
+
+
+EMBED = "model.embed_tokens.weight/exp_avg"  # 97 x 30 = 2910 elements: 23 blocks of 128
+CODEC_FAULTS = {  # case -> (how the checkpoint is changed, the line naming it; the same in the resume's error)
+    "block size halved in the index": (
+        lambda c: _edit_codec(c, lambda m: m.update(block_size=64)),
+        f"optimizer.safetensors: '{EMBED}:scales' is F32 [23], expected F32 [46] (its scales, per the codec metadata)"),
+    "block size 0 in the index": (
+        lambda c: _edit_codec(c, lambda m: m.update(block_size=0)),
+        "optimizer.safetensors.index.json: the 'blockwise_codebook' codec metadata is malformed: block_size 0 is not "
+        "a positive integer"),
+    "a moment's shape in the index": (
+        lambda c: _edit_codec(c, lambda m: m["tensors"][EMBED].update(shape=[97, 300])),
+        f"optimizer.safetensors: '{EMBED}' is U8 [2910], expected U8 [29100] (its codes, per the codec metadata)"),
+    "scales cut short": (
+        lambda c: rewrite_tensor(c, "optimizer", EMBED + ":scales", lambda t: t[:5]),
+        f"optimizer.safetensors: '{EMBED}:scales' is F32 [5], expected F32 [23] (its scales, per the codec metadata)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CODEC_FAULTS))
+def test_codec_metadata_that_disagrees_with_the_stored_codes_is_refused_before_anything_is_decoded(
+        single, case, tmp_path, monkeypatch, capsys):
+    """Issue 55 item 3: O1/O2 block sizes, scale counts and moment shapes checked against the headers, by verify and
+    by a resume, before any moment is decoded (`dequantize` allocates what the metadata says)."""
+    import shutil
+
+    from _runs import make_trainer
+    from hf_unified_ckpt.errors import CorruptCheckpointError
+    from hf_unified_ckpt.format import codecs
+
+    ckpt = tmp_path / "checkpoint-3"
+    shutil.copytree(single / "o1" / "checkpoint-3", ckpt)
+    damage, line = CODEC_FAULTS[case]
+    damage(ckpt)
+    assert cli_main(["verify", str(ckpt)]) == 1
+    assert line in capsys.readouterr().err
+    monkeypatch.setattr(codecs, "dequantize", lambda *a, **k: pytest.fail("a moment was decoded"))
+    trainer = make_trainer(tmp_path / "resumed", max_steps=6)
+    with pytest.raises(CorruptCheckpointError) as e:
+        trainer.train(resume_from_checkpoint=str(ckpt))
+    assert line in str(e.value) and "nothing was" in str(e.value)
+    assert trainer.state.global_step == 3 and not list((tmp_path / "resumed").glob("*checkpoint-*"))

@@ -165,9 +165,17 @@ def _assert_state_equal(a, b):
     lambda ps: torch.optim.Adagrad(ps, lr=0.1),
     lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True),
     lambda ps: __import__("transformers").Adafactor(ps, lr=0.01, relative_step=False, scale_parameter=False),
+    lambda ps: torch.optim.Adafactor(ps, lr=0.01),  # factored second moments (row_var, col_var)
+    lambda ps: torch.optim.Adamax(ps, lr=0.01),
+    lambda ps: torch.optim.NAdam(ps, lr=0.01),  # a 0-d mu_product
+    lambda ps: torch.optim.ASGD(ps, lr=0.01),
     lambda ps: torch.optim.AdamW([{"params": ps[:1], "weight_decay": 0.0}, {"params": ps[1:], "lr": 0.5}], lr=0.1),
 ])
 def test_any_torch_optimizer_state_round_trips(make):
+    """... and fits its parameters by the rules a resume and `verify` check (`format.state_shapes`)."""
+    from hf_unified_ckpt.format.headers import safetensors_dtype
+    from hf_unified_ckpt.format.state_shapes import optimizer_state_problems
+
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
     opt = make(list(model.parameters()))
     for _ in range(2):
@@ -175,6 +183,41 @@ def test_any_torch_optimizer_state_round_trips(make):
         opt.step()
     names = [n for n, _ in model.named_parameters()]
     _assert_state_equal(_roundtrip(opt, names), opt.state_dict())
+    tensors, meta = flatten_optimizer_state(opt.state_dict(), dict(enumerate(names)))
+    specs = {k: (tuple(t.shape), safetensors_dtype(t.dtype)) for k, t in tensors.items()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert optimizer_state_problems(specs, shapes.get, meta["state_types"]) == []
+
+
+def test_state_rules_refuse_what_an_optimizer_cannot_hold():
+    """A moment is its parameter's shape exactly, a factored second moment a factored shape, both floating point; a
+    step count is 0-d; a state name not known is not judged; master weights and EMA are their weight's shape; a
+    residual's ties and bf16 weights are as its codec metadata lists them."""
+    from hf_unified_ckpt.format.state_shapes import (codec_metadata_problems, codec_stored_problems,
+                                                     optimizer_state_problems, parameter_state_problems)
+
+    shapes = {"w": (4, 6), "b": (6,)}
+    specs = {"w/exp_avg": ((4,), "F32"), "w/exp_avg_sq": ((6, 4), "F32"), "b/exp_avg": ((6,), "I32"),
+             "w/step": ((1,), "F32"), "w/row_var": ((4, 1), "F32"), "b/step": ((), "I64"), "w/eta": ((), "F32"),
+             "w/exp_inf": ((), "F32"), "x/exp_avg": ((9,), "F32"), "b/count": ((6,), "F32"),
+             "w/col_var": ((4, 6), "F32"), "w/state1": ((4, 6), "U8"), "w/absmax1": ((1,), "F32")}
+    found = dict(optimizer_state_problems(specs, shapes.get, {"b/count": "int"}))
+    assert sorted(found) == ["b/count", "b/exp_avg", "w/col_var", "w/exp_avg", "w/exp_avg_sq", "w/exp_inf",
+                             "w/step"], found
+    assert found["w/exp_avg_sq"] == "has shape [6, 4], expected [4, 6] (its parameter's shape)"
+    assert found["b/exp_avg"].startswith("is I32, expected a floating-point dtype")
+    assert parameter_state_problems({"w": ((24,), "F32"), "b": ((6,), "I16")}, shapes) == [
+        ("w", "has shape [24], expected [4, 6] (its weight's shape)"), ("b", "is I16, expected F32 (fp32 values of "
+                                                                            "the weight)")]
+    residual = {"name": "bf16_residual", "version": 1, "anchor": "model",
+                "tensors": {"w": {"shape": [4, 6], "ties": 2}, "b": {"shape": [6], "ties": 0}}}
+    stored = {"w": ((4, 6), "I16"), "w:ties": ((3,), "I64"), "b": ((6,), "I16")}
+    anchor = {"w": ((4, 6), "BF16"), "b": ((6,), "F16")}
+    assert codec_stored_problems(residual, stored, anchor) == [
+        ("w:ties", "is I64 [3], expected I64 [2] (its ties, per the codec metadata)"),
+        ("b", "is F16 [6], expected BF16 [6] (its bf16 model weight, per the codec metadata)")]
+    residual["tensors"]["b"]["ties"] = 7
+    assert codec_metadata_problems(residual) == ["tensors['b'] lists 7 ties in 6 elements"]
 
 
 def test_hparams_with_tensors_and_non_finite_values_round_trip():

@@ -1,23 +1,26 @@
 """Complete or loud: corrupted, truncated and missing files and hostile names are found before any tensor
-loads, by `hf-unified-ckpt verify`, by `verify_checkpoint`, and by a Trainer resume."""
+loads, by `hf-unified-ckpt verify`, by `verify_checkpoint`, and by a Trainer resume; so is optimizer state or EMA
+that does not fit its parameter, in files whose manifest was re-signed (one process, ZeRO-3, FSDP2)."""
 
 import json
 import shutil
 
 import pytest
+import torch
 
 import hf_unified_ckpt.checkpoint.safetensors_io as sio
-from _runs import train
+from _runs import make_trainer, resign, rewrite_tensor, train
+from conftest import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
 from hf_unified_ckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from hf_unified_ckpt.checkpoint.load import verify_checkpoint
-from hf_unified_ckpt.checkpoint.files import file_crc32
 
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
+    """A one-process checkpoint in several files per component, with an EMA."""
     run = tmp_path_factory.mktemp("good")
-    train(run, max_steps=3, save_steps=3, unified_checkpoint_max_shard_size="40KB")
+    train(run, max_steps=3, save_steps=3, unified_checkpoint_max_shard_size="40KB", unified_checkpoint_config="ema")
     return run / "checkpoint-3"
 
 
@@ -46,9 +49,7 @@ def _flip_bit(path, offset_from_end=5):
 def _rewrite_consistently(ckpt, name, new_text):
     """What a hostile writer does: change a file and fix its manifest record so checksums still match."""
     (ckpt / name).write_text(new_text)
-    manifest = json.loads((ckpt / "unified_checkpoint.json").read_text())
-    manifest["files"][name] = {"size": (ckpt / name).stat().st_size, "crc32": file_crc32(ckpt / name)}
-    (ckpt / "unified_checkpoint.json").write_text(json.dumps(manifest))
+    resign(ckpt, name)
 
 
 def _a_shard(ckpt, stem):
@@ -198,16 +199,75 @@ def test_a_small_file_that_pickles_code_is_refused_by_name(ckpt, name, tmp_path)
     """A `scheduler.pt` or `rng_state_0.pth` holding a pickle whose unpickling runs code (it writes a marker file),
     its manifest record re-signed as a forger would: the resume unpickles it with `weights_only`, refusing it with an
     error that names the file and the global; nothing runs."""
-    import torch
-
     from hostile import WritesMarker
 
     marker = tmp_path / "marker"
     state = torch.load(ckpt / name, weights_only=False)
     torch.save({**state, "extra": WritesMarker(marker)}, ckpt / name)
-    manifest = json.loads((ckpt / "unified_checkpoint.json").read_text())
-    manifest["files"][name] = {"size": (ckpt / name).stat().st_size, "crc32": file_crc32(ckpt / name)}
-    (ckpt / "unified_checkpoint.json").write_text(json.dumps(manifest))
+    resign(ckpt, name)
     with pytest.raises(UnsupportedCheckpointError, match=rf"{name} pickles builtins.eval"):
         train(tmp_path / "resumed", max_steps=6, resume=str(ckpt))
     assert not marker.exists()
+
+
+# ---- per-parameter state that does not fit its parameter, the manifest re-signed (checksums match) -----------------
+#: case -> (component stem, key, how its tensor is rewritten, what verify and the resume say of it)
+BAD_STATE = {
+    "moment of shape [1]": ("optimizer", "model.embed_tokens.weight/exp_avg", lambda t: t.reshape(-1)[:1].clone(),
+                            "has shape [1], expected [97, 30] (its parameter's shape)"),
+    "moment of the same size in another shape": (
+        "optimizer", "model.layers.0.mlp.up_proj.weight/exp_avg_sq", lambda t: t.reshape(t.shape[1], t.shape[0]),
+        "has shape [30, 46], expected [46, 30] (its parameter's shape)"),
+    "I32 moment": ("optimizer", "model.layers.0.mlp.down_proj.weight/exp_avg", lambda t: t.to(torch.int32),
+                   "is I32, expected a floating-point dtype"),
+    "step of shape [1]": ("optimizer", "model.norm.weight/step", lambda t: t.reshape(1),
+                          "has shape [1], expected [] ('step' is saved as a 0-d tensor)"),
+    "EMA of shape [1]": ("ema", "model.embed_tokens.weight", lambda t: t.reshape(-1)[:1].clone(),
+                         "has shape [1], expected [97, 30] (its weight's shape)"),
+}
+
+
+def _break_state(ckpt, case) -> str:
+    """Rewrite one tensor as `BAD_STATE[case]` says and re-sign its file; the line naming it (file: key problem)."""
+    stem, key, change, words = BAD_STATE[case]
+    return f"{rewrite_tensor(ckpt, stem, key, change)}: {key!r} {words}"
+
+
+@pytest.mark.parametrize("case", list(BAD_STATE))
+def test_state_that_does_not_fit_its_parameter_is_named_by_verify_and_refused_before_the_first_step(
+        ckpt, case, tmp_path, no_tensor_reads, capsys):
+    """Issue 55 item 3: loaded unchecked, such moments made torch's AdamW write past its buffers."""
+    line = _break_state(ckpt, case)
+    assert cli(["verify", str(ckpt)]) == 1
+    assert line in capsys.readouterr().err
+    trainer = make_trainer(tmp_path / "resumed", max_steps=6)
+    with pytest.raises(CorruptCheckpointError) as e:
+        trainer.train(resume_from_checkpoint=str(ckpt))
+    assert line in str(e.value) and "Nothing was loaded" in str(e.value)
+    assert max(h["step"] for h in trainer.state.log_history) == 3  # the saved history: no step after it
+    assert trainer.state.global_step == 3 and not list((tmp_path / "resumed").glob("*checkpoint-*"))
+
+
+SHARDED = {"z3": {"zero": 3}, "f2": {"fsdp": 2}}
+
+
+@pytest.fixture(scope="module")
+def sharded_refusals(good, tmp_path_factory):
+    """ZeRO-3 and FSDP2 at 2 ranks (one launch) resuming a checkpoint with four tensors that do not fit."""
+    tmp = tmp_path_factory.mktemp("bad-state")
+    bad = tmp / "bad" / "checkpoint-3"
+    shutil.copytree(good, bad)
+    lines = [_break_state(bad, case) for case in BAD_STATE if case != "step of shape [1]"]
+    torchrun(2, [{**engine, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"), "resume": str(bad),
+                  "expect_error": lines[0]} for name, engine in SHARDED.items()], tmp)
+    return tmp, lines, {name: torch.load(tmp / f"{name}.pt") for name in SHARDED}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine", list(SHARDED))
+def test_sharded_engines_refuse_state_that_does_not_fit_before_the_first_step(sharded_refusals, engine):
+    tmp, lines, out = sharded_refusals
+    assert out[engine]["error"].startswith("CorruptCheckpointError: ")
+    assert out[engine]["global_step"] == 3  # the saved step: no step after it
+    assert all(line in out[engine]["error"] for line in lines), out[engine]["error"]
+    assert not list((tmp / engine).glob("*checkpoint-*"))

@@ -18,6 +18,7 @@ from .files import put_file
 from .manifest import (MANIFEST_NAME, check_share, checksum_problems, chunks_of, describe_problems,
                                read_manifest)
 from .safetensors_io import ComponentReader
+from .state_check import check_saved_state
 from ..store import as_ref, join, store_for
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ def _load(folder: str, engine: EngineAdapter, manifest: dict, options: UnifiedCh
                    stack.enter_context(ComponentReader(folder, components[name]["file_stem"], remote, anchor=model))
                    for name in wanted}
         _check_shapes(engine, readers[MODEL.name])
+        check_saved_state(folder, engine, readers)  # optimizer state, master weights, EMA: before any engine reads
         if MASTER.name not in readers:  # the model weights are the best fp32 values there are
             _check_master_rebuild(folder, manifest, readers[MODEL.name], engine, options)
             readers[MASTER.name] = readers[MODEL.name]

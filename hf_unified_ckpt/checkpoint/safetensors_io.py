@@ -205,6 +205,7 @@ class ComponentReader(LogicalReader):
 
         stored = StoredFiles(folder, file_stem, remote)
         where = f"the {file_stem} files of {stored.folder}"
-        codec = codec if codec is not None else codec_from_metadata(stored.metadata, where, anchor)
-        super().__init__(stored, codec, where=where)
+        codec = codec if codec is not None else codec_from_metadata(stored.metadata, where, anchor,
+                                                                    index=index_name(file_stem))
+        super().__init__(stored, codec, where=where, file_of=stored.weight_map.get)
         self.folder, self.file_stem = stored.folder, file_stem

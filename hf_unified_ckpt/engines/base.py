@@ -13,6 +13,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from ..format.components import Component
+from ..format.names import NamingPolicy
 from ..format.planning import TensorSpec
 
 T = TypeVar("T")
@@ -69,6 +70,9 @@ class EngineAdapter(Protocol):
     """
 
     engine: str
+    #: How the model's tensors are named in a checkpoint: `naming.weight_key(name)` is the weight an optimizer key's
+    #: parameter name stands for (the resume checks saved state against that weight's live shape).
+    naming: NamingPolicy
 
     def saved_by(self) -> dict: ...
 

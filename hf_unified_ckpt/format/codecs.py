@@ -30,14 +30,13 @@ import torch
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .planning import TensorSpec
 from .headers import TORCH_DTYPE_NAMES, safetensors_dtype
+from .state_shapes import (MOMENT_CODEC, RESIDUAL_CODEC, SCALES, SIGNED_MOMENTS, SQRT_MOMENTS, STAGE_BITS, TIES,
+                           Problems, codec_metadata_problems, codec_stored_problems)
 
 BLOCK_SIZE = 128
-SCALES, TIES = ":scales", ":ties"
-
-#: Optimizer state names that are moments, by how they are coded: signed (first moments, momentum) or through the
-#: square root (non-negative running squares). Any other state (step counts, Adamax's `exp_inf`...) stays exact.
-SIGNED_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
-SQRT_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta"})
+# The optimizer state names that are moments (`SIGNED_MOMENTS`, `SQRT_MOMENTS`: coded signed, or through the square
+# root) and the stored names' suffixes live in `state_shapes`, which `verify` reads without torch. Any other state
+# (step counts, Adamax's `exp_inf`...) stays exact.
 
 @dataclass(frozen=True)
 class Grid:
@@ -66,8 +65,6 @@ CODE_BOOKS: dict[tuple[str, int], Grid] = {
     ("signed", 4): Grid(-1.0, 1 / 7, 15, power=2),
     ("sqrt", 4): Grid(1 / 16, 1 / 16, 16, power=2),
 }
-STAGE_BITS = {"O1": 8, "O2": 4}
-
 
 def moment_kind(key: str) -> str | None:
     """"signed", "sqrt" or None (kept exact) for optimizer state key `<param>/<state>`."""
@@ -181,7 +178,7 @@ class MomentCodec:
     (`halo`: fewer than a block per tensor), and the block's owner completes its last block with them
     (`receive_halos`, `encode_piece`). The file is the one a whole-tensor encode writes."""
 
-    name = "blockwise_codebook"
+    name = MOMENT_CODEC
     version = 1
     piecewise = True
 
@@ -287,6 +284,10 @@ class MomentCodec:
 
     def hidden(self, name: str) -> bool:
         return name.endswith(SCALES)
+
+    def problems(self, stored_specs) -> Problems:
+        """Codes and scales missing or not counted as the shape and block size say (`state_shapes`)."""
+        return codec_stored_problems(self.metadata(), stored_specs)
 
     def decode_rows(self, name: str, reader, rows: slice) -> torch.Tensor:
         """Rows `rows` of moment `name`, decoded from the codes and scales of the blocks that cover them only."""
@@ -434,7 +435,7 @@ class ResidualCodec:
     own elements (`encode_piece`); the ties of a tensor are laid out rank after rank in element order, each rank's
     at the offset the census gives it (`stored_pieces`), so the file is the one a whole-tensor encode writes."""
 
-    name = "bf16_residual"
+    name = RESIDUAL_CODEC
     version = 1
     piecewise = True
 
@@ -505,6 +506,11 @@ class ResidualCodec:
     def hidden(self, name: str) -> bool:
         return name.endswith(TIES)
 
+    def problems(self, stored_specs) -> Problems:
+        """Residuals, ties and the bf16 weights of `anchor` missing or not what the metadata says (`state_shapes`)."""
+        anchor = self.anchor.specs() if self.anchor is not None else None
+        return codec_stored_problems(self.metadata(), stored_specs, anchor)
+
     def decode(self, name: str, reader) -> torch.Tensor:
         return self.decode_rows(name, reader, slice(None))
 
@@ -536,16 +542,28 @@ class ResidualCodec:
 KNOWN = {MomentCodec.name: MomentCodec, ResidualCodec.name: ResidualCodec}
 
 
-def codec_from_metadata(metadata: Mapping, where: str, anchor=None):
+def codec_from_metadata(metadata: Mapping, where: str, anchor=None, index: str = "its index file"):
     """The read-side codec an index's metadata names, or None (stored as logical). A codec this version does not
-    know (or a newer version of one) is refused by name: codes are never loaded as values."""
+    know (or a newer version of one) is refused by name: codes are never loaded as values. Malformed metadata (a
+    block size, shape or tie count that is not one, `state_shapes.codec_metadata_problems`) is refused before
+    anything is read or allocated from it."""
     meta = metadata.get("codec") if metadata else None
     if meta is None:
         return None
+    version = meta.get("version", 0) if isinstance(meta, dict) else None
+    if not isinstance(version, int):
+        raise CorruptCheckpointError(f"{where}: the 'codec' entry of {index} is malformed: {meta!r:.200}. The index "
+                                     "was changed after the save; nothing was read. Resume from another checkpoint.")
     cls = KNOWN.get(meta.get("name"))
-    if cls is None or int(meta.get("version", 0)) > cls.version:
+    if cls is None or version > cls.version:
         raise UnsupportedCheckpointError(
             f"{where} is stored with codec {meta.get('name')!r} version {meta.get('version')}, which this "
             f"hf_unified_ckpt does not know (it reads {sorted(f'{n} v{c.version}' for n, c in KNOWN.items())}). "
             "Upgrade hf_unified_ckpt to read it.")
+    problems = codec_metadata_problems(meta)
+    if problems:
+        raise CorruptCheckpointError(
+            f"{where}: {index}: the {meta['name']!r} codec metadata is malformed: {'; '.join(problems[:5])}"
+            f"{'; ...' if len(problems) > 5 else ''}. The index was changed after the save; nothing was read. "
+            "Resume from another checkpoint.")
     return cls.from_metadata(meta, anchor) if cls is ResidualCodec else cls.from_metadata(meta)

@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from ..errors import CorruptCheckpointError
+
 if TYPE_CHECKING:
     import torch
 
@@ -124,6 +126,12 @@ class Codec(Protocol):
         """Whether stored tensor `name` is auxiliary (codes, scales): never shown to an engine."""
         ...
 
+    def problems(self, stored_specs: Specs) -> list[tuple[str, str]]:
+        """(stored name, what is wrong) of every stored tensor that is missing or not of the shape and dtype the
+        codec's metadata gives it (`format.state_shapes.codec_stored_problems`): checked on the headers, before any
+        tensor is decoded or any buffer allocated from the metadata."""
+        ...
+
     def decode_rows(self, name: str, reader: TensorReader, rows: slice) -> torch.Tensor:
         """Rows `rows` (a slice of the first dimension) of logical tensor `name`, reading only the stored bytes
         that cover them. Optional: a codec without it is decoded whole, then indexed."""
@@ -141,6 +149,9 @@ class IdentityCodec(Codec):
 
     def hidden(self, name: str) -> bool:
         return False
+
+    def problems(self, stored_specs: Specs) -> list[tuple[str, str]]:
+        return []
 
 
 IDENTITY = IdentityCodec()
@@ -172,20 +183,31 @@ class LoadedSlice(TensorSlice):
 
 class LogicalReader(TensorReader):
     """The `TensorReader` engines see over a `stored` one: the logical tensors `codec` (default: identity) makes of
-    the stored tensors. The logical specs are worked out once, from the stored headers, on first use; `where`
-    completes the KeyError for a name it does not have ("'x' is not in <where>")."""
+    the stored tensors. The logical specs are worked out once, from the stored headers, on first use, after the
+    codec checked that the stored tensors are what its metadata says (`CorruptCheckpointError` naming each, with
+    its file where `file_of` tells it); `where` completes the KeyError for a name it does not have ("'x' is not in
+    <where>")."""
 
-    def __init__(self, stored: TensorReader, codec: Codec | None = None, where: str = "this checkpoint"):
+    def __init__(self, stored: TensorReader, codec: Codec | None = None, where: str = "this checkpoint",
+                 file_of: Callable[[str], str | None] | None = None):
         self.stored = stored
         self.codec = IDENTITY if codec is None else codec
         self.metadata = stored.metadata
         self._where = where
+        self._file_of = file_of or (lambda name: None)
         self._logical: Specs | None = None
         self._as_stored: frozenset[str] = frozenset()
 
     def _specs(self) -> Specs:
         if self._logical is None:
             stored = self.stored.specs()
+            problems = self.codec.problems(stored)
+            if problems:
+                shown = [f"{self._file_of(key) or self._where}: {key!r} {problem}" for key, problem in problems]
+                raise CorruptCheckpointError(
+                    f"the stored tensors of {self._where} do not match their codec metadata "
+                    f"({len(shown)} problem(s)):\n  " + "\n  ".join(shown[:20]) + ("\n  ..." if len(shown) > 20 else "")
+                    + "\nThe files were changed after the save; nothing was decoded. Resume from another checkpoint.")
             logical = self.codec.logical_specs(stored, self.metadata)
             self._logical = {n: spec for n, spec in logical.items() if not self.codec.hidden(n)}
             self._as_stored = frozenset(n for n, spec in self._logical.items() if stored.get(n) == spec)
@@ -193,6 +215,10 @@ class LogicalReader(TensorReader):
 
     def keys(self) -> list[str]:
         return list(self._specs())
+
+    def file_of(self, name: str) -> str | None:
+        """The file holding (the stored form of) tensor `name`, where known: for naming it in an error."""
+        return self._file_of(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self._specs()

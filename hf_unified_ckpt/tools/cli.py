@@ -17,6 +17,7 @@ from ..checkpoint.layout import UNIFIED, detect_layout
 from ..format.headers import tensor_specs
 from ..checkpoint.safetensors_header import read_safetensors_header
 from ..checkpoint.manifest import spread_hint, verify_folder
+from ..checkpoint.state_check import recorded_state_problems
 from ..store import is_folder, join
 
 
@@ -87,6 +88,8 @@ def _verify(path: str, checksums: bool = True) -> int:
               file=sys.stderr)
         return 1
     problems = verify_folder(layout.path, layout.manifest, checksums=checksums)
+    if not problems:  # sound files: then what they hold fits the weights' recorded shapes
+        problems = recorded_state_problems(layout.path, layout.manifest)
     if problems:
         print(f"FAIL {path}: {len(problems)} problem(s)", file=sys.stderr)
         for p in problems:
