@@ -13,11 +13,12 @@ in it changed within `GRACE` seconds (a job between its first mark and its lease
 
 from __future__ import annotations
 
-import json
 import logging
 
 from ..checkpoint.commit import list_checkpoints
 from ..checkpoint.layout import detect_layout
+from ..errors import CorruptCheckpointError
+from ..format.bounded_json import parse_json
 from ..store import is_file, join, listing, read_bytes, remove
 from ..store.node import age, is_locked, pid_alive
 from .layout import CHECKPOINTS, LEASE_FILE, LOCK_FILE, RUN_FILE, TIER_FOLDER
@@ -53,8 +54,8 @@ def _owned(run: str) -> bool:
     if is_locked(join(run, LOCK_FILE)):
         return True
     try:
-        pids = json.loads(read_bytes(join(run, LEASE_FILE))).get("pids", ())
-    except (OSError, ValueError, AttributeError):
+        pids = parse_json(read_bytes(join(run, LEASE_FILE)), "a memory-tier lease").get("pids", ())
+    except (OSError, CorruptCheckpointError, AttributeError):
         pids = ()
     if any(pid_alive(int(p)) for p in pids if isinstance(p, int)):
         return True

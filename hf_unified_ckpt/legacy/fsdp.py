@@ -13,12 +13,12 @@ the master weights.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.files import read_json
 from ..format.components import saved_by
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..format.names import canonical_name
@@ -150,6 +150,6 @@ def _torch_load(path: Path) -> dict:
 
 def _step(folder: Path) -> int:
     try:
-        return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
-    except (OSError, ValueError, KeyError):
+        return int(read_json(str(folder / "trainer_state.json"), "trainer state")["global_step"])
+    except (OSError, CorruptCheckpointError, ValueError, KeyError, TypeError):
         return 0
