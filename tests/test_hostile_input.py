@@ -316,3 +316,35 @@ def test_a_ranged_read_is_checked_for_the_length_asked():
     assert store_for(ref).read(ref, 2, 4) == b"2345"
     with pytest.raises(CorruptCheckpointError, match=r"short.bin: asked for bytes \[4, 104\), got 6"):
         store_for(ref).read(ref, 4, 100)
+
+
+# ---- the memory tier: owner-only, another user's run folder refused ------------------------------------------------
+
+def test_memory_tier_files_are_owner_only_and_another_users_run_folder_is_refused(tmp_path):
+    """Today: memory checkpoints are created 0644 in folders others can read, and a run folder someone else made
+    (its name follows from the output_dir) is used as it is."""
+    import stat
+
+    import torch
+    from torch import nn
+
+    from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
+    from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+    from hf_unified_ckpt.flash.layout import CHECKPOINTS, run_folder
+    from hf_unified_ckpt.options import UnifiedCheckpointOptions
+    from hf_unified_ckpt.store.node import private_folder
+
+    memory, output = tmp_path / "memory", tmp_path / "out"
+    run = Path(private_folder(run_folder(str(memory), str(output))))
+    model = nn.Linear(2, 2)
+    request = SaveRequest(run / CHECKPOINTS / "checkpoint-1", 1, UnifiedCheckpointOptions(enabled=True),
+                          show_progress=False)
+    save_checkpoint(ReplicatedEngine(model, torch.optim.SGD(model.parameters(), lr=0.1)), request, {})
+    modes = {str(p.relative_to(run)): stat.S_IMODE(p.stat().st_mode) for p in [run, *run.rglob("*")]}
+    assert "checkpoints/checkpoint-1/model.safetensors" in modes, modes
+    assert all(mode == (0o700 if (run / name).is_dir() else 0o600) for name, mode in modes.items()), modes
+    os.chown(run, 65534, 65534)
+    with pytest.raises(PermissionError, match="owned by user id 65534, not by this user"):
+        train(output, max_steps=2, save_steps=1, unified_checkpoint_config="flash",
+              unified_checkpoint_memory_dir=str(memory))
+    assert not output.exists() or not any(output.glob("checkpoint-*"))

@@ -92,7 +92,7 @@ class LocalStore:
         os.replace(self._path(src), self._path(dst))
 
     def make_folder(self, ref: str) -> None:
-        os.makedirs(self._path(ref), exist_ok=True)
+        local_io.make_folders(self._path(ref))
 
     def remove(self, ref: str) -> None:
         path = self._path(ref)

@@ -80,6 +80,35 @@ def read_file(path: str | os.PathLike, offset: int = 0, length: int | None = Non
     return data
 
 
+def is_private(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is owner-only (no permission for its group or others): what is created in it is too."""
+    try:
+        return not os.lstat(folder).st_mode & 0o077
+    except OSError:
+        return False
+
+
+def file_mode(path: str | os.PathLike) -> int:
+    """The mode a new file at `path` is created with: owner-only (0600) inside an owner-only folder (the memory
+    tier's run folder, `store.node.private_folder`), else 0644."""
+    return 0o600 if is_private(os.path.dirname(os.path.abspath(path))) else 0o644
+
+
+def make_folders(path: str | os.PathLike) -> None:
+    """`os.makedirs(path, exist_ok=True)`, each folder created inside an owner-only one owner-only too (0700)."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent != path:
+        make_folders(parent)
+    try:
+        os.mkdir(path, 0o700 if is_private(parent) else 0o777)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+
+
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     """`os.pwrite` until every byte of `data` is written at `offset` (a write may be short)."""
     done = 0
@@ -162,7 +191,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) 
     path = os.fspath(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, file_mode(tmp)), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -186,7 +215,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) 
 def write_at(path: str | os.PathLike, ranges, size: int | None) -> list[tuple[int, int, int]]:
     """Write (offset, bytes) ranges into `path`, created if missing and never truncated; grown to `size` first.
     Returns each range's (offset, length, CRC-32), computed from memory once it is written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, file_mode(path))
     written = []
     try:
         if size is not None:
@@ -227,7 +256,7 @@ def write_whole(path: str | os.PathLike, ranges, size: int) -> list[tuple[int, i
     [0, size), written in order through the page cache, each range's CRC-32 computed from memory once it is
     written."""
     unlink_existing(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode(path))
     written, end = [], 0
     try:
         for offset, data in ranges:
@@ -258,7 +287,7 @@ class WritableMaps:
         """A writable view of file `path` (created if missing, or of exactly `size` bytes: a larger one is refused,
         never shrunk, see `grow_to`) of `size` bytes. A new mapping first takes the file's blocks
         (`posix_fallocate`): a full filesystem raises ENOSPC here, not SIGBUS at the copy."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, file_mode(path))
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
