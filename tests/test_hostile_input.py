@@ -128,9 +128,15 @@ def test_a_symlinked_file_is_refused_and_a_symlinked_folder_is_read(ckpt, tmp_pa
     assert "trainer_state.json is a symbolic link, not a regular file" in capsys.readouterr().err
     (ckpt / "trainer_state.json").unlink()
     shutil.move(outside, ckpt / "trainer_state.json")
-    link = tmp_path / "linked-checkpoint"
+    link = tmp_path / "checkpoint-9"
     link.symlink_to(ckpt)
     assert cli(["verify", str(link)]) == 0
+    from hf_unified_ckpt.checkpoint.commit import remove_stale
+    from hf_unified_ckpt.store import store_for
+
+    store_for(str(link)).retire(str(link), MANIFEST)  # rotation of a linked checkpoint: the link goes, not its files
+    assert remove_stale(tmp_path) == [str(tmp_path / ".checkpoint-9.deleting")]
+    assert not os.path.lexists(tmp_path / ".checkpoint-9.deleting") and (ckpt / MANIFEST).is_file()
 
 
 # ---- items 5 and 6: `resume_from_checkpoint="auto"` skips malformed newer folders -------------------------------
@@ -231,7 +237,8 @@ def test_export_refuses_a_bit_flip(ckpt, capsys):
 # ---- item 10: malformed fields are named errors, never tracebacks ---------------------------------------------------
 
 FIELDS = {
-    "size as a string": (lambda c: _write_manifest(c, _with_file_field(c, "size", "92848")), "'files['model.safetensors'].size'"),
+    "size as a string": (lambda c: _write_manifest(c, _with_file_field(c, "size", "92848")),
+                         "'files['model.safetensors'].size'"),
     "components as a list": (lambda c: _write_manifest(c, {**_manifest(c), "components": [1]}), "'components'"),
     "deep manifest": (lambda c: (c / MANIFEST).write_text("[" * 100_000 + "]" * 100_000), "nested deeper"),
     "deep header": (lambda c: _deep_header(c / "model.safetensors"), "nested deeper"),

@@ -100,9 +100,9 @@ class Store(Protocol):
 
     def read(self, ref: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes `[offset, offset + length)` of file `ref` (to its end when `length` is None): exactly `length` bytes,
-        else `CorruptCheckpointError` naming the file and the range (`errors.short_read`: a file that ends sooner is never
-        passed on short). FileNotFoundError when it is missing; `NotRegularFileError` when it is not a regular file
-        (never followed through a final symbolic link, never waited on)."""
+        else `CorruptCheckpointError` naming the file and the range (`errors.short_read`: a file that ends sooner is
+        never passed on short). FileNotFoundError when it is missing; `NotRegularFileError` when it is not a regular
+        file (never followed through a final symbolic link, never waited on)."""
 
     def read_chunks(self, ref: str, chunk: int) -> Iterator[Range]:
         """File `ref` as consecutive (offset, bytes) ranges of `chunk` bytes (the last shorter; one empty range for
