@@ -139,6 +139,15 @@ def test_a_symlinked_file_is_refused_and_a_symlinked_folder_is_read(ckpt, tmp_pa
     assert not os.path.lexists(tmp_path / ".checkpoint-9.deleting") and (ckpt / MANIFEST).is_file()
 
 
+def test_a_fifo_in_a_legacy_folder_is_refused_before_anything_reads_it(tmp_path):
+    """Today: the resume of a plain Trainer folder whose optimizer.pt is a FIFO blocks in torch.load forever."""
+    train(tmp_path / "plain", max_steps=3, save_steps=3, attach=False)
+    folder = tmp_path / "plain" / "checkpoint-3"
+    _fifo(folder / "optimizer.pt")
+    with watchdog(), pytest.raises(UnifiedCheckpointError, match="optimizer.pt is a FIFO"):
+        train(tmp_path / "resumed", max_steps=4, resume=str(folder))
+
+
 # ---- items 5 and 6: `resume_from_checkpoint="auto"` skips malformed newer folders -------------------------------
 
 def test_auto_resume_skips_malformed_newer_folders_with_the_documented_warning(ckpt, caplog):

@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, NotRegularFileError, UnifiedCheckpointError, UnsupportedCheckpointError
 from ..store import as_ref, is_folder, join, listing, name_of, read_bytes, store_for
 from .commit import CHECKPOINT_RE, STAGING_SUFFIX, list_checkpoints
 from .files import read_json
@@ -112,12 +112,33 @@ def _unified(path: str, entries: dict[str, int | None]) -> Layout:
 
 
 def _legacy(path: str, kind: str, problem: str | None, entries: dict[str, int | None]) -> Layout:
+    problem = problem or _special_file(path, entries)
     trainer_state = entries.get(TRAINER_STATE) is not None
     if problem is None and not trainer_state:
         if kind == DEEPSPEED and not name_of(path).startswith(CHECKPOINT_PREFIX):
             return Layout(kind, path, True, _deepspeed_step(path, entries), SAVE_MODEL_NOTE, trainer_state=False)
         problem = f"{TRAINER_STATE} is missing (the Trainer writes it last; the save did not finish)"
     return Layout(kind, path, problem is None, _step(path), problem or "", trainer_state=trainer_state)
+
+
+def _special_file(path: str, entries: dict[str, int | None]) -> str | None:
+    """The first file of a legacy folder (its own entries and those of its sub-folders) that is not a regular file
+    (a FIFO, a device, a link to a file): such a folder is not read (legacy readers open files by path), so nothing
+    hangs on it."""
+    store = store_for(path)
+    for name, size in sorted(entries.items()):
+        try:
+            if size is not None:
+                store.size(join(path, name))
+                continue
+            for inner, inner_size in sorted(store.list(join(path, name)).items()):
+                if inner_size is not None:
+                    store.size(join(path, name, inner))
+        except NotRegularFileError as e:
+            return str(e)
+        except OSError:  # not readable: the reader names it
+            continue
+    return None
 
 
 def _deepspeed_problem(path: str, names: set[str]) -> str | None:

@@ -27,7 +27,7 @@ def kind_of(mode: int) -> str:
 
 def not_regular(path, mode: int) -> NotRegularFileError:
     return NotRegularFileError(f"{path} is {kind_of(mode)}, not a regular file: a checkpoint holds regular files "
-                               "only, and this one is not read (replace it with the file itself).")
+                               "only, and this one is not read (replace it with the file itself)")
 
 
 def open_regular(path: str | os.PathLike) -> int:
@@ -41,11 +41,14 @@ def open_regular(path: str | os.PathLike) -> int:
         if e.errno == errno.ELOOP and os.path.islink(path):
             raise not_regular(path, stat.S_IFLNK) from None
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
-        raise not_regular(path, mode)
-    os.set_blocking(fd, True)
+        raise
     return fd
 
 
@@ -144,8 +147,8 @@ def file_crc32(path: str | os.PathLike) -> str:
 
 def range_crc32(path: str | os.PathLike, offset: int, length: int) -> int | None:
     """The CRC-32 of bytes `[offset, offset + length)` of a file, None when it is missing or shorter (an unreadable
-    file, or one that is not regular, raises). The range is
-    mapped, not read: CRC-32 runs on the page cache's bytes without a copy (a third faster than `pread` here)."""
+    file, or one that is not regular, raises). The range is mapped, not read: CRC-32 runs on the page cache's bytes
+    without a copy (a third faster than `pread` here)."""
     try:
         f = open(open_regular(path), "rb", buffering=0)
     except FileNotFoundError:
