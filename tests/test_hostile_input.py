@@ -140,7 +140,8 @@ def test_a_symlinked_file_is_refused_and_a_symlinked_folder_is_read(ckpt, tmp_pa
 
 
 def test_a_fifo_in_a_legacy_folder_is_refused_before_anything_reads_it(tmp_path):
-    """Today: the resume of a plain Trainer folder whose optimizer.pt is a FIFO blocks in torch.load forever."""
+    """Today: the resume of a plain Trainer folder whose optimizer.pt is a FIFO goes on without a word, with a
+    fresh optimizer (the Trainer's `os.path.isfile` takes the FIFO for a missing file); a FIFO read would hang."""
     train(tmp_path / "plain", max_steps=3, save_steps=3, attach=False)
     folder = tmp_path / "plain" / "checkpoint-3"
     _fifo(folder / "optimizer.pt")
