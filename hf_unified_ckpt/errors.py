@@ -11,6 +11,12 @@ class CorruptCheckpointError(UnifiedCheckpointError):
     """Files are missing, truncated, fail their checksum, or an index/manifest is malformed or hostile."""
 
 
+class NotRegularFileError(CorruptCheckpointError, OSError):
+    """A file of a checkpoint is not a regular file (a FIFO, a device, a socket, a symbolic link): it is never read,
+    so that nothing hangs on it or reads through it. An `OSError` too, so that code that treats an unreadable file
+    as missing still does."""
+
+
 class IncompleteCheckpointError(UnifiedCheckpointError):
     """The folder was never committed: its manifest is missing (the save was interrupted)."""
 
@@ -59,6 +65,12 @@ class TrainingPreempted(SystemExit):
 
     def __reduce__(self):
         return type(self), (self.message, self.signal_number, self.step, self.checkpoint, self.saved)
+
+
+def short_read(ref, offset: int, length: int, got: int) -> CorruptCheckpointError:
+    """The error for a read of `length` bytes at `offset` of `ref` that got `got` (the file ends sooner)."""
+    return CorruptCheckpointError(f"{ref}: asked for bytes [{offset}, {offset + length}), got {got}: the file ends "
+                                  "before them (truncated, or changed since it was listed).")
 
 
 def count_and_first(items, noun: str = "tensor", shown: int = 5) -> str:

@@ -23,6 +23,7 @@ import torch.distributed as tdist
 from .. import dist
 from ..errors import CorruptCheckpointError
 from .placement import Placement
+from ..format.bounded_json import parse_json
 from .safetensors_header import read_safetensors_header
 from .tensor_files import open_tensors
 from ..format.reader import FileHandle, FileOpener, TensorSlice
@@ -60,7 +61,7 @@ class FileService(FileOpener):
     def header(self, file: str) -> dict:
         if file not in self._headers:
             _, data = self._ask(file, {"op": "header", "file": file})
-            self._headers[file] = json.loads(bytes(data.numpy()))
+            self._headers[file] = parse_json(bytes(data.numpy()), f"the header of {file} (served by another rank)")
         return self._headers[file]
 
     def read_file(self, file: str) -> bytes:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from ..errors import CorruptCheckpointError
 from ..store import as_ref, name_of, store_for
+from ..format.bounded_json import MAX_JSON_BYTES, parse_json, too_large
 from ..format.checksum import crc32
 
 CHECKSUM_ALGORITHM = "crc32"
@@ -121,14 +122,16 @@ def write_json(ref: str | os.PathLike, obj, exclusive: bool = False) -> FileReco
 
 
 def read_json(ref: str | os.PathLike, what: str):
-    """Read a JSON file, turning any failure into a `CorruptCheckpointError` that names the file
-    (FileNotFoundError when it is missing)."""
+    """Read a JSON file of a checkpoint (`what` names its role: "manifest", "index file"), bounded in size (checked
+    on disk before reading) and nesting (`format.bounded_json`), turning any failure into a `CorruptCheckpointError`
+    that names the file (FileNotFoundError when it is missing; `NotRegularFileError` when it is no regular file)."""
     ref = as_ref(ref)
-    data = store_for(ref).read(ref)
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{what} {ref!r} is not valid JSON ({e}); the file is corrupt.") from e
+    store = store_for(ref)
+    where = f"{what} {ref!r}"
+    size = store.size(ref)
+    if size is not None and size > MAX_JSON_BYTES:
+        raise too_large(where, size)
+    return parse_json(store.read(ref), where)
 
 
 def file_crc32(ref: str | os.PathLike) -> str:

@@ -13,14 +13,14 @@ resumable).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 
-from ..errors import CorruptCheckpointError, UnifiedCheckpointError
+from ..errors import CorruptCheckpointError, NotRegularFileError, UnifiedCheckpointError, UnsupportedCheckpointError
 from ..store import as_ref, is_folder, join, listing, name_of, read_bytes, store_for
 from .commit import CHECKPOINT_RE, STAGING_SUFFIX, list_checkpoints
+from .files import read_json
 from .manifest import MANIFEST_NAME, read_manifest
 from .safetensors_header import read_safetensors_header
 
@@ -51,6 +51,9 @@ class Layout:
     #: The folder holds the Trainer's state (trainer_state.json): a complete one can be resumed. A complete folder
     #: without it is a model folder written by `Trainer.save_model` (convert it) or a unified folder converted from one.
     trainer_state: bool = True
+    #: The manifest is of a format version this library does not read (`UnsupportedCheckpointError`, raised by a
+    #: resume from this folder; the folder is skipped when looking for the newest complete one).
+    unsupported: bool = False
 
     @property
     def committed(self) -> bool:
@@ -68,8 +71,13 @@ class Layout:
 
 
 def detect_layout(path: str | os.PathLike) -> Layout:
+    """What folder `path` is (see the module docstring). Never raises for what the folder holds: a folder that
+    cannot be listed, a malformed or hostile manifest, a special file are described in `reason`."""
     path = as_ref(path)
-    entries = store_for(path).list(path)
+    try:
+        entries = store_for(path).list(path)
+    except OSError as e:  # not readable (permissions)
+        return Layout(UNKNOWN, path, False, reason=f"{path} cannot be listed: {e}")
     if not entries and not is_folder(path):
         return Layout(UNKNOWN, path, False, reason=f"{path} is not a directory")
     names = set(entries)
@@ -94,7 +102,8 @@ def _unified(path: str, entries: dict[str, int | None]) -> Layout:
     try:
         manifest = read_manifest(path)
     except (UnifiedCheckpointError, OSError) as e:
-        return Layout(UNIFIED_INCOMPLETE, path, False, _step(path), f"manifest unusable: {e}")
+        return Layout(UNIFIED_INCOMPLETE, path, False, _step(path), f"manifest unusable: {e}",
+                      unsupported=isinstance(e, UnsupportedCheckpointError))
     missing = [n for n, rec in manifest["files"].items() if entries.get(n) != rec["size"]]
     reason = (f"files missing or of the wrong size: {missing[:10]}{'...' if len(missing) > 10 else ''} (if it was "
               "saved by a job whose machines each had a local folder, the other machines hold them)") if missing else ""
@@ -103,6 +112,7 @@ def _unified(path: str, entries: dict[str, int | None]) -> Layout:
 
 
 def _legacy(path: str, kind: str, problem: str | None, entries: dict[str, int | None]) -> Layout:
+    problem = problem or _special_file(path, entries)
     trainer_state = entries.get(TRAINER_STATE) is not None
     if problem is None and not trainer_state:
         if kind == DEEPSPEED and not name_of(path).startswith(CHECKPOINT_PREFIX):
@@ -111,9 +121,32 @@ def _legacy(path: str, kind: str, problem: str | None, entries: dict[str, int | 
     return Layout(kind, path, problem is None, _step(path), problem or "", trainer_state=trainer_state)
 
 
+def _special_file(path: str, entries: dict[str, int | None]) -> str | None:
+    """The first file of a legacy folder (its own entries and those of its sub-folders) that is not a regular file
+    (a FIFO, a device, a link to a file): such a folder is not read (legacy readers open files by path), so nothing
+    hangs on it."""
+    store = store_for(path)
+    for name, size in sorted(entries.items()):
+        try:
+            if size is not None:
+                store.size(join(path, name))
+                continue
+            for inner, inner_size in sorted(store.list(join(path, name)).items()):
+                if inner_size is not None:
+                    store.size(join(path, name, inner))
+        except NotRegularFileError as e:
+            return str(e)
+        except OSError:  # not readable: the reader names it
+            continue
+    return None
+
+
 def _deepspeed_problem(path: str, names: set[str]) -> str | None:
     for d in sorted(n for n in names if n.startswith("global_step")):
-        files = listing(join(path, d))
+        try:
+            files = listing(join(path, d))
+        except OSError:  # not readable
+            continue
         if any(f.endswith("optim_states.pt") for f in files) and any(f.endswith("model_states.pt") for f in files):
             return None
     return "no global_step*/ folder holds both *model_states.pt and *optim_states.pt"
@@ -146,8 +179,11 @@ def _deepspeed_step(path: str, entries: dict[str, int | None]) -> int | None:
 
 def _step(path: str) -> int | None:
     try:
-        return int(json.loads(read_bytes(join(path, TRAINER_STATE)))["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        step = read_json(join(path, TRAINER_STATE), "trainer state")["global_step"]
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+        raise TypeError(step)
+    except (OSError, UnifiedCheckpointError, KeyError, TypeError):
         match = CHECKPOINT_RE.match(name_of(path).removeprefix(".").removesuffix(STAGING_SUFFIX))
         return int(match.group(1)) if match else None
 

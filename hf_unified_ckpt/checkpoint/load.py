@@ -16,7 +16,7 @@ from ..options import UnifiedCheckpointOptions
 from .placement import Placement
 from .files import put_file
 from .manifest import (MANIFEST_NAME, check_share, checksum_problems, chunks_of, describe_problems,
-                               read_manifest)
+                       read_manifest, sized_as_recorded)
 from .safetensors_io import ComponentReader
 from .state_check import check_saved_state
 from ..store import as_ref, join, store_for
@@ -43,11 +43,13 @@ def verify_checkpoint(folder: str | os.PathLike, checksums: bool = True, show_pr
     except Exception as e:  # the same on every rank (same files), but keep the collective below aligned
         manifest, error = None, e
     table = manifest["files"] if manifest else {}
+    sizes = {n: table[n]["size"] for n in sorted(table)}
+    summed = {n: size for n, size in sizes.items() if not (checked_on_read and "blocks" in table[n])}
+    if placement is None:  # one folder every rank sees: ranges only of files whose size on disk is the recorded one
+        summed = sized_as_recorded(folder, summed) if manifest else {}
     placement = placement or Placement({n: tuple(range(dist.world_size())) for n in table}, dist.rank(),
                                        dist.world_size())
-    sizes = {n: table[n]["size"] for n in sorted(table)}
     files = placement.verification_shares(sizes)[dist.rank()]
-    summed = {n: size for n, size in sizes.items() if not (checked_on_read and "blocks" in table[n])}
     chunks = placement.verification_shares(chunks_of(summed) if checksums else [])[dist.rank()]
     show = show_progress and dist.rank() == 0
     share = check_share(folder, table, files, chunks, show_progress=show) if manifest else ([], [])

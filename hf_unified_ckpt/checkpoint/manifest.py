@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .commit import COMMIT_FILE
-from ..store import as_ref, join, name_of, store_for
-from .files import (CHECKSUM_ALGORITHM, FileRecord, RangeRecord, check_plain_name, combine_ranges, read_json,
-                    write_json)
+from ..store import as_ref, join, listing, name_of, store_for
+from .files import CHECKSUM_ALGORITHM, FileRecord, RangeRecord, combine_ranges, read_json, write_json
+from .manifest_fields import check_index_fields, check_manifest_fields
 from .safetensors_header import read_safetensors_header
 
 MANIFEST_NAME = COMMIT_FILE
@@ -90,21 +90,15 @@ def read_manifest(folder: str | os.PathLike) -> dict:
             f"{manifest.get('format') if isinstance(manifest, dict) else type(manifest).__name__!r})."
         )
     version = manifest.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CorruptCheckpointError(f"{path}: the field 'format_version' is {version!r}, not an integer; the file is "
+                                     "corrupt or hostile (nothing was loaded from it).")
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedCheckpointError(
             f"{path} has format_version {version!r}; this hf_unified_ckpt ({__version__}) reads versions "
             f"{list(SUPPORTED_VERSIONS)}. Upgrade hf_unified_ckpt to read it."
         )
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) and "size" in v for v in files.values()):
-        raise CorruptCheckpointError(f"{path} has no valid 'files' table.")
-    for name in files:
-        check_plain_name(name, f"manifest {path}")
-    for comp, entry in (manifest.get("components") or {}).items():
-        for name in list(entry.get("files", [])) + ([entry["index"]] if entry.get("index") else []):
-            check_plain_name(name, f"manifest {path} component {comp!r}")
-            if name not in files:
-                raise CorruptCheckpointError(f"{path}: component {comp!r} lists {name!r}, which 'files' does not.")
+    check_manifest_fields(manifest, path)
     return manifest
 
 
@@ -128,13 +122,24 @@ def chunks_of(sizes: Mapping[str, int], chunk: int = VERIFY_CHUNK) -> list[Chunk
     return sorted(out, key=lambda c: (-c.length, c.name, c.offset))
 
 
+def sized_as_recorded(folder: str | os.PathLike, sizes: Mapping[str, int]) -> dict[str, int]:
+    """The files of `sizes` (name -> recorded size) whose size in `folder` is the recorded one (one listing):
+    only those are cut into ranges to checksum, so that a recorded size is never trusted before the file on disk
+    backs it (a manifest recording 2**62 bytes allocates nothing; the size check reports the file)."""
+    on_disk = listing(folder)
+    return {n: size for n, size in sizes.items() if on_disk.get(n) == size}
+
+
 def verify_folder(folder: str | os.PathLike, manifest: Mapping, names: Iterable[str] | None = None,
-                  checksums: bool = True, show_progress: bool = False) -> list[str]:
-    """Check the listed files (all by default): present, of the recorded size, checksum matching, safetensors
-    headers well formed and index entries plain names. Returns one message per problem (empty = good)."""
+                  checksums: bool = True, show_progress: bool = False, checked_on_read: bool = False) -> list[str]:
+    """Check the listed files (all by default): present, regular files of the recorded size, checksum matching,
+    safetensors headers valid (`format.headers.validate_header`) and index entries plain names. With
+    `checked_on_read`, files whose manifest entry has a CRC-32 per block are not checksummed here (each ranged read
+    checks its blocks). Returns one message per problem (empty = good)."""
     table = manifest["files"]
     names = sorted(names if names is not None else table)
-    chunks = chunks_of({n: table[n]["size"] for n in names}) if checksums else []
+    summed = {n: table[n]["size"] for n in names if not (checked_on_read and "blocks" in table[n])}
+    chunks = chunks_of(sized_as_recorded(folder, summed)) if checksums else []
     problems, records = check_share(folder, table, names, chunks, show_progress)
     return sorted(problems + checksum_problems(table, records))
 
@@ -155,9 +160,10 @@ def check_share(folder: str | os.PathLike, table: Mapping, names: Iterable[str],
 
             results = tqdm(results, total=len(tasks), desc=f"Verifying {name_of(folder)}", unit="part")
         done = list(results)
-    problems = [p for (kind, _), found in zip(tasks, done) if kind == "file" for p in found]
-    records = [r for (kind, _), r in zip(tasks, done) if kind == "chunk" and r is not None]
-    return problems, records
+    problems = {p for (kind, _), found in zip(tasks, done) if kind == "file" for p in found}
+    problems |= {r for (kind, _), r in zip(tasks, done) if kind == "chunk" and isinstance(r, str)}
+    records = [r for (kind, _), r in zip(tasks, done) if kind == "chunk" and isinstance(r, RangeRecord)]
+    return sorted(problems), records
 
 
 def checksum_problems(table: Mapping, records: Iterable[RangeRecord]) -> list[str]:
@@ -185,16 +191,23 @@ def _verify_threads() -> int:
 
 def _check_file(store, folder: str, name: str, table: Mapping) -> list[str]:
     ref = join(folder, name)
-    problem = size_problem(name, store.size(ref), table[name]["size"])
+    try:
+        problem = size_problem(name, store.size(ref), table[name]["size"])
+    except OSError as e:  # not a regular file (a FIFO, a device, a link), or not readable
+        return [f"{name}: {e}"]
     return [problem] if problem else _check_content(ref, table)
 
 
-def _checksum(store, folder: str, chunk: Chunk, size: int) -> RangeRecord | None:
-    """The CRC-32 of one range, None when the file is missing or not of its recorded `size`."""
+def _checksum(store, folder: str, chunk: Chunk, size: int) -> RangeRecord | str | None:
+    """The CRC-32 of one range; None when the file is missing or not of its recorded `size` (`_check_file`
+    reports it); the problem when it cannot be read (not a regular file, not readable)."""
     ref = join(folder, chunk.name)
-    if store.size(ref) != size:
-        return None
-    crc = store.crc32(ref, chunk.offset, chunk.length)
+    try:
+        if store.size(ref) != size:
+            return None
+        crc = store.crc32(ref, chunk.offset, chunk.length)
+    except OSError as e:
+        return f"{chunk.name}: {e}"
     return None if crc is None else RangeRecord(chunk.name, chunk.offset, chunk.length, crc)
 
 
@@ -213,12 +226,11 @@ def _check_content(ref: str, table: Mapping) -> list[str]:
         if name.endswith(".safetensors"):
             read_safetensors_header(ref)
         elif name.endswith(".safetensors.index.json"):
-            index = read_json(ref, "index file")
-            for file in set((index.get("weight_map") or {}).values()):
-                check_plain_name(file, f"index {name}")
+            _, weight_map = check_index_fields(read_json(ref, "index file"), name)
+            for file in sorted(set(weight_map.values())):
                 if file not in table:
                     return [f"{name}: names {file!r}, which the manifest does not list"]
-    except CorruptCheckpointError as e:
+    except (CorruptCheckpointError, OSError) as e:
         return [f"{name}: {e}"]
     return []
 

@@ -11,7 +11,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..format.checksum import crc32
 from ..format.headers import TORCH_DTYPE_NAMES
-from .safetensors_header import header_and_data_start
+from .safetensors_header import read_header
 
 
 #: Blocks a `RangedFile` keeps after reading them (the first and last of each read: where neighbouring tensors meet).
@@ -26,7 +26,7 @@ class RangedFile:
 
     def __init__(self, store, ref: str, blocks: dict | None = None):
         self.store, self.ref = store, ref
-        self.header, self.data_start = header_and_data_start(ref)
+        self.header, self.data_start, self.size = read_header(ref)
         self.block = int(blocks["size"]) if blocks else None
         self.crcs = [int(c, 16) for c in blocks["crc32"]] if blocks else None
         self._kept: collections.OrderedDict[int, memoryview] = collections.OrderedDict()
@@ -53,7 +53,8 @@ class RangedFile:
             stop = index
             while stop < last and stop + 1 not in self._kept:
                 stop += 1
-            fetched = memoryview(self.store.read(self.ref, index * self.block, (stop + 1 - index) * self.block))
+            begin = index * self.block  # the last block of the file may be short: never ask past its end
+            fetched = memoryview(self.store.read(self.ref, begin, min((stop + 1) * self.block, self.size) - begin))
             self.fetched += len(fetched)
             self._check(index, fetched)
             blocks = [fetched[i:i + self.block] for i in range(0, len(fetched), self.block)]

@@ -6,6 +6,7 @@ import io
 import logging
 import os
 import random
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -34,21 +35,29 @@ def _numpy_globals() -> list:
     return [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def restore_rng_state(folder: str | os.PathLike, rank: int, saved_world_size: int, world_size: int) -> str | None:
+def restore_rng_state(folder: str | os.PathLike, rank: int, saved_world_size: int, world_size: int,
+                      listed: Collection[str] | None = None) -> str | None:
     """Restore this rank's generators from the folder. Returns a description of what could not be restored
-    exactly (when the world size changed or the rank's file is absent), for the caller to warn about once."""
+    exactly (when the world size changed or the rank's file is absent), for the caller to warn about once.
+    `listed`: the files of a unified folder's manifest; nothing else of the folder is read (a file that is there but
+    not listed counts as absent). None for a legacy folder."""
     folder = as_ref(folder)
-    own = join(folder, rng_file_name(rank))
-    if saved_world_size == 1 and not is_file(own) and is_file(join(folder, "rng_state.pth")):
-        own = join(folder, "rng_state.pth")  # the plain Trainer's name on one process
-    own_found = is_file(own)
-    path = own if own_found else join(folder, rng_file_name(0))
+
+    def present(name: str) -> bool:
+        return (listed is None or name in listed) and is_file(join(folder, name))
+
+    own = rng_file_name(rank)
+    if saved_world_size == 1 and not present(own) and present("rng_state.pth"):
+        own = "rng_state.pth"  # the plain Trainer's name on one process
+    own_found = present(own)
+    name = own if own_found else rng_file_name(0)
+    path = join(folder, name)
     lost = None
     if saved_world_size != world_size or not own_found:
         lost = (f"the checkpoint was saved by {saved_world_size} rank(s) and is resumed on {world_size}: per-rank "
                 f"random streams (dropout, sampling inside the model) cannot continue exactly; ranks without their "
                 f"own {rng_file_name(0).replace('0', '<rank>')} continue from rank 0's stream.")
-    if not is_file(path):
+    if not present(name):
         return f"{rng_file_name(0)} is missing: random generators were not restored."
     state = load_pickle(io.BytesIO(read_bytes(path)), str(path), _numpy_globals())
     random.setstate(state["python"])

@@ -12,8 +12,9 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..store import as_ref, join, name_of, store_for
-from .commit import COMMIT_FILE
-from .files import FileRecord, check_plain_name, crc32_combine, read_json, write_json
+from .files import FileRecord, crc32_combine, read_json, write_json
+from .manifest import read_manifest
+from .manifest_fields import check_index_fields
 from ..format.headers import tensor_specs
 from .safetensors_header import read_safetensors_header
 from .tensor_files import open_tensors
@@ -106,7 +107,7 @@ class LocalFiles(FileOpener):
             return None
         if self._blocks is None:
             try:
-                table = read_json(join(self.folder, COMMIT_FILE), "manifest").get("files", {})
+                table = read_manifest(self.folder)["files"]
             except FileNotFoundError:
                 table = {}
             self._blocks = {name: entry["blocks"] for name, entry in table.items() if "blocks" in entry}
@@ -180,12 +181,8 @@ class StoredFiles(TensorReader):
 
 
 def _read_index(index_path: str) -> tuple[dict, dict[str, str]]:
-    """The metadata and weight map of an index file, its file names checked to be plain names."""
-    index = read_json(index_path, "index file")
-    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-        raise CorruptCheckpointError(f"index {str(index_path)!r} has no 'weight_map' object.")
-    weight_map = {k: check_plain_name(v, f"index {name_of(index_path)}") for k, v in index["weight_map"].items()}
-    return index.get("metadata") or {}, weight_map
+    """The metadata and weight map of an index file, every field's type checked and its file names plain names."""
+    return check_index_fields(read_json(index_path, "index file"), str(index_path))
 
 
 class ComponentReader(LogicalReader):

@@ -12,14 +12,13 @@ durable storage must be one that every machine sees (a shared filesystem or a bu
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 
 from ..checkpoint.commit import commit, prepare_staging, staging_dir
 from ..checkpoint.files import crc32_combine
-from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.manifest import MANIFEST_NAME, read_manifest
 from ..checkpoint.retention import rotate_checkpoints
 from ..errors import CorruptCheckpointError
 from ..format.checksum import crc32
@@ -42,7 +41,7 @@ def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[
     arrive within `timeout` seconds. Local I/O only (no collective)."""
     manifest_bytes = read_bytes(join(memory_ckpt, MANIFEST_NAME))
     attempt = f"{crc32(manifest_bytes):08x}"
-    table = json.loads(manifest_bytes)["files"]
+    table = read_manifest(memory_ckpt)["files"]  # validated (the bytes above are what is copied)
     staging = staging_dir(info.durable_final)
     store = store_for(staging)
     here = store_for(memory_ckpt).list(memory_ckpt)

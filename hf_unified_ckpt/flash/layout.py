@@ -25,6 +25,8 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
+from ..errors import CorruptCheckpointError
+from ..format.bounded_json import parse_json
 from ..store import canonical, join, name_of, put_bytes, read_bytes, store_for
 
 TIER_FOLDER = "hf_unified_ckpt"
@@ -87,7 +89,7 @@ class SaveInfo:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "SaveInfo":
-        raw = json.loads(data)
+        raw = parse_json(data, "a memory-tier save record")
         raw["nodes"], raw["protect"] = tuple(raw["nodes"]), tuple(raw["protect"])
         return cls(**raw)
 
@@ -103,15 +105,16 @@ def write_record(ref: str, data: dict | bytes) -> None:
 def read_record(ref: str) -> dict | None:
     """A JSON record, or None if it is missing or torn."""
     try:
-        return json.loads(read_bytes(ref))
-    except (OSError, ValueError):
+        record = parse_json(read_bytes(ref), f"record {ref}")
+    except (OSError, CorruptCheckpointError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def save_info(run: str, step: int) -> SaveInfo | None:
     try:
         return SaveInfo.from_bytes(read_bytes(join(run, SAVES, f"{checkpoint_name(step)}.json")))
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, CorruptCheckpointError, TypeError, KeyError):
         return None
 
 

@@ -13,13 +13,14 @@ in it changed within `GRACE` seconds (a job between its first mark and its lease
 
 from __future__ import annotations
 
-import json
 import logging
 
 from ..checkpoint.commit import list_checkpoints
 from ..checkpoint.layout import detect_layout
+from ..errors import CorruptCheckpointError
+from ..format.bounded_json import parse_json
 from ..store import is_file, join, listing, read_bytes, remove
-from ..store.node import age, is_locked, pid_alive
+from ..store.node import age, is_locked, is_mine, pid_alive
 from .layout import CHECKPOINTS, LEASE_FILE, LOCK_FILE, RUN_FILE, TIER_FOLDER
 
 logger = logging.getLogger(__name__)
@@ -29,10 +30,11 @@ GRACE = 60.0
 
 
 def orphaned_runs(memory_dir: str) -> list[str]:
-    """The run folders under `memory_dir` that no live job or persister owns (see the module docstring). Local."""
+    """The run folders of this user under `memory_dir` that no live job or persister owns (see the module
+    docstring); another user's folders are neither read nor touched. Local."""
     tier = join(memory_dir, TIER_FOLDER)
     return [join(tier, name) for name, size in sorted(listing(tier).items())
-            if size is None and not _owned(join(tier, name))]
+            if size is None and is_mine(join(tier, name)) and not _owned(join(tier, name))]
 
 
 def holds_checkpoints(run: str) -> bool:
@@ -53,8 +55,8 @@ def _owned(run: str) -> bool:
     if is_locked(join(run, LOCK_FILE)):
         return True
     try:
-        pids = json.loads(read_bytes(join(run, LEASE_FILE))).get("pids", ())
-    except (OSError, ValueError, AttributeError):
+        pids = parse_json(read_bytes(join(run, LEASE_FILE)), "a memory-tier lease").get("pids", ())
+    except (OSError, CorruptCheckpointError, AttributeError):
         pids = ()
     if any(pid_alive(int(p)) for p in pids if isinstance(p, int)):
         return True

@@ -25,7 +25,7 @@ import time
 from ..checkpoint.commit import list_checkpoints
 from ..checkpoint.layout import detect_layout, newest_complete
 from ..store import is_file, join, listing, parent_of, put_bytes, remove
-from ..store.node import Lock, age, pid_alive, remove_if_empty
+from ..store.node import Lock, age, pid_alive, private_folder, remove_if_empty
 from .copy import persist_checkpoint
 from .layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, PID_FILE, RUN_FILE, SAVES, SaveInfo,
                      checkpoint_name, copy_lock_of, read_record, save_info, write_record)
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run = argv[0]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s persister %(process)d %(levelname)s %(message)s")
+    private_folder(run)  # this user's own, owner-only, before anything in it is read
     lock = Lock(join(run, LOCK_FILE))
     if not lock.acquire():
         logger.info("Another persister serves %s; exiting.", run)

@@ -32,7 +32,7 @@ from ..errors import UnsupportedCheckpointError
 from ..format.components import MODEL, Role
 from ..options import FlashOptions
 from ..store import is_file, join, name_of, parent_of, read_bytes, remove, store_for
-from ..store.node import is_locked, memory_room, open_log, pid_alive, remove_if_empty, touch
+from ..store.node import is_locked, memory_room, open_log, pid_alive, private_folder, remove_if_empty, touch
 from .layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, LOG_FILE, PID_FILE, RUN_FILE, SAVES, SPARE,
                      SPARE_SETS, SaveInfo, checkpoint_name, copy_lock, copy_lock_of, run_folder, save_info,
                      write_record)
@@ -70,7 +70,9 @@ class FlashTier:
     # ---- start ---------------------------------------------------------------------------------------------------
     def open(self) -> None:
         """When `train()` starts, before it looks for a checkpoint to resume: find the machines and take the lease
-        (a persister waiting for a restarted job keeps the memory from then on). Collective."""
+        (a persister waiting for a restarted job keeps the memory from then on). The run folder is made this
+        user's own (owner-only) first, or refused when another user owns it. Collective."""
+        private_folder(self.run)
         self._find_machines()
         self._refuse_unshared_durable()
         if self.is_machine_leader:

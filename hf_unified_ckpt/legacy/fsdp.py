@@ -17,12 +17,12 @@ the master weights.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.files import read_json
 from ..format.components import saved_by
 from ..checkpoint.pickles import TRUST_OPT_IN, load_pickle
 from ..errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
@@ -175,6 +175,6 @@ def _torch_load(path: Path, trust_pickles: bool = False) -> dict:
 
 def _step(folder: Path) -> int:
     try:
-        return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
-    except (OSError, ValueError, KeyError):
+        return int(read_json(str(folder / "trainer_state.json"), "trainer state")["global_step"])
+    except (OSError, CorruptCheckpointError, ValueError, KeyError, TypeError):
         return 0

@@ -29,6 +29,7 @@ Which ranks call what: every method is local to the calling process (no collecti
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import re
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ..format.checksum import crc32 as _crc32
+
+logger = logging.getLogger(__name__)
 
 #: One byte range to write: (offset in the file, its bytes).
 Range = tuple[int, memoryview]
@@ -84,17 +87,22 @@ class Store(Protocol):
 
     def list(self, ref: str) -> dict[str, int | None]:
         """The entries directly inside folder `ref`, name -> size in bytes (None for a sub-folder), in one call;
-        {} when `ref` is not a folder."""
+        {} when `ref` is not a folder. Only plain names (`listed_name`): an object key whose name is empty, `.`,
+        `..` or holds a backslash is left out, with a warning."""
 
     def size(self, ref: str) -> int | None:
-        """The size of file `ref`; None when there is no such file."""
+        """The size of file `ref`; None when there is no such file (or it is a folder). A store with local paths
+        raises `NotRegularFileError` for an entry that is neither a regular file nor a folder (a FIFO, a device, a
+        symbolic link to a file): nothing of a checkpoint is read through one."""
 
     def is_folder(self, ref: str) -> bool:
         """Whether `ref` is a folder (holds entries, or was made with `make_folder`)."""
 
     def read(self, ref: str, offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes `[offset, offset + length)` of file `ref` (to its end when `length` is None). FileNotFoundError
-        when it is missing."""
+        """Bytes `[offset, offset + length)` of file `ref` (to its end when `length` is None): exactly `length` bytes,
+        else `CorruptCheckpointError` naming the file and the range (`errors.short_read`: a file that ends sooner is
+        never passed on short). FileNotFoundError when it is missing; `NotRegularFileError` when it is not a regular
+        file (never followed through a final symbolic link, never waited on)."""
 
     def read_chunks(self, ref: str, chunk: int) -> Iterator[Range]:
         """File `ref` as consecutive (offset, bytes) ranges of `chunk` bytes (the last shorter; one empty range for
@@ -225,7 +233,14 @@ def open_mapped_tensors(store: LocalPaths, ref: str):
     store (`checkpoint/tensor_files.py`), the path below it."""
     from safetensors import safe_open  # torch is imported only where tensors are read
 
-    return safe_open(store.local_path(ref), framework="pt")
+    from .local_io import open_regular
+
+    path = store.local_path(ref)
+    fd = open_regular(path)  # a regular file, not followed through a link: the mapping is of this very file
+    try:
+        return safe_open(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path, framework="pt")
+    finally:
+        os.close(fd)
 
 
 def probe_write(store: Store, probe: str) -> None:
@@ -265,6 +280,16 @@ class RangedReads:
         if size is None or size < offset + length:
             return None
         return _crc32(self.read(ref, offset, length)) if length else 0
+
+
+def listed_name(name: str, folder: str) -> bool:
+    """Whether a name a listing returned is a plain entry name; a hostile key (`..`, `.`, empty, a backslash) is
+    refused with a warning, so no caller joins it into a path."""
+    if name and name not in (".", "..") and "/" not in name and "\\" not in name and "\x00" not in name:
+        return True
+    logger.warning("Ignoring the entry %r listed in %s: not a plain name (hostile or damaged storage).", name,
+                   folder)
+    return False
 
 
 # ---- references -------------------------------------------------------------------------------------------------

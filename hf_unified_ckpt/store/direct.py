@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..format.checksum import crc32
-from .local_io import grow_to, pwrite_all
+from .local_io import file_mode, grow_to, pwrite_all
 
 #: Bytes of one direct write (a multiple of every logical block size in use: 512 B and 4 KiB).
 CHUNK = 8 * 2**20
@@ -46,7 +46,7 @@ def _open_direct(path: Path, buf: memoryview) -> int | None:
     if not hasattr(os, "O_DIRECT"):
         return None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, file_mode(path))
     except OSError as e:
         if e.errno == errno.EINVAL:
             return None
@@ -97,7 +97,7 @@ def write_at_direct(path: str | os.PathLike, ranges: Iterable[tuple[int, memoryv
     the page cache. The ranges are consumed one at a time, at most `2 * writers` chunks ahead of the disk: the
     caller may produce the next while these are written, and what it produced is released once written. The caller
     checked `direct_io_works` and makes the file durable (fsync) afterwards."""
-    buffered = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    buffered = os.open(path, os.O_WRONLY | os.O_CREAT, file_mode(path))
     try:
         if size is not None:
             grow_to(buffered, size, path)

@@ -11,7 +11,8 @@ import posixpath
 from collections.abc import Iterable
 
 from ..format.checksum import crc32
-from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref, probe_write
+from ..errors import short_read
+from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref, listed_name, probe_write
 
 
 class FsspecStore(RangedReads, ManifestCommit):
@@ -38,6 +39,8 @@ class FsspecStore(RangedReads, ManifestCommit):
         out = {}
         for entry in self.fs.ls(key, detail=True):
             name = posixpath.basename(entry["name"].rstrip("/"))
+            if not listed_name(name, as_ref(ref)):
+                continue
             out[name] = None if entry["type"] == "directory" else int(entry["size"])
         return out
 
@@ -56,7 +59,10 @@ class FsspecStore(RangedReads, ManifestCommit):
         key = self._key(ref)
         if self.size(ref) is None:
             raise FileNotFoundError(f"no such file: {as_ref(ref)}")
-        return self.fs.cat_file(key, start=offset or None, end=None if length is None else offset + length)
+        data = self.fs.cat_file(key, start=offset or None, end=None if length is None else offset + length)
+        if length is not None and len(data) != length:
+            raise short_read(as_ref(ref), offset, length, len(data))
+        return data
 
     # ---- writing ------------------------------------------------------------------------------------------------
     def put(self, ref: str, data: bytes, exclusive: bool = False) -> None:

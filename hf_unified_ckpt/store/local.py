@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 
 from . import local_io
 from .base import (DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX, Capabilities, Range, Written, as_ref,
-                   probe_write)
+                   listed_name, probe_write)
 from .direct import direct_io_works, write_at_direct, write_whole_direct
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,8 @@ class LocalStore:
         try:
             with os.scandir(self._path(ref)) as entries:
                 for entry in entries:
+                    if not listed_name(entry.name, ref):
+                        continue
                     try:
                         st = entry.stat()
                     except FileNotFoundError:  # removed while listed
@@ -52,20 +54,13 @@ class LocalStore:
         return out
 
     def size(self, ref: str) -> int | None:
-        try:
-            st = os.stat(self._path(ref))
-        except OSError:
-            return None
-        return None if stat.S_ISDIR(st.st_mode) else st.st_size
+        return local_io.regular_size(self._path(ref))
 
     def is_folder(self, ref: str) -> bool:
         return os.path.isdir(self._path(ref))
 
     def read(self, ref: str, offset: int = 0, length: int | None = None) -> bytes:
-        with open(self._path(ref), "rb") as f:
-            if offset:
-                f.seek(offset)
-            return f.read() if length is None else f.read(length)
+        return local_io.read_file(self._path(ref), offset, length)
 
     def read_chunks(self, ref: str, chunk: int) -> Iterator[Range]:
         return local_io.mapped_chunks(self._path(ref), chunk)
@@ -97,7 +92,7 @@ class LocalStore:
         os.replace(self._path(src), self._path(dst))
 
     def make_folder(self, ref: str) -> None:
-        os.makedirs(self._path(ref), exist_ok=True)
+        local_io.make_folders(self._path(ref))
 
     def remove(self, ref: str) -> None:
         path = self._path(ref)

@@ -1,16 +1,115 @@
 """POSIX file primitives of `LocalStore`: positional writes, fsync, atomic small files, checksums of a file or
-of one range (mapped, not read)."""
+of one range (mapped, not read), and the one way a file is opened for reading (`open_regular`)."""
 
 from __future__ import annotations
 
 import errno
 import mmap
 import os
+import stat
 import threading
 
+from ..errors import NotRegularFileError, short_read
 from ..format.checksum import crc32
 
 _CHUNK = 16 * 2**20
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def kind_of(mode: int) -> str:
+    """What a file of mode `mode` is, in words ("a FIFO (named pipe)"); "a regular file" for one."""
+    return next((words for test, words in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
+                "a special file")
+
+
+def not_regular(path, mode: int) -> NotRegularFileError:
+    return NotRegularFileError(f"{path} is {kind_of(mode)}, not a regular file: a checkpoint holds regular files "
+                               "only, and this one is not read (replace it with the file itself)")
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of `path`, which must be a regular file; `NotRegularFileError` otherwise. The open
+    does not follow a final symbolic link (`O_NOFOLLOW`) and does not wait (`O_NONBLOCK`: a FIFO with no writer
+    opens at once), and the kind is checked on the descriptor itself (`fstat`), so the file checked is the file
+    read: no window between a check and the open. Blocking mode is restored for the reads."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise not_regular(path, stat.S_IFLNK) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def regular_size(path: str | os.PathLike) -> int | None:
+    """The size of regular file `path`; None when nothing is there or it is a folder (a symbolic link to a folder
+    included: a checkpoint folder may be one); `NotRegularFileError` for anything else (a FIFO, a device, a socket,
+    a symbolic link to a file)."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.stat(path)
+            if stat.S_ISDIR(target.st_mode):
+                return None
+    except OSError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular(path, st.st_mode)
+    return st.st_size
+
+
+def read_file(path: str | os.PathLike, offset: int = 0, length: int | None = None) -> bytes:
+    """Bytes `[offset, offset + length)` of regular file `path` (to its end when `length` is None); raises when
+    the file ends before `offset + length` (`CorruptCheckpointError` naming it: a short read is never passed on)."""
+    with open(open_regular(path), "rb", closefd=True) as f:
+        if offset:
+            f.seek(offset)
+        data = f.read() if length is None else f.read(length)
+    if length is not None and len(data) != length:
+        raise short_read(path, offset, length, len(data))
+    return data
+
+
+def is_private(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is owner-only (no permission for its group or others): what is created in it is too."""
+    try:
+        return not os.lstat(folder).st_mode & 0o077
+    except OSError:
+        return False
+
+
+def file_mode(path: str | os.PathLike) -> int:
+    """The mode a new file at `path` is created with: owner-only (0600) inside an owner-only folder (the memory
+    tier's run folder, `store.node.private_folder`), else 0644."""
+    return 0o600 if is_private(os.path.dirname(os.path.abspath(path))) else 0o644
+
+
+def make_folders(path: str | os.PathLike) -> None:
+    """`os.makedirs(path, exist_ok=True)`, each folder created inside an owner-only one owner-only too (0700)."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent != path:
+        make_folders(parent)
+    try:
+        os.mkdir(path, 0o700 if is_private(parent) else 0o777)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -40,18 +139,19 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def file_crc32(path: str | os.PathLike) -> str:
     """CRC-32 of a file's bytes, as 8 lowercase hex digits."""
     crc = 0
-    with open(path, "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
             crc = crc32(chunk, crc)
     return f"{crc:08x}"
 
 
 def range_crc32(path: str | os.PathLike, offset: int, length: int) -> int | None:
-    """The CRC-32 of bytes `[offset, offset + length)` of a file, None when it is missing or shorter. The range is
-    mapped, not read: CRC-32 runs on the page cache's bytes without a copy (a third faster than `pread` here)."""
+    """The CRC-32 of bytes `[offset, offset + length)` of a file, None when it is missing or shorter (an unreadable
+    file, or one that is not regular, raises). The range is mapped, not read: CRC-32 runs on the page cache's bytes
+    without a copy (a third faster than `pread` here)."""
     try:
-        f = open(path, "rb", buffering=0)
-    except OSError:
+        f = open(open_regular(path), "rb", buffering=0)
+    except FileNotFoundError:
         return None
     with f:
         if os.fstat(f.fileno()).st_size < offset + length:
@@ -71,7 +171,7 @@ def mapped_chunks(path: str | os.PathLike, chunk: int):
     """(offset, memoryview) ranges of `chunk` bytes covering file `path`, views of one read-only mapping (no copy,
     no allocation: reading a large file this way costs a third of the CPU of `read`s into fresh buffers on this
     VM). The mapping is unmapped when the generator ends, or once the last view the caller kept is gone."""
-    with open(path, "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if not size:
             yield 0, memoryview(b"")
@@ -94,7 +194,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) 
     path = os.fspath(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, file_mode(tmp)), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -118,7 +218,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) 
 def write_at(path: str | os.PathLike, ranges, size: int | None) -> list[tuple[int, int, int]]:
     """Write (offset, bytes) ranges into `path`, created if missing and never truncated; grown to `size` first.
     Returns each range's (offset, length, CRC-32), computed from memory once it is written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, file_mode(path))
     written = []
     try:
         if size is not None:
@@ -159,7 +259,7 @@ def write_whole(path: str | os.PathLike, ranges, size: int) -> list[tuple[int, i
     [0, size), written in order through the page cache, each range's CRC-32 computed from memory once it is
     written."""
     unlink_existing(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode(path))
     written, end = [], 0
     try:
         for offset, data in ranges:
@@ -190,7 +290,7 @@ class WritableMaps:
         """A writable view of file `path` (created if missing, or of exactly `size` bytes: a larger one is refused,
         never shrunk, see `grow_to`) of `size` bytes. A new mapping first takes the file's blocks
         (`posix_fallocate`): a full filesystem raises ENOSPC here, not SIGBUS at the copy."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, file_mode(path))
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)

@@ -1,6 +1,6 @@
 """Facts about this machine that the memory tier needs (`flash/`), read here, below the storage seam: how much
 memory a snapshot may take, free bytes of a folder, whether a process lives, an advisory lock, a heartbeat file's
-age, the persister's log file.
+age, the persister's log file, a folder made this user's own (`private_folder`).
 
 Memory that a tmpfs holds is RAM: its free size alone says nothing (a 24 GiB `/dev/shm` on a 23 GiB machine), so
 `memory_room` takes the least of MemAvailable, the cgroup's limit less its usage, and the folder's free bytes.
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
+
+from .local_io import file_mode
 
 
 def mem_available() -> int | None:
@@ -86,6 +89,36 @@ def age(path: str) -> float | None:
         return None
 
 
+def private_folder(path: str) -> str:
+    """Make folder `path` this user's own, before anything in it is read: created owner-only (0700; its parents as
+    usual) when missing; an existing one must be a folder (not a link) owned by this user, and is made owner-only.
+    What is created in it is owner-only too (`local_io.file_mode`, `local_io.make_folders`), so no other user reads
+    it or plants a file in it. PermissionError naming the folder and its owner otherwise."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"{path} is {'a folder' if stat.S_ISDIR(st.st_mode) else 'not a folder'} owned by user id {st.st_uid}, not "
+            f"by this user ({os.geteuid()}): another user's memory folder, or one planted there. Nothing in it was "
+            "read. Remove it, or set unified_checkpoint_memory_dir to a folder of your own.")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def is_mine(path: str) -> bool:
+    """Whether `path` is a folder (not a link) owned by this user."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
 class Lock:
     """An exclusive advisory lock on `path` (flock), held while the object lives or until `release`; released by
     the kernel when its process dies, however it dies."""
@@ -96,7 +129,7 @@ class Lock:
 
     def acquire(self, wait: bool = False) -> bool:
         """Take the lock; without `wait`, False at once if another process holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, file_mode(self.path))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:

@@ -31,7 +31,8 @@ import posixpath
 import threading
 from collections.abc import Iterable
 
-from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref, probe_write
+from ..errors import short_read
+from .base import Capabilities, ManifestCommit, RangedReads, Range, Written, as_ref, listed_name, probe_write
 from .uploads import stream_upload
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class S3Store(RangedReads, ManifestCommit):
             name = posixpath.basename(entry["name"].rstrip("/"))
             if entry["name"].rstrip("/") == self._key(ref):  # the prefix itself listed as a file
                 continue
+            if not listed_name(name, as_ref(ref)):
+                continue
             out[name] = None if entry["type"] == "directory" else int(entry["size"])
         return out
 
@@ -153,9 +156,12 @@ class S3Store(RangedReads, ManifestCommit):
 
         body = response["Body"]
         try:
-            return sync(self.fs.loop, body.read)
+            data = sync(self.fs.loop, body.read)
         finally:
             body.close()
+        if length is not None and len(data) != length:
+            raise short_read(as_ref(ref), offset, length, len(data))
+        return data
 
     # ---- writing ------------------------------------------------------------------------------------------------
     def put(self, ref: str, data: bytes, exclusive: bool = False) -> None:

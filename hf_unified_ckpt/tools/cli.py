@@ -27,7 +27,7 @@ def _info(path: str) -> dict:
     layout = detect_layout(path)
     info = {"path": str(layout.path), "kind": layout.kind, "complete": layout.complete,
             "global_step": layout.global_step, "reason": layout.reason or None,
-            "trainer_state": layout.trainer_state}
+            "trainer_state": layout.trainer_state, "findings": _findings(layout)}
     if layout.manifest:
         m = layout.manifest
         info.update({
@@ -39,8 +39,22 @@ def _info(path: str) -> dict:
             "files": len(m.get("files", {})),
             "total_bytes": sum(f["size"] for f in m.get("files", {}).values()),
         })
-        info.update(_per_parameter(layout.path, m))
+        try:
+            info.update(_per_parameter(layout.path, m))
+        except (UnifiedCheckpointError, OSError):  # a damaged model file: one of the findings already
+            pass
     return info
+
+
+def _findings(layout) -> list[str]:
+    """Every problem `info` sees, one line each: for a unified folder what `verify` says of each file without
+    checksumming it (present, of its recorded size, a regular file, its header or index well formed), else why the
+    folder is incomplete."""
+    if layout.manifest:
+        problems = verify_folder(layout.path, layout.manifest, checksums=False)
+        if problems:
+            return problems
+    return [layout.reason] if layout.reason and not layout.complete else []
 
 
 def _per_parameter(folder, manifest: dict) -> dict:
@@ -66,6 +80,9 @@ def _print_info(info: dict) -> None:
           f"\n  global_step: {info['global_step']}")
     if info.get("reason"):
         print(f"  note:        {info['reason']}")
+    for finding in info["findings"]:
+        if finding != info.get("reason"):
+            print(f"  problem:     {finding}")
     if "saved_by" in info:
         print(f"  saved by:    {json.dumps(info['saved_by'], sort_keys=True)}")
         print(f"  options:     {json.dumps(info['options'], sort_keys=True)}")
@@ -174,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(info, sort_keys=True)) if args.json else _print_info(info)
             return 0
         return _verify(args.path)
-    except (UnifiedCheckpointError, FileExistsError, FileNotFoundError, ValueError) as e:  # a bad path or flag
+    except (UnifiedCheckpointError, OSError, ValueError) as e:  # a bad path or flag, a file that cannot be read
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -5,7 +5,6 @@ with from_pretrained and carries the partitions' optimizer state and master weig
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -13,8 +12,9 @@ from typing import TYPE_CHECKING
 
 from ..engines.conversion import WithConversion, weight_conversion
 from ..format.components import MODEL, OPTIMIZER, Component, component
-from ..errors import UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .export import require_new_folder
+from ..checkpoint.files import read_json
 from ..checkpoint.layout import DEEPSPEED, FSDP, detect_layout
 from ..legacy import legacy_components, open_legacy
 from ..legacy.sources import TensorSource
@@ -132,7 +132,10 @@ def with_weight_conversion(engine, folder: str):
     for a model without conversions, an adapter folder, or a folder without config.json."""
     if not is_file(join(folder, "config.json")) or is_file(join(folder, "adapter_config.json")):
         return engine
-    module = _meta_model(json.loads(read_bytes(join(folder, "config.json"))))
+    config = read_json(join(folder, "config.json"), "config")
+    if not isinstance(config, dict):
+        raise CorruptCheckpointError(f"{join(folder, 'config.json')} is not a JSON object; the folder is damaged.")
+    module = _meta_model(config)
     conversion = None if module is None else weight_conversion(module, engine.specs(MODEL.name))
     return engine if conversion is None else WithConversion(engine, conversion)
 

@@ -20,16 +20,16 @@ import torch
 from tqdm.auto import tqdm
 
 from ..format.components import EMA, MASTER, MODEL
-from ..errors import UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..engines.hf_model import ADAPTER_STEM
 from ..checkpoint.layout import UNIFIED, detect_layout
 from ..options import parse_size
 from ..format.planning import TensorSpec, plan_component
 from ..checkpoint.files import read_json, write_json
 from ..format.headers import TORCH_DTYPE_NAMES
-from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.manifest import MANIFEST_NAME, verify_folder
 from ..checkpoint.safetensors_io import ComponentReader, write_index, write_shard
-from ..store import as_ref, is_file, join, listing, name_of, put_bytes, read_bytes, store_for
+from ..store import as_ref, is_file, join, listing, local_paths_of, name_of, put_bytes, read_bytes, store_for
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, weights: s
             + {"ema": "train with the word 'ema' in unified_checkpoint_config to keep an EMA.",
                "master": "it was saved without fp32 master weights (none existed, or they were removed or skipped)."
                }.get(weights, ""))
+    refuse_damaged(checkpoint, layout.manifest)
     stem = components[MODEL.name]["file_stem"]
     if merge_lora and stem != ADAPTER_STEM:
         raise UnsupportedCheckpointError(f"--merge-lora needs a PEFT/LoRA checkpoint (adapter_model files); {checkpoint} "
@@ -87,6 +88,16 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, weights: s
     publish_folder(staging, out_dir)
     logger.info("Exported the %s weights of %s to %s", weights, checkpoint, out_dir)
     return out_dir
+
+
+def refuse_damaged(checkpoint: str, manifest: dict) -> None:
+    """Verify every file of `checkpoint` (sizes, headers and CRC-32s, as `verify`) before anything is written;
+    refuse a damaged one, naming its files. Files of a bucket with a CRC-32 per block are checked as they are read."""
+    problems = verify_folder(checkpoint, manifest, checked_on_read=local_paths_of(store_for(checkpoint)) is None)
+    if problems:
+        shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
+        raise CorruptCheckpointError(f"{checkpoint} failed verification ({len(problems)} problem(s)): {shown}. "
+                                     "Nothing was written; export an earlier checkpoint, or restore the files.")
 
 
 def require_new_folder(out_dir: str | os.PathLike) -> None:

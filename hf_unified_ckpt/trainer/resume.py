@@ -137,6 +137,8 @@ def check_loadable(layout: Layout) -> None:
     """Refuse a folder that is not a complete checkpoint this library knows, saying what it is and what to do."""
     if layout.kind == UNIFIED:  # committed: damage is reported file by file by verify_checkpoint
         return
+    if layout.unsupported:
+        raise UnsupportedCheckpointError(layout.reason.removeprefix("manifest unusable: "))
     if layout.kind == UNIFIED_INCOMPLETE:
         newest = newest_complete(parent_of(layout.path))
         raise IncompleteCheckpointError(

@@ -54,7 +54,7 @@ from ..preemption.signals import ignore_in_workers
 from ..store import as_ref, is_file, is_folder, join, name_of, parent_of, read_bytes
 from ..store.capture import torch_bytes
 from .best import locate_best, track_best
-from .capture import ARGS_FILE, SCHEDULER_FILE, export_callback_states, processing_class_files, small_files
+from .capture import ARGS_FILE, SCALER_FILE, SCHEDULER_FILE, export_callback_states, processing_class_files, small_files
 from .engines import engine_of
 from .preempt import PreemptionRun, take_over_jit_checkpoint
 from .refusals import refuse_unsupported, warn_engine_fallback
@@ -225,8 +225,9 @@ class CheckpointSession:
         if self.ema is not None and not self.ema.average.parts and dist.rank() == 0:
             logger.warning("Resuming from %s, which holds no EMA of the weights: the EMA starts again from the "
                            "weights at its first update.", folder)
-        self.load_scheduler(folder, saved_groups, engine)
-        self._load_trainer_files(folder)
+        listed = resume.manifest["files"] if resume.manifest is not None else None  # nothing unlisted is read
+        self.load_scheduler(folder, saved_groups, engine, listed)
+        self._load_trainer_files(folder, listed)
         logger.info("Resumed from %s checkpoint %s", resume.layout.kind, folder)
 
     def _load_state(self, resume: Resume, engine) -> list[list[str]] | None:
@@ -241,11 +242,13 @@ class CheckpointSession:
         self.quantized_restore = restored_step(resume.manifest)
         return saved_groups
 
-    def load_scheduler(self, folder: str, saved_groups: list[list[str]] | None, engine) -> None:
+    def load_scheduler(self, folder: str, saved_groups: list[list[str]] | None, engine, listed=None) -> None:
         """Load the scheduler the checkpoint holds, its per-group values fitted to this optimizer's param groups
-        (DeepSpeed drops the empty groups that DDP and FSDP keep). Collective under FSDP: all ranks call it."""
+        (DeepSpeed drops the empty groups that DDP and FSDP keep); `listed`: a unified folder's files (one it does
+        not list is not read). Collective under FSDP: all ranks call it."""
         scheduler = self.trainer.lr_scheduler
-        if scheduler is None or not is_file(join(folder, SCHEDULER_FILE)):
+        if scheduler is None or (listed is not None and SCHEDULER_FILE not in listed) \
+                or not is_file(join(folder, SCHEDULER_FILE)):
             return
         path = join(folder, SCHEDULER_FILE)
         saved = load_pickle(io.BytesIO(read_bytes(path)), str(path))  # weights_only, as the Trainer reads it
@@ -254,11 +257,13 @@ class CheckpointSession:
             saved = fit_scheduler_state(saved, scheduler.state_dict(), matched)
         scheduler.load_state_dict(saved)
 
-    def _load_trainer_files(self, folder: str) -> None:
-        """The scaler (by local path: the stand-in's for a folder in object storage) and the best checkpoint the
-        stand-in's trainer state left out, or (`flash`) the durable copy of a best memory checkpoint. Collective."""
+    def _load_trainer_files(self, folder: str, listed=None) -> None:
+        """The scaler (by local path: the stand-in's for a folder in object storage; not when a unified folder's
+        manifest, `listed`, does not list it) and the best checkpoint the stand-in's trainer state left out, or
+        (`flash`) the durable copy of a best memory checkpoint. Collective."""
         trainer, alias = self.trainer, self.alias
-        trainer._load_scaler(alias.path if alias is not None else str(folder))
+        if listed is None or SCALER_FILE in listed:
+            trainer._load_scaler(alias.path if alias is not None else str(folder))
         if alias is not None and alias.best_model_checkpoint and is_folder(alias.best_model_checkpoint):
             trainer.state.best_model_checkpoint = alias.best_model_checkpoint  # the stand-in's state left it out
         self._find_memory_best()
@@ -289,7 +294,8 @@ class CheckpointSession:
         resume = self._resuming(checkpoint)
         if resume is None:
             return native_load(checkpoint)
-        lost = restore_rng_state(resume.layout.path, dist.rank(), resume.saved_world_size, dist.world_size())
+        listed = resume.manifest["files"] if resume.manifest is not None else None
+        lost = restore_rng_state(resume.layout.path, dist.rank(), resume.saved_world_size, dist.world_size(), listed)
         if lost and dist.rank() == 0:
             logger.warning("Resuming from %s: %s", checkpoint, lost)
         return None

@@ -19,7 +19,8 @@ import tempfile
 import uuid
 
 from .. import dist
-from ..errors import UnsupportedCheckpointError
+from ..checkpoint.files import read_json
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..store import as_ref, is_file, join, put_bytes, read_bytes, remove, store_for
 from .capture import SCALER_FILE, TRAINER_STATE_FILE
 
@@ -85,7 +86,9 @@ class LocalAlias:
     def __init__(self, remote: str):
         self.remote = as_ref(remote)
         self.path = tempfile.mkdtemp(prefix="hf_unified_ckpt-resume-")
-        state = json.loads(read_bytes(join(self.remote, TRAINER_STATE_FILE)))
+        state = read_json(join(self.remote, TRAINER_STATE_FILE), "trainer state")
+        if not isinstance(state, dict):
+            raise CorruptCheckpointError(f"{join(self.remote, TRAINER_STATE_FILE)} is not a JSON object.")
         self.best_model_checkpoint = state.get("best_model_checkpoint")
         state["best_model_checkpoint"] = None
         put_bytes(join(self.path, TRAINER_STATE_FILE), json.dumps(state).encode())
