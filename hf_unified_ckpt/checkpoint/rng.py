@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..store import as_ref, is_file, join, read_bytes
-from .pickles import load_pickle
+from ..store.pickles import load_pickle
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from ..checkpoint.pickles import TRUST_OPT_IN, load_pickle
+from ..store.pickles import TRUST_OPT_IN, load_pickle
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 
 METADATA_FILE = ".metadata"

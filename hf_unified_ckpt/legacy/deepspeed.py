@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..format.components import saved_by
-from ..checkpoint.pickles import TRUST_OPT_IN, load_pickle, vet_pickle
+from ..store.pickles import TRUST_OPT_IN, load_pickle, vet_pickle
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..format.optim_state import OptimizerStateEncoder
 from .sources import TensorSource

@@ -24,7 +24,7 @@ import torch
 
 from ..checkpoint.files import read_json
 from ..format.components import saved_by
-from ..checkpoint.pickles import TRUST_OPT_IN, load_pickle
+from ..store.pickles import TRUST_OPT_IN, load_pickle
 from ..errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError
 from ..format.names import canonical_name
 from ..format.optim_state import OptimizerStateEncoder

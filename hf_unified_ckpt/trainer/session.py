@@ -36,7 +36,7 @@ from ..checkpoint.async_save import AsyncSaver, Fallback
 from ..checkpoint.ema import EmaRun, ExponentialAverage, WithEma
 from ..checkpoint.layout import UNIFIED
 from ..checkpoint.load import load_checkpoint
-from ..checkpoint.pickles import load_pickle
+from ..store.pickles import load_pickle
 from ..checkpoint.placement import judge_path
 from ..checkpoint.retention import rotate_checkpoints
 from ..checkpoint.rng import restore_rng_state
