@@ -195,10 +195,10 @@ def test_adapter_mismatch_says_how_many_tensors(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["scheduler.pt", "rng_state_0.pth"])
-def test_a_small_file_that_pickles_code_is_refused_by_name(ckpt, name, tmp_path):
+def test_a_small_file_that_pickles_code_is_refused_by_name(ckpt, name, tmp_path, no_tensor_reads):
     """A `scheduler.pt` or `rng_state_0.pth` holding a pickle whose unpickling runs code (it writes a marker file),
-    its manifest record re-signed as a forger would: the resume unpickles it with `weights_only`, refusing it with an
-    error that names the file and the global; nothing runs."""
+    its manifest record re-signed as a forger would: the resume unpickles it with `weights_only` while it checks the
+    folder, refusing it before any tensor is read with an error that names the file and the global; nothing runs."""
     from hostile import WritesMarker
 
     marker = tmp_path / "marker"

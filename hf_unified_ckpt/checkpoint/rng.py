@@ -35,6 +35,12 @@ def _numpy_globals() -> list:
     return [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
+def read_rng_file(path: str) -> dict:
+    """The generator states pickled in the RNG file at `path` (a store reference), unpickled with `weights_only` and
+    NumPy's array classes only: a file that needs any other global is refused, naming it."""
+    return load_pickle(io.BytesIO(read_bytes(path)), str(path), _numpy_globals())
+
+
 def restore_rng_state(folder: str | os.PathLike, rank: int, saved_world_size: int, world_size: int,
                       listed: Collection[str] | None = None) -> str | None:
     """Restore this rank's generators from the folder. Returns a description of what could not be restored
@@ -59,7 +65,7 @@ def restore_rng_state(folder: str | os.PathLike, rank: int, saved_world_size: in
                 f"own {rng_file_name(0).replace('0', '<rank>')} continue from rank 0's stream.")
     if not present(name):
         return f"{rng_file_name(0)} is missing: random generators were not restored."
-    state = load_pickle(io.BytesIO(read_bytes(path)), str(path), _numpy_globals())
+    state = read_rng_file(path)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.random.set_rng_state(state["cpu"])

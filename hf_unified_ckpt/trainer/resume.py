@@ -4,6 +4,7 @@ machine's folder first), refuses what cannot be loaded, and says what the plugin
 
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import dataclass
 
@@ -14,11 +15,13 @@ from ..checkpoint.layout import (DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_I
                                  newest_complete)
 from ..checkpoint.load import fetch_small_files, verify_checkpoint
 from ..checkpoint.placement import Placement, judge_path, newest_across_machines, placement_of
+from ..checkpoint.rng import read_rng_file, rng_file_name
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
-                      UnsupportedCheckpointError)
+                      UnifiedCheckpointError, UnsupportedCheckpointError)
 from ..legacy import check_readable, open_legacy
-from ..store import as_ref, canonical, join, parent_of
-from .capture import TRAINER_STATE_FILE
+from ..store import as_ref, canonical, join, parent_of, read_bytes
+from ..store.pickles import load_pickle
+from .capture import SCALER_FILE, SCHEDULER_FILE, TRAINER_STATE_FILE
 from .engines import engine_of
 from .storage import checkpoint_root, is_remote, memory_root
 
@@ -126,11 +129,34 @@ def check_unified(path: str, verdict, show_progress: bool = True) -> Resume:
     placement = fetch_small_files(path, verdict.manifest, placement_of(verdict))
     manifest = verify_checkpoint(path, show_progress=show_progress, placement=placement,
                                  checked_on_read=is_remote(path))  # object storage: blocks checked as read
+    refuse_unsafe_pickles(path, manifest["files"])
     if not placement.everywhere and dist.rank() == 0:
         logger.info("Resuming from %s, whose files are spread over the machines' folders: ranks read the "
                     "tensors they lack from ranks that hold them.", path)
     layout = Layout(UNIFIED, path, True, manifest.get("global_step"), manifest=manifest)
     return Resume(layout, manifest=manifest, placement=placement)
+
+
+def refuse_unsafe_pickles(path: str, listed) -> None:
+    """Unpickle now, with the loaders the resume uses later (`weights_only` and their allow-lists: nothing runs),
+    the pickled small files this rank will read (the scheduler's and the scaler's state, its own RNG state and rank
+    0's, which ranks without their own use), so that one needing another global is refused before anything loads,
+    not after the weights are in. Collective: all ranks call it; a refusal on one rank is raised on every rank."""
+    error = None
+    try:
+        for name in (SCHEDULER_FILE, SCALER_FILE):
+            if name in listed:
+                load_pickle(io.BytesIO(read_bytes(join(path, name))), str(join(path, name)))
+        for name in dict.fromkeys((rng_file_name(dist.rank()), rng_file_name(0), "rng_state.pth")):
+            if name in listed:
+                read_rng_file(join(path, name))
+    except UnifiedCheckpointError as e:  # shared below, so that no rank loads on after another refused
+        error = e
+    failures = [f for f in dist.all_gather_object(None if error is None else f"rank {dist.rank()}: {error}") if f]
+    if error is not None:
+        raise error
+    if failures:
+        raise UnsupportedCheckpointError(f"{path} was refused on other ranks:\n" + "\n".join(failures))
 
 
 def check_loadable(layout: Layout) -> None:
