@@ -2,8 +2,9 @@
 
     python tests/lease_worker.py hold ROOT READY [SECONDS]   take the lease of ROOT (as `train()` does), touch READY,
                                                               hold it SECONDS (forever by default), then give it back
-    python tests/lease_worker.py train OUTPUT_DIR READY GO   build a Trainer, touch READY, wait for GO to exist, then
-                                                              train 4 steps saving each; prints RAN or REFUSED <message>
+    python tests/lease_worker.py train ROOT RACES            RACES times: build a Trainer on ROOT/race-I, touch
+                                                              ROOT/ready-I-<pid>, wait for ROOT/go-I, train 4 steps
+                                                              saving each; prints RACE I RAN or RACE I REFUSED <message>
 """
 
 import os
@@ -28,25 +29,26 @@ def hold(root: str, ready: str, seconds: float | None) -> None:
     lease.release()
 
 
-def train(output_dir: str, ready: str, go: str) -> None:
+def train(root: str, races: int) -> None:
+    """Race `races` times: build a Trainer on ROOT/race-I, touch ROOT/ready-I-<pid>, wait for ROOT/go-I, train."""
     from _runs import make_trainer, pin_threads
     from hf_unified_ckpt.errors import OutputDirInUseError
 
     pin_threads()
-    trainer = make_trainer(output_dir, max_steps=4, save_steps=1, save_total_limit=2,
-                           unified_checkpoint_lease_wait=0.0)
-    open(ready, "w").close()
-    _wait_for(go)
-    try:
-        trainer.train()
-    except OutputDirInUseError as e:
-        print("REFUSED", str(e).replace("\n", " "), flush=True)
-        return
-    print("RAN", flush=True)
+    for race in range(races):
+        trainer = make_trainer(os.path.join(root, f"race-{race}"), max_steps=4, save_steps=1, save_total_limit=2,
+                               unified_checkpoint_lease_wait=0.0)
+        open(os.path.join(root, f"ready-{race}-{os.getpid()}"), "w").close()
+        _wait_for(os.path.join(root, f"go-{race}"))
+        try:
+            trainer.train()
+            print(f"RACE {race} RAN", flush=True)
+        except OutputDirInUseError as e:
+            print(f"RACE {race} REFUSED", str(e).replace("\n", " "), flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "hold":
         hold(sys.argv[2], sys.argv[3], float(sys.argv[4]) if len(sys.argv) > 4 else None)
     else:
-        train(*sys.argv[2:5])
+        train(sys.argv[2], int(sys.argv[3]))

@@ -191,3 +191,39 @@ def test_a_save_over_a_symlinked_checkpoint_replaces_the_link_and_never_removes_
     (out / "checkpoint-2").symlink_to(tmp_path / "real-2", target_is_directory=True)
     assert rotate_checkpoints(out, limit=1) == [str(out / "checkpoint-2")]
     assert sorted(os.listdir(out)) == ["checkpoint-4"] and verify_checkpoint(tmp_path / "real-2")
+
+
+@pytest.mark.slow
+def test_two_jobs_started_together_one_runs_the_other_is_refused_never_a_torn_commit(tmp_path):
+    """20 races: two real processes build their Trainers on one output_dir, wait for one signal, then call train()
+    together (4 steps, a save at each, save_total_limit=2). Every time one runs to the end and the other is refused
+    with OutputDirInUseError naming the first's pid; every committed folder verifies; no hidden folder and no lease
+    is left. (Each process imports the training stack once and races 20 times, on a fresh output_dir each time.)"""
+    from hf_unified_ckpt.checkpoint.load import verify_checkpoint
+
+    races = 20
+    jobs = [subprocess.Popen([sys.executable, os.path.join(HERE, "lease_worker.py"), "train", str(tmp_path),
+                              str(races)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    try:
+        for race in range(races):
+            deadline = time.monotonic() + 300
+            while not all((tmp_path / f"ready-{race}-{p.pid}").exists() for p in jobs):
+                assert all(p.poll() is None for p in jobs) and time.monotonic() < deadline, race
+                time.sleep(0.01)
+            (tmp_path / f"go-{race}").touch()
+        said = [p.communicate(timeout=600) for p in jobs]
+    finally:
+        for p in jobs:
+            p.kill()
+    assert all(p.returncode == 0 for p in jobs), [e[-3000:] for _, e in said]
+    lines = [{int(line.split()[1]): line for line in out.splitlines() if line.startswith("RACE ")} for out, _ in said]
+    for race in range(races):
+        verdicts = [lines[i][race].split(maxsplit=2)[2] for i in range(2)]
+        ran = [jobs[i].pid for i in range(2) if verdicts[i] == "RAN"]
+        assert len(ran) == 1 and sum(v.startswith("REFUSED") for v in verdicts) == 1, (race, verdicts)
+        assert f"pid {ran[0]}, started " in next(v for v in verdicts if v.startswith("REFUSED")), verdicts
+        out = tmp_path / f"race-{race}"
+        assert sorted(os.listdir(out)) == ["checkpoint-3", "checkpoint-4"], (race, os.listdir(out))
+        for name in os.listdir(out):
+            assert verify_checkpoint(out / name)["global_step"] == int(name.split("-")[1])
