@@ -227,3 +227,27 @@ def test_two_jobs_started_together_one_runs_the_other_is_refused_never_a_torn_co
         assert sorted(os.listdir(out)) == ["checkpoint-3", "checkpoint-4"], (race, os.listdir(out))
         for name in os.listdir(out):
             assert verify_checkpoint(out / name)["global_step"] == int(name.split("-")[1])
+
+
+def test_a_store_that_ignores_conditional_writes_is_said_once_to_leave_output_dir_unprotected(caplog):
+    """A store whose exclusive put overwrites (an S3 server without conditional writes) is found when the lease is
+    taken, and said once; the lease still keeps a job that comes later out."""
+    from hf_unified_ckpt.store import FsspecStore, register_store
+
+    class NoConditionalWrites(FsspecStore):
+        def put(self, ref, data, exclusive=False):
+            super().put(ref, data)
+
+    register_store("memory", NoConditionalWrites)
+    try:
+        with caplog.at_level("WARNING"):
+            for n in range(2):
+                held = Lease(f"memory://unprotected-{n}/run", "first", LeaseOptions(wait=0.0))
+                held.acquire()
+        said = [r for r in caplog.records if "ignores conditional writes" in r.getMessage()]
+        assert len(said) == 1 and "memory://unprotected-0/run" in said[0].getMessage()
+        with pytest.raises(OutputDirInUseError):
+            Lease("memory://unprotected-1/run", "second", LeaseOptions(wait=0.0)).acquire()
+        held.release()
+    finally:
+        register_store("memory", FsspecStore)
