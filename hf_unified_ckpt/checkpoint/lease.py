@@ -2,7 +2,7 @@
 before its first step, and gives back when it ends (`trainer/session.py` drives it).
 
 Two jobs writing one folder delete each other's files and may commit a torn checkpoint; a second job is refused
-instead, naming the first. The lease is a small JSON record, `.hf_unified_ckpt-lease-<generation>.json`, created
+instead, naming the first. The lease is a small JSON record, `_hf_unified_ckpt-lease-<generation>.json`, created
 with an exclusive put (a hard link on a local or mounted folder, `If-None-Match: *` on S3): of two jobs starting
 together exactly one creates it. It records who holds it (`store.node.Process`: machine, boot, pid namespace, pid,
 start time) and when it was last renewed; the holder renews it from a daemon thread every `timeout / 4` seconds (at
@@ -39,7 +39,7 @@ from ..store.node import Process
 
 logger = logging.getLogger(__name__)
 
-PREFIX = ".hf_unified_ckpt-lease-"
+PREFIX = "_hf_unified_ckpt-lease-"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)\.json$")
 #: Seconds between two looks at a live lease while waiting for it.
 POLL = 0.5
@@ -69,17 +69,18 @@ class Lease:
         """(generation, reference, record) of the newest lease under `root`: (0, None, None) when there is none; a
         record that cannot be read as a lease is {}."""
         store = store_for(self.root)
-        generations = [int(m.group(1)) for m in map(_NAME.match, store.list(self.root)) if m]
-        if not generations:
-            return 0, None, None
-        ref = join(self.root, lease_name(max(generations)))
-        try:
-            record = json.loads(store.read(ref))
-        except FileNotFoundError:
-            return self.current()  # released or taken over meanwhile: look again
-        except (OSError, ValueError):
-            record = {}
-        return max(generations), ref, record if isinstance(record, dict) else {}
+        while True:
+            generations = [int(m.group(1)) for m in map(_NAME.match, store.list(self.root)) if m]
+            if not generations:
+                return 0, None, None
+            ref = join(self.root, lease_name(max(generations)))
+            try:
+                record = json.loads(store.read(ref))
+            except FileNotFoundError:
+                continue  # released or taken over meanwhile: look again
+            except (OSError, ValueError):
+                record = {}
+            return max(generations), ref, record if isinstance(record, dict) else {}
 
     def live(self, record: dict) -> bool:
         """Whether the job of `record` still holds it (see the module docstring)."""
@@ -143,7 +144,7 @@ class Lease:
         if self.held is None or self._thread is not None:
             return
         interval = max(0.5, min(5.0, self.options.timeout / 4))
-        self._thread = threading.Thread(target=self._beat, args=(interval,), name="hf_unified_ckpt-lease",
+        self._thread = threading.Thread(target=self._beat, args=(interval,), name="hf_unified_ckpt-output-lease",
                                         daemon=True)
         self._thread.start()
 
