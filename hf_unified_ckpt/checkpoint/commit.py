@@ -3,9 +3,10 @@
 Where the store renames atomically (`LocalStore`), a checkpoint is written into a hidden staging folder
 `.checkpoint-N.<host>.<pid>.<token>.incomplete` next to its final place (the owner tag `store.node.owner_tag`: a
 folder of this save's own, never shared with another save of the same step); its manifest is written last inside
-it, then the folder is renamed to `checkpoint-N`. Elsewhere it is written in place and its manifest, written last, commits it. Either
-way a job killed at any instant leaves no `checkpoint-N` that a reader takes for complete. When machines have their own local folders, each machine
-has its own staging folder; `.writer-<rank>` marks tell which ranks share one.
+it, then the folder is renamed to `checkpoint-N`. Elsewhere it is written in place and its manifest, written last,
+commits it. Either way a job killed at any instant leaves no `checkpoint-N` that a reader takes for complete. When
+machines have their own local folders, each machine has its own staging folder; `.writer-<rank>` marks tell which
+ranks share one.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ executor (`executors.py`: the synchronous save runs it inline, `async_save` in a
 It is cut once, where the snapshot is taken:
 
 - on the training thread, `begin` (collective): rank 0 creates the staging folder (`Store.stage`:
-  `.checkpoint-N.<host>.<pid>.<token>.incomplete`, this save's own, where the store renames atomically, else `checkpoint-N` itself, committed by its
-  manifest); ranks that cannot see it (their machine has its own local folder) create their own; every rank
+  `.checkpoint-N.<host>.<pid>.<token>.incomplete`, this save's own, where the store renames atomically, else
+  `checkpoint-N` itself, committed by its manifest); ranks that cannot see it (their machine has its own local folder) create their own; every rank
   computes the same shard plan (`plan_save`); the write strategy is chosen from the store's capabilities and
   prepared (`writer.choose_writer`: pieces in place where every rank sees the folder and the store writes at
   offsets, parts of multipart uploads on an object store, else whole files); file by file, sharded engines assemble
