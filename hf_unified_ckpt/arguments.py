@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, is_dataclass
 from transformers import TrainingArguments
 
 from .options import (CONFIG_WORDS, DEFAULT_GRACE_PERIOD, DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_SHARD_SIZE,
-                      DEFAULT_MEMORY_DIR, DEFAULT_MEMORY_KEEP, DEFAULT_PERSIST_EVERY, PREEMPTION_SIGNALS,
-                      UnifiedCheckpointOptions, parse_flash, parse_options, parse_preemption)
+                      DEFAULT_MEMORY_DIR, DEFAULT_MEMORY_KEEP, DEFAULT_OUTPUT_LEASE_TIMEOUT, DEFAULT_OUTPUT_LEASE_WAIT,
+                      DEFAULT_PERSIST_EVERY, PREEMPTION_SIGNALS, UnifiedCheckpointOptions, parse_flash, parse_lease,
+                      parse_options, parse_preemption)
 
 _CONFIG_HELP = "Space- or comma-separated words: " + "; ".join(f"{w}: {d}" for w, d in CONFIG_WORDS.items()) + "."
 
@@ -92,6 +93,18 @@ class UnifiedCheckpointFields:
                           "cache (e.g. a network filesystem where direct writes are slower)."},
     )
 
+    unified_checkpoint_lease_timeout: float = field(
+        default=DEFAULT_OUTPUT_LEASE_TIMEOUT,
+        metadata={"help": "One job per output_dir: train() takes a lease on the checkpoints' folder before its first "
+                          "step and renews it; a job on another machine that has not renewed it for this many seconds "
+                          "is taken for gone (on the same machine a dead process is seen at once)."},
+    )
+    unified_checkpoint_lease_wait: float = field(
+        default=DEFAULT_OUTPUT_LEASE_WAIT,
+        metadata={"help": "Seconds train() waits for another live job's lease on the checkpoints' folder to end "
+                          "(a requeued job's predecessor) before it refuses to start, naming that job; 0: at once."},
+    )
+
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "With unified_checkpoint: on a preemption signal (preemption_signals) the ranks agree at the "
@@ -131,6 +144,7 @@ class UnifiedCheckpointFields:
                               self.unified_checkpoint_memory_keep, self.unified_checkpoint_memory_lease),
             async_executor=self.unified_checkpoint_async_executor,
             direct_io=self.unified_checkpoint_direct_io,
+            lease=parse_lease(self.unified_checkpoint_lease_timeout, self.unified_checkpoint_lease_wait),
         )
 
     @property
@@ -167,6 +181,7 @@ UnifiedCheckpointArguments.__doc__ = (
     "(unified_checkpoint, unified_checkpoint_config, ckpt_quant_stage, disable_ckpt_quant, ema_decay, ema_interval, "
     "unified_checkpoint_max_shard_size, unified_checkpoint_storage, unified_checkpoint_memory_dir, "
     "unified_checkpoint_persist_every, unified_checkpoint_memory_keep, unified_checkpoint_memory_lease, "
-    "unified_checkpoint_async_executor, unified_checkpoint_direct_io, save_on_preemption, preemption_signals, "
+    "unified_checkpoint_async_executor, unified_checkpoint_direct_io, unified_checkpoint_lease_timeout, "
+    "unified_checkpoint_lease_wait, save_on_preemption, preemption_signals, "
     "preemption_grace_period, slurm_requeue)."
 )

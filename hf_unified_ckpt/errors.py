@@ -32,6 +32,12 @@ class CheckpointNotFoundError(UnifiedCheckpointError, ValueError):
     checkpoint found in output directory (...)`), the plugin's explanation after it."""
 
 
+class OutputDirInUseError(UnifiedCheckpointError):
+    """Another live job holds the lease of the folder (or URL prefix) this job's checkpoints go to: raised by
+    `train()` before its first step, naming that job (host, pid, start time) and the ways out (another output_dir,
+    `unified_checkpoint_lease_wait`, or removing the lease of a job that is surely gone). Nothing was written."""
+
+
 class WriterProcessDied(UnifiedCheckpointError):
     """The writer process of a background save (`unified_checkpoint_async_executor="process"`) ended while a save
     was in flight (killed, out of memory): that save committed nothing, earlier checkpoints are untouched, and the

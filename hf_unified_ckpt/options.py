@@ -44,6 +44,8 @@ DEFAULT_MEMORY_DIR = "/dev/shm"
 DEFAULT_PERSIST_EVERY = 4
 DEFAULT_MEMORY_KEEP = 2
 DEFAULT_LEASE_TIMEOUT = 600.0
+DEFAULT_OUTPUT_LEASE_TIMEOUT = 60.0
+DEFAULT_OUTPUT_LEASE_WAIT = 120.0
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -119,6 +121,34 @@ def parse_flash(memory_dir: str = DEFAULT_MEMORY_DIR, persist_every: int = DEFAU
     return FlashOptions(False, os.path.abspath(memory_dir), int(persist_every), int(keep), float(lease_timeout))
 
 
+@dataclass(frozen=True)
+class LeaseOptions:
+    """The lease a `train()` call holds on the folder its checkpoints go to: one job per output_dir
+    (`checkpoint/lease.py`).
+
+    Attributes:
+        timeout: seconds without a renewal after which the lease of a job on another machine is taken for stale
+            (`unified_checkpoint_lease_timeout`); on the same machine a dead process is seen at once.
+        wait: seconds a job waits for another job's live lease to end before it refuses to start
+            (`unified_checkpoint_lease_wait`): a requeued job whose predecessor still saves, or whose predecessor's
+            machine died (its lease goes stale after `timeout`).
+    """
+
+    timeout: float = DEFAULT_OUTPUT_LEASE_TIMEOUT
+    wait: float = DEFAULT_OUTPUT_LEASE_WAIT
+
+
+def parse_lease(timeout: float = DEFAULT_OUTPUT_LEASE_TIMEOUT, wait: float = DEFAULT_OUTPUT_LEASE_WAIT) -> LeaseOptions:
+    """The output_dir lease fields parsed and checked."""
+    if not float(timeout) > 0:
+        raise ValueError(f"unified_checkpoint_lease_timeout={timeout!r}: expected seconds > 0 (how long a job on "
+                         "another machine may go without renewing its lease before it is taken for gone).")
+    if not float(wait) >= 0:
+        raise ValueError(f"unified_checkpoint_lease_wait={wait!r}: expected seconds >= 0 (how long a job waits for "
+                         "another job's lease on its output_dir to end; 0 refuses at once).")
+    return LeaseOptions(float(timeout), float(wait))
+
+
 def parse_signals(value: str | list[str] | tuple) -> tuple[int, ...]:
     """"SIGTERM,SIGUSR1" (names with or without SIG, or numbers; spaces or commas) into signal numbers."""
     import signal
@@ -180,7 +210,8 @@ class UnifiedCheckpointOptions:
         direct_io: write checkpoint files to local and mounted folders with direct I/O (`O_DIRECT`, past the page
             cache) where the filesystem takes it (`unified_checkpoint_direct_io`); False: through the page cache.
         trust_pickles: a legacy folder resumed from is unpickled whole (`trust_pickles`), not with `weights_only`
-            and an allow-list (`checkpoint/pickles.py`).
+            and an allow-list (`store/pickles.py`).
+        lease: the lease `train()` takes on the checkpoints' folder, one job per output_dir (`LeaseOptions`).
     """
 
     enabled: bool = False
@@ -200,6 +231,7 @@ class UnifiedCheckpointOptions:
     async_executor: str = "thread"
     direct_io: bool = True
     trust_pickles: bool = False
+    lease: LeaseOptions = LeaseOptions()
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
     #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
     quant_stage_requested: str | None = None
@@ -291,6 +323,7 @@ def parse_options(
     flash: FlashOptions | None = None,
     async_executor: str = "thread",
     direct_io: bool = True,
+    lease: LeaseOptions | None = None,
 ) -> UnifiedCheckpointOptions:
     """Parse the raw argument values into `UnifiedCheckpointOptions`.
 
@@ -352,6 +385,7 @@ def parse_options(
         async_executor=async_executor,
         direct_io=bool(direct_io),
         trust_pickles="trust_pickles" in chosen,
+        lease=lease if lease is not None else LeaseOptions(),
     )
     validate_supported(options, words)
     return options

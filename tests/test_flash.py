@@ -330,6 +330,12 @@ def _dead_pid() -> int:
     return child.pid
 
 
+def _stagings(root, step: int) -> list[str]:
+    """The staging folders of checkpoint-`step` under `root` (each save's own: `.checkpoint-N.<tag>.incomplete`)."""
+    return [os.path.join(root, n) for n in sorted(os.listdir(root)) if os.path.isdir(os.path.join(root, n))
+            and n.startswith(f".checkpoint-{step}.") and n.endswith(".incomplete")] if os.path.isdir(root) else []
+
+
 def _persister(run, slow: float = 0.0) -> subprocess.Popen:
     """A real persister process; with `slow`, each file's copy starts `slow` seconds late (a window to kill it
     mid-copy)."""
@@ -341,9 +347,8 @@ def _persister(run, slow: float = 0.0) -> subprocess.Popen:
 
 def test_persister_killed_mid_copy_leaves_no_torn_checkpoint_and_the_next_completes_it(staged_run):
     run, durable_root = staged_run
-    staging = os.path.join(durable_root, ".checkpoint-6.incomplete")
     first = _persister(run, slow=0.3)
-    _wait(lambda: os.path.isdir(staging) and any(n.endswith(".safetensors") for n in os.listdir(staging)), 60,
+    _wait(lambda: any(n.endswith(".safetensors") for s in _stagings(durable_root, 6) for n in os.listdir(s)), 60,
           "the first copied file")
     first.send_signal(signal.SIGKILL)
     first.wait()
@@ -352,7 +357,7 @@ def test_persister_killed_mid_copy_leaves_no_torn_checkpoint_and_the_next_comple
     second = _persister(run)
     assert second.wait(timeout=60) == 0
     verify_checkpoint(os.path.join(durable_root, "checkpoint-6"))
-    assert not os.path.exists(os.path.join(durable_root, ".checkpoint-6.incomplete"))
+    assert _stagings(durable_root, 6) == []
     assert not os.path.exists(run), "the trainer stayed gone for the lease: the memory is freed"
 
 
@@ -378,7 +383,7 @@ def test_a_checkpoint_is_never_evicted_while_the_persister_copies_it(runs, memor
     os.remove(os.path.join(run, CHECKPOINTS, "checkpoint-8", "unified_checkpoint.json"))  # not there yet
     persister = _persister(run, slow=1.0)
     try:
-        _wait(lambda: os.path.isdir(os.path.join(durable_root, ".checkpoint-6.incomplete")), 60, "the copy of 6")
+        _wait(lambda: _stagings(durable_root, 6), 60, "the copy of 6")
         shutil.copy(tmp / "ddp" / "checkpoint-6" / "unified_checkpoint.json",
                     os.path.join(run, CHECKPOINTS, "checkpoint-8"))  # the restarted job's save of step 8 commits
         write_record(os.path.join(run, SAVES, "checkpoint-6.json"), stale)

@@ -469,3 +469,24 @@ def test_the_clients_event_loop_thread_ends_with_the_run(s3_bucket, tmp_path):
     assert sorted(store.list(join(s3_bucket, "run"))) == ["checkpoint-3", "checkpoint-6"] and len(loops()) == 1
     store.close()
     assert not loops()
+
+
+def test_the_output_dir_lease_is_a_conditional_object_in_the_bucket(s3_bucket, caplog):
+    """Issue 55, item 4, on a bucket: the lease object is created with a conditional put (SeaweedFS honours
+    `If-None-Match: *`: no warning that the prefix is unprotected); a second job is refused naming the first;
+    renewing rewrites it; giving it back leaves nothing in the bucket."""
+    from hf_unified_ckpt.checkpoint.lease import Lease, lease_name
+    from hf_unified_ckpt.errors import OutputDirInUseError
+    from hf_unified_ckpt.options import LeaseOptions
+
+    first = Lease(s3_bucket, "first", LeaseOptions(wait=0.0))
+    with caplog.at_level("WARNING"):
+        first.acquire()
+    assert not [r for r in caplog.records if "conditional writes" in r.getMessage()]
+    assert sorted(listing(s3_bucket)) == [lease_name(1)]
+    with pytest.raises(OutputDirInUseError, match=f"pid {__import__('os').getpid()}, started "):
+        Lease(s3_bucket, "second", LeaseOptions(wait=0.0)).acquire()
+    before = json.loads(read_bytes(join(s3_bucket, lease_name(1))))["renewed"]
+    assert first.renew() and json.loads(read_bytes(join(s3_bucket, lease_name(1))))["renewed"] >= before
+    first.release()
+    assert listing(s3_bucket) == {}

@@ -27,6 +27,7 @@ from _runs import THREADS, pin_threads
 from conftest import record_fault
 from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
 from hf_unified_ckpt.engines.replicated import ReplicatedEngine
+from hf_unified_ckpt.store.node import host_name
 from hf_unified_ckpt.errors import CorruptCheckpointError, UnifiedCheckpointError
 from hf_unified_ckpt.checkpoint.layout import UNIFIED, UNIFIED_INCOMPLETE, detect_layout, newest_complete
 from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
@@ -332,7 +333,9 @@ def test_save_cut_before_the_manifest_is_never_picked(run_ref, how, monkeypatch)
         with pytest.raises(FileNotFoundError):
             verify_checkpoint(two)
     else:  # staged aside: no checkpoint-2 at all, only the hidden staging folder
-        assert sorted(store.list(run)) == [".checkpoint-2.incomplete", "checkpoint-1"]
+        left = sorted(store.list(run))
+        assert len(left) == 2 and left[1] == "checkpoint-1", left
+        assert left[0].startswith(f".checkpoint-2.{host_name()}.{os.getpid()}.") and left[0].endswith(".incomplete")
     assert newest_complete(run).global_step == 1 and _complete_steps(run) == [1]
     assert rotate_checkpoints(run, limit=1) == []  # an uncommitted folder is neither counted nor deleted
     _assert_equal_states(_load(join(run, "checkpoint-1")), state1)
@@ -408,7 +411,8 @@ def test_rotation_cut_half_way_leaves_nothing_that_is_picked(run_ref, monkeypatc
         assert store.is_folder(one) and MANIFEST_NAME not in store.list(one)
         assert detect_layout(one).kind == UNIFIED_INCOMPLETE
     else:  # renamed aside before anything was deleted
-        assert sorted(store.list(run)) == [".checkpoint-1.deleting", "checkpoint-2"]
+        aside, rest = sorted(store.list(run))
+        assert rest == "checkpoint-2" and aside.startswith(".checkpoint-1.") and aside.endswith(".deleting"), aside
     assert not detect_layout(one).complete
     assert newest_complete(run).global_step == 2 and _complete_steps(run) == [2]
     assert rotate_checkpoints(run, limit=1) == []  # what is left is not a committed checkpoint: not rotated again

@@ -1,10 +1,12 @@
 """Atomic commit and checkpoint-folder bookkeeping: staging, publishing, listing, stale folders, through the store.
 
 Where the store renames atomically (`LocalStore`), a checkpoint is written into a hidden staging folder
-`.checkpoint-N.incomplete` next to its final place; its manifest is written last inside it, then the folder is
-renamed to `checkpoint-N`. Elsewhere it is written in place and its manifest, written last, commits it. Either
-way a job killed at any instant leaves no `checkpoint-N` that a reader takes for complete. When machines have their own local folders, each machine
-has its own staging folder; `.writer-<rank>` marks tell which ranks share one.
+`.checkpoint-N.<host>.<pid>.<token>.incomplete` next to its final place (the owner tag `store.node.owner_tag`: a
+folder of this save's own, never shared with another save of the same step); its manifest is written last inside
+it, then the folder is renamed to `checkpoint-N`. Elsewhere it is written in place and its manifest, written last,
+commits it. Either way a job killed at any instant leaves no `checkpoint-N` that a reader takes for complete. When
+machines have their own local folders, each machine has its own staging folder; `.writer-<rank>` marks tell which
+ranks share one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import logging
 import os
 import re
 
-from ..store import DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX, as_ref, join, name_of, store_for
+from ..store import (DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX, as_ref, join, local_paths_of, name_of,
+                     store_for)
+from ..store.node import owner_gone, owner_tag
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +27,21 @@ WRITER_MARK = ".writer-"
 COMMIT_FILE = "unified_checkpoint.json"
 
 
-def staging_dir(final: str | os.PathLike) -> str:
-    """Where a save of `final` is written: a hidden sibling renamed into place where the store renames atomically,
-    else `final` itself (its manifest, written last, commits it)."""
-    return store_for(final).stage(as_ref(final))
+#: Seconds a hidden folder of a process on another machine must be left untouched before a clean-up takes it for
+#: an interrupted one (on this machine a dead pid says so at once).
+QUIET_AFTER = 3600.0
+
+
+def new_tag(token: str | None = None) -> str:
+    """The owner tag of a save's hidden folders (`store.node.owner_tag`: this machine, this pid, `token` or a
+    random one)."""
+    return owner_tag(token)
+
+
+def staging_dir(final: str | os.PathLike, tag: str = "") -> str:
+    """Where a save of `final` is written: a hidden sibling of this save's own (`tag`, from `new_tag`) renamed into
+    place where the store renames atomically, else `final` itself (its manifest, written last, commits it)."""
+    return store_for(final).stage(as_ref(final), tag)
 
 
 def prepare_staging(staging: str | os.PathLike) -> None:
@@ -84,16 +99,22 @@ def commit(staging: str | os.PathLike, final: str | os.PathLike) -> None:
     store_for(final).publish(as_ref(staging), as_ref(final))
 
 
-def remove_stale(run_dir: str | os.PathLike, keep: str | os.PathLike | None = None) -> list[str]:
-    """Remove staging/superseded/deleting folders that interrupted saves or rotations left behind (no save in
-    flight), except `keep`."""
+def remove_stale(run_dir: str | os.PathLike, keep: str | os.PathLike | None = None,
+                 prefix: str = ".checkpoint-") -> list[str]:
+    """Remove the staging/superseded/deleting folders (`<prefix>...`) that interrupted saves or rotations left
+    behind, except `keep`, and except another live process's (`store.node.owner_gone`: a save of another job, or
+    of this job's persister, is never removed under it)."""
     store, removed = store_for(run_dir), []
     keep = name_of(keep) if keep is not None else None
+    paths = local_paths_of(store)
     for name, size in store.list(as_ref(run_dir)).items():
-        if (name.startswith(".checkpoint-") and name != keep and size is None
+        if (name.startswith(prefix) and name != keep and size is None
                 and name.endswith((STAGING_SUFFIX, SUPERSEDED_SUFFIX, DELETING_SUFFIX))):
-            store.remove(join(run_dir, name))
-            removed.append(join(run_dir, name))
+            ref = join(run_dir, name)
+            if paths is not None and not owner_gone(paths.local_path(ref), QUIET_AFTER):
+                continue
+            store.remove(ref)
+            removed.append(ref)
     return removed
 
 

@@ -5,8 +5,8 @@ executor (`executors.py`: the synchronous save runs it inline, `async_save` in a
 It is cut once, where the snapshot is taken:
 
 - on the training thread, `begin` (collective): rank 0 creates the staging folder (`Store.stage`:
-  `.checkpoint-N.incomplete` where the store renames atomically, else `checkpoint-N` itself, committed by its
-  manifest); ranks that cannot see it (their machine has its own local folder) create their own; every rank
+  `.checkpoint-N.<host>.<pid>.<token>.incomplete`, this save's own, where the store renames atomically, else
+  `checkpoint-N` itself, committed by its manifest); ranks that cannot see it (their machine has its own local folder) create their own; every rank
   computes the same shard plan (`plan_save`); the write strategy is chosen from the store's capabilities and
   prepared (`writer.choose_writer`: pieces in place where every rank sees the folder and the store writes at
   offsets, parts of multipart uploads on an object store, else whole files); file by file, sharded engines assemble
@@ -47,10 +47,10 @@ from ..options import UnifiedCheckpointOptions
 from .persist import PersistJob, write_small_files
 from .reports import Failure, guarded, out_of_space
 from ..format.planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
-from .commit import (WRITER_MARK, commit, join_staging, mark_writer, prepare_staging, remove_stale,
-                             remove_writer_marks, sees_writer, staging_dir)
+from .commit import (WRITER_MARK, commit, join_staging, mark_writer, new_tag, prepare_staging, remove_stale,
+                     remove_writer_marks, sees_writer, staging_dir)
 from .files import FileRecord, RangeRecord, combine_ranges, put_file
-from ..store import as_ref, join, name_of, parent_of, store_for
+from ..store import STAGING_SUFFIX, as_ref, join, name_of, parent_of, store_for
 from .manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .safetensors_io import index_name, write_index
 from .multipart import MultipartWriter
@@ -324,13 +324,15 @@ def open_staging(final: str, group=None) -> Staging:
     rank that does not see it (its machine has a local folder) creates and joins its own. A failure (read-only or
     full disk) is raised on every rank before anything is written. Collective (on `group`): all its ranks must call
     it."""
-    path = staging_dir(final)
-    attempt = status = None
+    attempt = status = tag = None
     if dist.rank() == 0:
         attempt = uuid.uuid4().hex
+        tag = new_tag(attempt[:12])  # rank 0's machine and pid: a staging folder of this save's own
+        path = staging_dir(final, tag)
         status = guarded(lambda: (remove_stale(parent_of(final), keep=path), prepare_staging(path),
                                   mark_writer(path, 0, attempt)))
-    status, attempt = dist.broadcast_object((status, attempt), group=group)
+    status, attempt, tag = dist.broadcast_object((status, attempt, tag), group=group)
+    path = staging_dir(final, tag)
     creator = Staging(path, final, 0, True)
     raise_if_failed([status], creator)
     sees_rank0 = sees_writer(path, 0, attempt)
@@ -467,8 +469,10 @@ def save_model_weights(engine: EngineAdapter, folder: str | os.PathLike, max_sha
     folder = as_ref(folder)
     weights = next(c for c in engine.components() if c.role is Role.WEIGHTS)
     plan = plan_component(weights.name, engine.specs(weights.name), 1, max_shard_size, file_stem=weights.file_stem)
-    staging = Staging(join(folder, f".{plan.file_stem}.incomplete"), folder, 0, shared=True)
-    status = guarded(lambda: prepare_staging(staging.path)) if dist.rank() == 0 else (True, None)
+    tag = dist.broadcast_object(new_tag() if dist.rank() == 0 else None)
+    staging = Staging(join(folder, f".{plan.file_stem}.{tag}{STAGING_SUFFIX}"), folder, 0, shared=True)
+    status = (guarded(lambda: (remove_stale(folder, keep=staging.path, prefix=f".{plan.file_stem}."),
+                               prepare_staging(staging.path))) if dist.rank() == 0 else (True, None))
     raise_if_failed([dist.broadcast_object(status)], staging)
 
     def write() -> None:

@@ -1,7 +1,10 @@
 """Make one committed memory checkpoint durable: copy its files into the durable store, each file's CRC-32
 checked against the memory manifest as it is written, and commit with the manifest last, so the durable
-`checkpoint-N` is either complete or absent (a persister killed mid-copy leaves a staging folder the next save
-removes, or an uncommitted prefix in object storage that nothing picks).
+`checkpoint-N` is either complete or absent (a persister killed mid-copy leaves a staging folder that the next
+persister of the same save reuses, or a save removes once it has been left untouched for an hour, or an uncommitted
+prefix in object storage that nothing picks). The staging folder is named after the save
+(`.checkpoint-N.persist-<manifest CRC-32>.incomplete`), so every machine's persister finds the same one and no other
+save shares it.
 
 Several machines: each machine's memory folder holds the small files rank 0 wrote, its ranks' own small files
 (RNG state) and its share of the tensor files. The machine of rank 0 (the leader) prepares the durable staging
@@ -42,7 +45,7 @@ def persist_checkpoint(memory_ckpt: str, info: SaveInfo, still_wanted: Callable[
     manifest_bytes = read_bytes(join(memory_ckpt, MANIFEST_NAME))
     attempt = f"{crc32(manifest_bytes):08x}"
     table = read_manifest(memory_ckpt)["files"]  # validated (the bytes above are what is copied)
-    staging = staging_dir(info.durable_final)
+    staging = staging_dir(info.durable_final, f"persist-{attempt}")  # this save's own, the same on every machine
     store = store_for(staging)
     here = store_for(memory_ckpt).list(memory_ckpt)
     if info.leader:

@@ -49,8 +49,9 @@ Written = tuple[int, int, int]
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 #: The hidden siblings a store that renames (`stage` / `publish` / `retire`) leaves beside `checkpoint-N` while it
-#: works, `.checkpoint-N<suffix>`: a save being written, the checkpoint it replaces, one being removed. Any left
-#: when no save runs were left by an interrupted one (`checkpoint.commit.remove_stale`).
+#: works, `.checkpoint-N.<host>.<pid>.<token><suffix>` (`node.owner_tag`: unique to one save of one process, so two
+#: processes never share one): a save being written, the checkpoint it replaces, one being removed. Those whose
+#: process is gone were left by an interrupted one (`checkpoint.commit.remove_stale`).
 STAGING_SUFFIX = ".incomplete"
 SUPERSEDED_SUFFIX = ".superseded"
 DELETING_SUFFIX = ".deleting"
@@ -134,9 +135,10 @@ class Store(Protocol):
     def remove(self, ref: str) -> None:
         """Remove file or folder `ref` (everything under it); nothing when it is missing."""
 
-    def stage(self, final: str) -> str:
+    def stage(self, final: str, tag: str = "") -> str:
         """The reference a save of checkpoint `final` writes into: a hidden sibling folder renamed into place by
-        `publish` where rename is atomic, else `final` itself (the manifest, written last, commits it)."""
+        `publish` where rename is atomic (`.<name>.<tag>.incomplete`: `tag`, a `node.owner_tag`, makes it this
+        save's own), else `final` itself (the manifest, written last, commits it)."""
 
     def publish(self, staging: str, final: str) -> None:
         """Make the save written into `staging` the checkpoint `final`, durably, replacing an earlier one of the
@@ -253,7 +255,7 @@ class ManifestCommit:
     """The commit of a store without atomic rename: a save is written in place and committed by its manifest,
     written last; a checkpoint is removed manifest first."""
 
-    def stage(self, final: str) -> str:
+    def stage(self, final: str, tag: str = "") -> str:
         return as_ref(final).rstrip("/")
 
     def publish(self, staging: str, final: str) -> None:

@@ -18,6 +18,7 @@ from . import local_io
 from .base import (DELETING_SUFFIX, STAGING_SUFFIX, SUPERSEDED_SUFFIX, Capabilities, Range, Written, as_ref,
                    listed_name, probe_write)
 from .direct import direct_io_works, write_at_direct, write_whole_direct
+from .node import owner_tag
 
 logger = logging.getLogger(__name__)
 
@@ -95,42 +96,40 @@ class LocalStore:
         local_io.make_folders(self._path(ref))
 
     def remove(self, ref: str) -> None:
-        path = self._path(ref)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _remove_entry(self._path(ref))
 
     # ---- commit -------------------------------------------------------------------------------------------------
-    def stage(self, final: str) -> str:
+    def stage(self, final: str, tag: str = "") -> str:
         head, name = os.path.split(os.path.normpath(self._path(final)))
-        return os.path.join(head, f".{name}{STAGING_SUFFIX}")
+        return os.path.join(head, f".{name}.{tag}{STAGING_SUFFIX}" if tag else f".{name}{STAGING_SUFFIX}")
 
     def publish(self, staging: str, final: str) -> None:
-        """Rename the staging folder into place (an existing `final` set aside first, removed after), durably."""
+        """Rename the staging folder into place (an existing `final` set aside first under a name of this save's
+        own, removed after), durably. A `final` that is a symbolic link is replaced as a link: its target is left
+        as it is (never removed through the link)."""
         staging, final = self._path(staging), os.path.normpath(self._path(final))
         head, name = os.path.split(final)
-        aside = os.path.join(head, f".{name}{SUPERSEDED_SUFFIX}")
-        if os.path.exists(aside):
-            shutil.rmtree(aside)
-        if os.path.exists(final):
-            logger.warning("Replacing the existing %s with the checkpoint just written for the same step.", final)
+        stem = os.path.basename(staging)
+        stem = stem[:-len(STAGING_SUFFIX)] if stem.endswith(STAGING_SUFFIX) else f".{name}.{owner_tag()}"
+        aside = os.path.join(head, f"{stem}{SUPERSEDED_SUFFIX}")
+        _remove_entry(aside)
+        if os.path.lexists(final):
+            logger.warning("Replacing the existing %s with the checkpoint just written for the same step%s.", final,
+                           " (a symbolic link: the link is replaced, its target left as it is)"
+                           if os.path.islink(final) else "")
             os.rename(final, aside)
         os.rename(staging, final)
         local_io.fsync_dir(head or ".")
-        if os.path.exists(aside):
-            shutil.rmtree(aside)
+        _remove_entry(aside)
 
     def retire(self, ref: str, commit_file: str) -> None:
-        """Hidden first (`.checkpoint-N.deleting`): a kill mid-delete leaves no half-deleted checkpoint-N."""
+        """Hidden first (`.checkpoint-N.<owner tag>.deleting`): a kill mid-delete leaves no half-deleted
+        checkpoint-N. A symbolic link is removed as a link, never through it."""
         path = os.path.normpath(self._path(ref))
         head, name = os.path.split(path)
-        doomed = os.path.join(head, f".{name}{DELETING_SUFFIX}")
+        doomed = os.path.join(head, f".{name.lstrip('.')}.{owner_tag()}{DELETING_SUFFIX}")
         os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _remove_entry(doomed)
 
     def check_writable(self, probe: str) -> None:
         probe_write(self, probe)
@@ -144,3 +143,15 @@ class LocalStore:
 
     def map_writable(self, ref: str, size: int, maps: local_io.WritableMaps) -> memoryview:
         return maps.view(self._path(ref), size)
+
+
+def _remove_entry(path: str) -> None:
+    """Remove `path`: a folder with everything under it, a file, or a symbolic link as a link (never what it points
+    to); nothing when it is missing."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass

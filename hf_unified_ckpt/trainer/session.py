@@ -35,6 +35,7 @@ from .. import dist
 from ..checkpoint.async_save import AsyncSaver, Fallback
 from ..checkpoint.ema import EmaRun, ExponentialAverage, WithEma
 from ..checkpoint.layout import UNIFIED
+from ..checkpoint.lease import Lease, take_lease
 from ..checkpoint.load import load_checkpoint
 from ..store.pickles import load_pickle
 from ..checkpoint.placement import judge_path
@@ -88,6 +89,7 @@ class CheckpointSession:
     def _forget_run(self) -> None:
         """The state of one `train()` call, empty until `begin` sets it."""
         self.resume: Resume | None = None
+        self.lease: Lease | None = None
         self.alias: LocalAlias | None = None
         self.flash: FlashTier | None = None
         self.ema: EmaRun | None = None
@@ -99,9 +101,10 @@ class CheckpointSession:
     # ---- one train() call -----------------------------------------------------------------------------------------
     def train(self, native_train: Callable, resume_from_checkpoint, trial, **kwargs):
         """`Trainer.train` (`native_train`), with the resume folder resolved and verified first, and `close`d
-        however it ends. Collective: all ranks call it."""
-        path = self.begin(resume_from_checkpoint, trial)
+        however it ends (the output_dir's lease given back, also when `begin` refused). Collective: all ranks call
+        it."""
         try:
+            path = self.begin(resume_from_checkpoint, trial)
             output = native_train(resume_from_checkpoint=path, trial=trial, **kwargs)
             if self.preemption is not None:
                 self.preemption.after_training(trial)
@@ -114,9 +117,10 @@ class CheckpointSession:
             self.close()
 
     def begin(self, resume_from_checkpoint, trial) -> str | None:
-        """A `train()` call starts: its state set up, what a save would refuse refused, the memory tier's lease
-        taken, the resume folder resolved and verified (`resume.resolve`), the preemption watch started. Returns the
-        folder the Trainer's own `train` resumes from (a local stand-in for one in object storage). Collective."""
+        """A `train()` call starts: its state set up, what a save would refuse refused, the output_dir's lease
+        taken (`checkpoint.lease`: another job's live lease refuses this one here), the memory tier's lease taken,
+        the resume folder resolved and verified (`resume.resolve`), the preemption watch started. Returns the folder
+        the Trainer's own `train` resumes from (a local stand-in for one in object storage). Collective."""
         self._forget_run()
         options, trainer = self.options, self.trainer
         if options.enabled and options.ema:
@@ -124,6 +128,8 @@ class CheckpointSession:
         if options.enabled and options.flash.enabled:
             self.flash = FlashTier(options.flash, checkpoint_root(trainer, trial), options.direct_io)
         self._refuse(trial)
+        if options.enabled:
+            self.lease = take_lease(checkpoint_root(trainer, trial), options.lease)
         if self.flash is not None:
             self.flash.open()
         path = self._resolve(resume_from_checkpoint)
@@ -151,7 +157,8 @@ class CheckpointSession:
 
     def close(self) -> None:
         """However `train()` ends: the signal handlers put back, the vote in flight dropped, the resume's local
-        stand-in removed, the memory tier's heartbeat stopped, and with no save in flight the plugin's own gloo
+        stand-in removed, the memory tier's heartbeat stopped, the output_dir's lease given back, and with no save in
+        flight the plugin's own gloo
         groups destroyed (created again when needed) and the store's client session ended, so nothing of the run
         outlives it. Local."""
         preemption, self.preemption = self.preemption, None
@@ -162,6 +169,9 @@ class CheckpointSession:
             alias.close()
         if self.flash is not None:
             self.flash.close()
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
         if not self.saver.in_flight:
             self.saver.release_mappings()
             dist.release_groups()
