@@ -135,8 +135,14 @@ def test_a_symlinked_file_is_refused_and_a_symlinked_folder_is_read(ckpt, tmp_pa
     from hf_unified_ckpt.store import store_for
 
     store_for(str(link)).retire(str(link), MANIFEST)  # rotation of a linked checkpoint: the link goes, not its files
-    assert remove_stale(tmp_path) == [str(tmp_path / ".checkpoint-9.deleting")]
-    assert not os.path.lexists(tmp_path / ".checkpoint-9.deleting") and (ckpt / MANIFEST).is_file()
+    assert not os.path.lexists(link) and not list(tmp_path.glob(".checkpoint-9*"))  # removed as a link at once
+    assert remove_stale(tmp_path) == [] and (ckpt / MANIFEST).is_file()
+    from hf_unified_ckpt.store.node import owner_tag
+
+    leftover = tmp_path / f".checkpoint-9.{owner_tag()}.deleting"  # one a failed rotation left: unlinked, not followed
+    leftover.symlink_to(ckpt)
+    assert remove_stale(tmp_path) == [str(leftover)]
+    assert not os.path.lexists(leftover) and (ckpt / MANIFEST).is_file()
 
 
 def test_a_fifo_in_a_legacy_folder_is_refused_before_anything_reads_it(tmp_path):
