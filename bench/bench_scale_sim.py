@@ -57,6 +57,7 @@ import math
 import pickle
 import random
 import sys
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -71,7 +72,7 @@ from hf_unified_ckpt.checkpoint import save as save_mod  # noqa: E402
 from hf_unified_ckpt.engines.base import Fragment  # noqa: E402
 from hf_unified_ckpt.format.components import MASTER, MODEL, OPTIMIZER, saved_by  # noqa: E402
 from hf_unified_ckpt.format.names import optimizer_key, split_optimizer_key  # noqa: E402
-from hf_unified_ckpt.format.planning import TensorSpec  # noqa: E402
+from hf_unified_ckpt.format.planning import Strided, TensorSpec  # noqa: E402
 from hf_unified_ckpt.options import UnifiedCheckpointOptions  # noqa: E402
 
 MiB = 2**20
@@ -80,7 +81,7 @@ MODELS = {  # Llama-3 / 3.1 public configs
     "70b": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256),
     "405b": dict(hidden=16384, intermediate=53248, layers=126, heads=128, kv_heads=8, vocab=128256),
 }
-ENGINES = ("zero12", "zero3", "fsdp2", "ddp")
+ENGINES = ("zero12", "zero3", "fsdp2", "ddp", "mics")
 STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -124,35 +125,25 @@ class SimModel:
     def __post_init__(self):
         self.shape = dict(self.params)
         self.numel = {n: math.prod(s) for n, s in self.params}
-        self.offset, self.partition = {}, {}
+        self.rule: dict[str, Strided] = {}
+        N = self.world
         if self.engine == "zero12":  # the Trainer's groups: weights with decay, then the norms without
             groups = [[n for n, s in self.params if len(s) > 1], [n for n, s in self.params if len(s) == 1]]
-            for g, names in enumerate(groups):
+            for names in groups:
                 total, at = sum(self.numel[n] for n in names), 0
-                padded = -(-total // (2 * self.world)) * 2 * self.world
+                padded = -(-total // (2 * N)) * 2 * N
                 for n in names:
-                    self.offset[n], self.partition[n] = (g, at), padded // self.world
+                    self.rule[n] = Strided(self.numel[n], padded // N, at)
                     at += self.numel[n]
+        elif self.engine in ("zero3", "mics"):
+            self.rule = {n: Strided(c, -(-c // N)) for n, c in self.numel.items()}
+        elif self.engine == "fsdp2":
+            self.rule = {n: Strided(c, -(-self.shape[n][0] // N) * (c // self.shape[n][0]))
+                         for n, c in self.numel.items()}
 
     def piece(self, name: str, rank: int) -> tuple[int, int] | None:
         """(first element, count) rank `rank` holds of parameter `name` (None: it holds it whole)."""
-        n, N = self.numel[name], self.world
-        if self.engine == "ddp":
-            return None
-        if self.engine == "zero3":
-            size = -(-n // N)
-            first = min(rank * size, n)
-            return first, max(0, min(n, first + size) - first)
-        if self.engine == "fsdp2":
-            rows = self.shape[name][0]
-            per = -(-rows // N)
-            row_elems = n // rows
-            r0, r1 = min(rank * per, rows), min((rank + 1) * per, rows)
-            return r0 * row_elems, (r1 - r0) * row_elems
-        _, at = self.offset[name]
-        size = self.partition[name]
-        lo, hi = max(at, rank * size), min(at + n, (rank + 1) * size)
-        return (lo - at, hi - lo) if hi > lo else (0, 0)
+        return self.rule[name].of(rank) if name in self.rule else None
 
 
 class SimEngine:
@@ -162,9 +153,25 @@ class SimEngine:
     def __init__(self, model: SimModel, rank: int):
         self.model, self.rank = model, rank
         self.engine = {"zero12": "deepspeed-zero2", "zero3": "deepspeed-zero3", "fsdp2": "fsdp",
-                       "ddp": "ddp"}[model.engine]
+                       "ddp": "ddp", "mics": "deepspeed-zero3"}[model.engine]
         self._frag_sizes = None
+        self._confirmed = False
         self.exchanged = 0
+
+    def partition_rule(self, component: str):
+        """As the real adapters' (`DeepSpeedEngine.partition_rule`...): the rule's pieces of every sharded tensor;
+        "mics" stands for an engine whose layout does not follow the world size alone (MiCS, HSDP, TP, EP)."""
+        if self.model.engine == "mics":
+            return None, "MiCS (shard groups smaller than the world)"
+        out = {}
+        for spec in self.specs(component):
+            if self._sharded(component, spec.name):
+                param = split_optimizer_key(spec.name)[0] if component == OPTIMIZER.name else spec.name
+                out[spec.name] = self.model.rule[param]
+        return out, self.engine
+
+    def confirm_rule(self) -> None:
+        self._confirmed = True
 
     # description
     def saved_by(self) -> dict:
@@ -220,8 +227,11 @@ class SimEngine:
         """As `DeepSpeedEngine.preferred_owners`: ZeRO-1/2's fp32 tensors go to the rank holding most of them."""
         if self.model.engine != "zero12":
             return {}
-        sizes = self._fragment_sizes()
-        owner = {n: max(range(len(s)), key=lambda r: (s[r], -r)) for n, s in sizes.items()}
+        if self._confirmed:
+            owner = {n: self.model.rule[n].majority() for n, _ in self.model.params}
+        else:
+            sizes = self._fragment_sizes()
+            owner = {n: max(range(len(s)), key=lambda r: (s[r], -r)) for n, s in sizes.items()}
         if component == MODEL.name:
             return {}
         return {s.name: owner[split_optimizer_key(s.name)[0] if component == OPTIMIZER.name else s.name]
@@ -252,11 +262,14 @@ class Captured(Exception):
 
 class SimDist:
     """One rank (`me`) of a world of `world`, in place of `hf_unified_ckpt.dist`'s collectives. Counts every
-    collective this rank takes part in (`log`: (kind, caller, bytes received)); an object collective's other
-    payloads come from running the caller again as rank q (`peers`), where that collective raises `Captured`."""
+    collective and message this rank receives (`log`: (kind, caller, bytes received)). An object collective's
+    other payloads come from running the caller again as rank q (`peers`: where that collective raises `Captured`,
+    or what the peer function returns); a tensor all-reduce's result from `reducers` (default: every rank
+    contributes what this one does: statuses, digests); a message from rank q from `messages`."""
 
-    def __init__(self, world: int, me: int, engines, peers: dict):
-        self.world, self.me, self.engines, self.peers = world, me, engines, peers
+    def __init__(self, world: int, me: int, engines, peers: dict, reducers: dict, messages: dict):
+        self.world, self.me, self.engines = world, me, engines
+        self.peers, self.reducers, self.messages = peers, reducers, messages
         self.log: list[tuple[str, str, int]] = []
         self.capture = False
         self.excluded = 0.0  # seconds spent making other ranks' payloads
@@ -274,39 +287,37 @@ class SimDist:
     def barrier(self) -> None:
         self.log.append(("barrier", "", 0))
 
-    def _caller(self) -> tuple[str, dict]:
+    @staticmethod
+    def _caller() -> tuple[str, dict]:
         frame = sys._getframe(2)
         return frame.f_code.co_name, frame.f_locals
 
     def _peer(self, caller: str, local: dict, q: int):
         """Rank q's payload at this collective."""
-        if q == self.me:
-            raise AssertionError
         make = self.peers.get(caller)
         if make is None:
             raise KeyError(f"the simulation has no peer payload for a collective in {caller}()")
+        t0 = time.process_time()
         saved, self.me, self.capture = self.me, q, True
         try:
-            make(self.engines(q), local)
+            return make(self.engines(q), local)
         except Captured as c:
             return c.payload
         finally:
             self.me, self.capture = saved, False
-        raise AssertionError(f"{caller}() reached no collective as rank {q}")
+            self.excluded += time.process_time() - t0
 
     def all_gather_object(self, obj, group=None) -> list:
         if self.capture:
             raise Captured(obj)
         caller, local = self._caller()
-        t0 = time.process_time()
-        out = [None] * self.world
-        sizes = []
+        out, sizes = [None] * self.world, []
         for q in range(self.world):
             payload = obj if q == self.me else self._peer(caller, local, q)
-            data = pickle.dumps(payload)
-            sizes.append(len(data))
-            out[q] = data
-        self.excluded += time.process_time() - t0
+            t0 = time.process_time()
+            out[q] = pickle.dumps(payload)
+            self.excluded += time.process_time() - t0
+            sizes.append(len(out[q]))
         out = [pickle.loads(d) for d in out]  # the receiver's own work
         self.log.append(("all_gather_object", caller, self.world * (8 + max(sizes))))
         return out
@@ -315,16 +326,51 @@ class SimDist:
         if self.capture:
             raise Captured(obj)
         caller, local = self._caller()
-        if self.me != src:
-            t0 = time.process_time()
-            obj = self._peer(caller, local, src)
-            data = pickle.dumps(obj)
-            self.excluded += time.process_time() - t0
-            obj = pickle.loads(data)
-            self.log.append(("broadcast_object", caller, 8 + len(data)))
-        else:
+        if self.me == src:
             self.log.append(("broadcast_object", caller, 0))
-        return obj
+            return obj
+        obj = self._peer(caller, local, src)
+        t0 = time.process_time()
+        data = pickle.dumps(obj)
+        self.excluded += time.process_time() - t0
+        self.log.append(("broadcast_object", caller, 8 + len(data)))
+        return pickle.loads(data)
+
+    def all_reduce_ints(self, values: list[int], op: str = "sum", group=None) -> list[int]:
+        """Counted as 2 x the vector's bytes received (a ring all-reduce's reduce-scatter and all-gather)."""
+        if self.capture:
+            raise Captured(values)
+        caller, local = self._caller()
+        reducer = self.reducers.get(caller)
+        out = reducer(values, op, local) if reducer is not None else list(values)
+        self.log.append(("all_reduce", caller, 2 * 8 * len(values)))
+        return out
+
+    def exclusive_scan_ints(self, values: list[int], group=None) -> list[int]:
+        """The simulated ranks hold no ties (the census' counts are zero): zeros; log2(N) messages received."""
+        rounds = max(0, math.ceil(math.log2(self.world))) if self.me else 0
+        self.log.append(("scan", self._caller()[0], rounds * 8 * len(values)))
+        return [0] * len(values)
+
+    def exchange_tensors(self, sends: dict, receives: dict, group=None) -> dict:
+        if not sends and not receives:
+            return {}
+        caller, _ = self._caller()
+        size = sum(numel * dtype.itemsize for numel, dtype in receives.values())
+        self.log.append(("p2p", caller, size))
+        return {src: torch.zeros(numel, dtype=dtype) for src, (numel, dtype) in receives.items()}
+
+    def send_bytes(self, data: bytes, dst: int, group=None) -> None:
+        if self.capture:
+            raise Captured(data)
+
+    def recv_bytes(self, src: int, group=None) -> bytes:
+        caller, local = self._caller()
+        t0 = time.process_time()
+        data = self.messages[caller](src, local)
+        self.excluded += time.process_time() - t0
+        self.log.append(("p2p", caller, 8 + len(data)))
+        return data
 
     def cpu_group(self):
         return None
@@ -335,7 +381,8 @@ class SimDist:
     def install(self):
         """Put this simulation in place of `hf_unified_ckpt.dist`'s functions; returns what to put back."""
         names = [n for n in ("rank", "world_size", "is_distributed", "barrier", "all_gather_object",
-                             "broadcast_object", "cpu_group", "gloo_group") if hasattr(real_dist, n)]
+                             "broadcast_object", "cpu_group", "gloo_group", "all_reduce_ints", "exclusive_scan_ints",
+                             "exchange_tensors", "send_bytes", "recv_bytes") if hasattr(real_dist, n)]
         saved = {n: getattr(real_dist, n) for n in names}
         for n in names:
             setattr(real_dist, n, getattr(self, n))
@@ -355,7 +402,70 @@ def peer_functions() -> dict:
         "census_of_pieces": lambda engine, local: save_mod.census_of_pieces(engine, local["plans"]),
         "residual_census": lambda engine, local: save_mod.residual_census(engine),
         "_fragment_sizes": lambda engine, local: engine._fragment_sizes(),
+        "open_staging": lambda engine, local: save_mod.open_staging(local["final"]),
+        "conclude": lambda engine, local: (True, {}),  # rank 0's status: a shared folder sends no small files
     }
+
+
+def reducers(model: SimModel) -> dict:
+    """All-reduces whose result is not what this rank contributes: the residual census' sums (no rank fails the
+    bf16 check, none holds ties in the simulation; a tensor is held where the rule gives it elements)."""
+    def residual(values, op, local):
+        names = local["names"]
+        held = [int(bool(model.numel[n]) and (model.engine == "ddp" or n in model.rule)) for n in names]
+        return [0] * len(names) + held + [0] * len(names)
+    return {"residual_census": residual}
+
+
+def subtree_rows(files: list, lo: int, hi: int, rng: random.Random) -> list:
+    """The rows ranks [lo, hi) send up `record_tree`'s tree: their ranges of every file, joined where they meet
+    (CRCs made up). From the closed-form pieces: a subtree's piece of a tensor is one range."""
+    from hf_unified_ckpt.checkpoint.record_tree import merged
+    from hf_unified_ckpt.format.planning import piece_of
+
+    rows = []
+    for index, file in enumerate(files):
+        head = len(file.header_bytes)
+        if lo <= file.header_rank < hi:
+            rows.append((index, 0, head, rng.getrandbits(32)))
+        for _, start, end, itemsize, pieces in file.layout:
+            if pieces is None:
+                if lo <= file.header_rank < hi:
+                    rows.append((index, head + start, head + end, rng.getrandbits(32)))
+                continue
+            if not hasattr(pieces, "holders"):  # listed pieces (the census)
+                rows += [(index, head + start + f * itemsize, head + start + (f + c) * itemsize, rng.getrandbits(32))
+                         for r, f, c in pieces if lo <= r < hi and c]
+                continue
+            ranks = range(max(lo, pieces.holders().start), min(hi, pieces.holders().stop))
+            if not len(ranks):
+                continue
+            first = piece_of(pieces, ranks[0])[0]
+            last = piece_of(pieces, ranks[-1])
+            a, b = head + start + first * itemsize, head + start + (last[0] + last[1]) * itemsize
+            if b > a:
+                rows.append((index, a, b, rng.getrandbits(32)))
+    return merged(sorted(rows))
+
+
+def small_records(rank: int) -> list:
+    """A rank's small files' records (its RNG state; rank 0's trainer state too)."""
+    from hf_unified_ckpt.checkpoint.files import FileRecord
+
+    out = [FileRecord(f"rng_state_{rank}.pth", 14583, f"{random.Random(rank).getrandbits(32):08x}")]
+    return out + ([FileRecord("trainer_state.json", 2345, "0badc0de")] if rank == 0 else [])
+
+
+def messages(files_of) -> dict:
+    """What rank `src` sends to the simulated rank in `record_tree.reduce_records`: its subtree's rows (the
+    tree), or its other records (to rank 0, after the tree: the caller's loop variable `q`)."""
+    from hf_unified_ckpt.checkpoint.record_tree import pack, tree_parent
+
+    def reduce_records(src, local):
+        if "q" in local:
+            return pickle.dumps(small_records(src))
+        return pack(subtree_rows(files_of(), src, src + (src - tree_parent(src)), random.Random(src)))
+    return {"reduce_records": reduce_records}
 
 
 @dataclasses.dataclass
@@ -389,8 +499,12 @@ class World:
 
 
 def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, list]:
-    """One rank's planning on the training thread, as `save.begin` does it (the staging folder aside)."""
-    plan = save_mod.plan_save(engine, request, shared=True)
+    """One rank's planning on the training thread, as `save.begin` does it (the staging folder aside): the plan,
+    the writer's prepare, and the walk of the files (what it assembles, which it writes, its items and pieces)."""
+    try:
+        plan = save_mod.plan_save(engine, request, shared=True, rank_local=True)
+    except TypeError:  # the code before issue 57
+        plan = save_mod.plan_save(engine, request, shared=True)
     writer = save_mod.SharedFileWriter(sim.me)
     files = plan.files
     writer.prepare("sim", files)
@@ -402,83 +516,61 @@ def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, list]:
     return plan, mine
 
 
-def timed_plan(model: SimModel, rank: int, request, memory: bool = False) -> dict:
-    """Plan one rank's first and second save; CPU seconds (payload making excluded), collectives, peak memory."""
+def records_of(mine: list, rank: int, rng: random.Random) -> list:
+    """The range records rank `rank` reports of its writes (CRCs made up), and its small files'."""
+    from hf_unified_ckpt.checkpoint.files import RangeRecord
+
+    out = []
+    for file, items, _ in mine:
+        head = len(file.header_bytes)
+        if rank == file.header_rank:
+            out.append(RangeRecord(file.name, 0, head, rng.getrandbits(32)))
+        out += [RangeRecord(file.name, head + i.start, i.end - i.start, rng.getrandbits(32)) for i in items]
+    return out + small_records(rank)
+
+
+def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory: bool = False) -> dict:
+    """Rank `rank`'s part of a save and of a second save: the staging folder (`open_staging`), the plan and the
+    walk of the files, the conclusion (`conclude`: statuses, records, rank 0's manifest, the commit); CPU seconds
+    (payload making excluded), what it received, peak memory of the first plan."""
     world = World(model)
-    engine = world(rank)
-    sim = SimDist(model.world, rank, world, peer_functions())
+    holder: dict = {}
+    sim = SimDist(model.world, rank, world, peer_functions(), reducers(model), messages(lambda: holder["files"]))
     saved = sim.install()
     try:
+        request = request_of(variant, str(folder / f"checkpoint-{model.world}-{rank}"))
+        staging = save_mod.open_staging(request.final_dir)
         gc.collect()
         if memory:
             tracemalloc.start()
+        mark = len(sim.log)
         t0 = time.process_time()
-        plan, mine = plan_once(sim, engine, request)
+        plan, mine = plan_once(sim, world(rank), request)
         first = time.process_time() - t0 - sim.excluded
         peak = tracemalloc.get_traced_memory()[1] if memory else 0
         if memory:
             tracemalloc.stop()
-        log_first = list(sim.log)
-        sim.excluded = 0.0
+        plan_log = sim.log[mark:]
+        holder["files"] = plan.files
+        started = save_mod.Started(request, staging, plan, save_mod.SharedFileWriter(rank), [], None)
+        records = records_of(mine, rank, random.Random(rank))
+        sim.excluded, mark = 0.0, len(sim.log)
         t0 = time.process_time()
-        plan_once(sim, engine, request)
+        reports = save_mod.conclude(started, (True, records))
+        concluded = time.process_time() - t0 - sim.excluded
+        assert all(ok for ok, _ in reports), reports
+        conclude_log = sim.log[mark:]
+        sim.excluded, mark = 0.0, len(sim.log)
+        second = SimEngine(model, rank)  # an adapter per save, as the Trainer makes them
+        t0 = time.process_time()
+        plan_once(sim, second, request)
         cached = time.process_time() - t0 - sim.excluded
+        cached_log = sim.log[mark:]
     finally:
         restore(saved)
-    return {"plan": plan, "mine": mine, "plan_s": first, "plan_cached_s": cached, "peak": peak, "log": log_first,
-            "exchanged": engine.exchanged}
-
-
-def records_of(files, rank: int, rng: random.Random) -> list:
-    """The range records rank `rank` reports of its writes (CRCs made up)."""
-    from hf_unified_ckpt.checkpoint.files import RangeRecord
-
-    out = []
-    for file in files:
-        head = len(file.header_bytes)
-        if rank == file.header_rank:
-            out.append(RangeRecord(file.name, 0, head, rng.getrandbits(32)))
-        for item in file.items_of(rank):
-            out.append(RangeRecord(file.name, head + item.start, item.end - item.start, rng.getrandbits(32)))
-    return out
-
-
-def conclude_cost(plan, model: SimModel, sample: list[int]) -> dict:
-    """What concluding a save costs with today's records (every rank's records to every rank, rank 0 combines
-    them): the bytes each rank receives, rank 0's CPU seconds (combine and manifest)."""
-    from hf_unified_ckpt.checkpoint.files import FileRecord, RangeRecord, combine_ranges
-    from hf_unified_ckpt.checkpoint.manifest import ComponentEntry, build_manifest
-
-    files = plan.files
-    rng = random.Random(0)
-    by_rank: dict[int, list] = {}
-    for file in files:
-        head = len(file.header_bytes)
-        by_rank.setdefault(file.header_rank, []).append(RangeRecord(file.name, 0, head, rng.getrandbits(32)))
-        for item in file.items:
-            by_rank.setdefault(item.rank, []).append(
-                RangeRecord(file.name, head + item.start, item.end - item.start, rng.getrandbits(32)))
-    small = {r: [FileRecord(f"rng_state_{r}.pth", 14583, f"{rng.getrandbits(32):08x}")] for r in range(model.world)}
-    biggest = max(len(pickle.dumps((True, by_rank.get(r, []) + small[r]))) for r in range(model.world))
-    received = model.world * (8 + biggest)  # conclude: every rank's outcome to every rank
-    received += 8 + len(pickle.dumps((True, {})))  # rank 0's status, broadcast
-    received += model.world * (8 + len(pickle.dumps((True, None))))  # every folder's commit, gathered
-    # open_staging: rank 0's (status, attempt) broadcast; every rank's (joined, sees rank 0's folder) gathered
-    received += 8 + len(pickle.dumps(((True, (None, None, None)), "0" * 32)))
-    received += model.world * (8 + len(pickle.dumps(((True, None), True))))
-    t0 = time.process_time()
-    records = [r for q in range(model.world) for r in by_rank.get(q, [])]
-    sizes = {f.name: f.size for f in files}
-    combined = combine_ranges(sizes, records) + [r for q in range(model.world) for r in small[q]]
-    entries = {n: ComponentEntry(c.file_stem, tuple(c.files), None, len(c.specs), c.total_size, None)
-               for n, c in plan.components.items()}
-    build_manifest(1, plan.saved_by, {}, entries, combined)
-    rank0_s = time.process_time() - t0
-    writers = {}
-    for file in files:
-        writers[file.name] = len({i.rank for i in file.items} | {file.header_rank})
-    return {"received": received, "rank0_s": rank0_s, "writers_per_file_max": max(writers.values()),
-            "files": len(files), "records": len(records)}
+    return {"plan": plan, "mine": mine, "plan_s": first, "plan_cached_s": cached, "peak": peak,
+            "conclude_s": concluded, "log": sim.log[:len(sim.log) - len(cached_log)], "plan_log": plan_log,
+            "conclude_log": conclude_log, "cached_log": cached_log, "exchanged": world(rank).exchanged}
 
 
 class _Bytes:
@@ -494,9 +586,9 @@ class _Bytes:
         return _Bytes(len(range(*index.indices(self.n))))
 
 
-def write_calls(mine: list, rank: int) -> dict:
+def write_calls(mine: list, rank: int) -> dict | None:
     """Drive the direct writer's run cutting (`store.direct._Runs`) with this rank's ranges, file by file: the
-    bytes in direct calls of at least 8 MiB, and the calls not 4 KiB-aligned."""
+    bytes in direct calls of at least 8 MiB, and the calls not 4 KiB-aligned (None: the rank writes nothing)."""
     from hf_unified_ckpt.store import direct
 
     calls = []
@@ -520,61 +612,92 @@ def write_calls(mine: list, rank: int) -> dict:
             runs.close_run()
     finally:
         direct.pwrite_all = saved
-    total = sum(n for _, n in calls) or 1
+    total = sum(n for _, n in calls)
+    if not total:
+        return None
     return {"big_fraction": sum(n for _, n in calls if n >= 8 * MiB) / total,
             "unaligned": sum(1 for o, n in calls if o % 4096 or n % 4096)}
 
 
-def s3_ratio(plan, max_files: int) -> tuple[float, int]:
+def writers_max(files: list) -> int:
+    """The most ranks writing one file (its header rank and the holders of its pieces), from the plan's closed
+    forms (a union of rank ranges) or its listed pieces."""
+    best = 1
+    for file in files:
+        spans = [(file.header_rank, file.header_rank + 1)]
+        for *_, pieces in file.layout:
+            if pieces is None:
+                continue
+            holders = pieces.holders() if hasattr(pieces, "holders") else sorted({r for r, _, c in pieces if c})
+            if isinstance(holders, range):
+                spans.append((holders.start, holders.stop))
+            else:
+                spans += [(r, r + 1) for r in holders]
+        total, end = 0, -1
+        for a, b in sorted(spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        best = max(best, total)
+    return best
+
+
+def s3_ratio(files: list, max_files: int) -> tuple[float, int]:
     """A bucket save's hand-overs: per rank, bytes received from other ranks over bytes uploaded, the largest, over
     at most `max_files` files spread over the checkpoint."""
     from hf_unified_ckpt.format.parts import file_runs, plan_parts
     from hf_unified_ckpt.store.s3 import MIN_PART_SIZE, PART_SIZE
 
-    files = plan.files
     step = max(1, len(files) // max_files)
-    chosen = files[::step][:max_files]
-    received, uploaded = {}, {}
-    for file in chosen:
-        parts = plan_parts(file_runs(file), MIN_PART_SIZE, PART_SIZE)
+    received, uploaded, used = {}, {}, 0
+    for file in files[::step][:max_files]:
+        try:
+            parts = plan_parts(file_runs(file), MIN_PART_SIZE, PART_SIZE)
+        except LookupError:  # a rank-local piece (the residual's ties): a bucket save takes the census
+            continue
+        used += 1
         for p in parts.parts:
             uploaded[p.uploader] = uploaded.get(p.uploader, 0) + p.end - p.start
         for h in parts.hand_overs:
             received[h.receiver] = received.get(h.receiver, 0) + h.end - h.start
     ratio = max((received.get(r, 0) / up for r, up in uploaded.items() if up), default=0.0)
-    return ratio, len(chosen)
+    return ratio, used
 
 
-def run_row(row: Row, args) -> dict:
+def received(log: list) -> int:
+    return sum(b for _, _, b in log)
+
+
+def run_row(row: Row, args, folder: Path) -> dict:
     params = llama_params(MODELS[row.model])
-    master = row.engine.startswith("zero")
+    master = row.engine.startswith("zero") or row.engine == "mics"
     model = SimModel(row.engine, row.ranks, params, master)
-    request = request_of(row.variant, "/sim/checkpoint-1")
-    last = row.ranks - 1
-    runs = {r: timed_plan(model, r, request) for r in sorted({0, last})}
-    mem = timed_plan(model, last, request, memory=True)["peak"] if args.memory else 0
-    plan = runs[0]["plan"]
-    concluded = conclude_cost(plan, model, [0, last])
-    received = {r: sum(b for _, _, b in run["log"]) + concluded["received"] for r, run in runs.items()}
-    writes = [write_calls(run["mine"], r) for r, run in runs.items()]
-    ratio, s3_files = s3_ratio(plan, args.s3_files)
+    sample = sorted({0, row.ranks // 2, row.ranks - 1})
+    runs = {r: simulate_rank(model, r, row.variant, folder) for r in sample}
+    mem = simulate_rank(model, row.ranks - 1, row.variant, folder, memory=True)["peak"] if args.memory else 0
+    files = runs[0]["plan"].files
+    others = [r for r in sample if r] or [0]
+    writes = [w for r, run in runs.items() if (w := write_calls(run["mine"], r)) is not None]
+    ratio, s3_files = s3_ratio(files, args.s3_files)
     collectives = {}
-    for kind, caller, b in runs[last]["log"]:
-        collectives[f"{kind}:{caller}"] = collectives.get(f"{kind}:{caller}", 0) + b
+    for r in others[-1:]:
+        for kind, caller, b in runs[r]["log"]:
+            collectives[f"{kind}:{caller}"] = collectives.get(f"{kind}:{caller}", 0) + b
     return {
         "model": row.model, "engine": row.engine, "variant": row.variant, "ranks": row.ranks,
         "plan_s": round(max(r["plan_s"] for r in runs.values()), 4),
         "plan_cached_s": round(max(r["plan_cached_s"] for r in runs.values()), 4),
         "plan_peak_mib": round(mem / MiB, 1),
-        "received_per_rank_bytes": received[last] if last else received[0],
-        "rank0_received_bytes": received[0],
-        "rank0_s": round(concluded["rank0_s"], 4),
-        "files": concluded["files"], "writers_per_file_max": concluded["writers_per_file_max"],
-        "write_bytes_ge_8mib_fraction": round(min(w["big_fraction"] for w in writes), 4),
-        "unaligned_calls": max(w["unaligned"] for w in writes),
+        "received_per_rank_bytes": max(received(runs[r]["log"]) for r in others),
+        "rank0_received_bytes": received(runs[0]["log"]),
+        "rank0_s": round(runs[0]["conclude_s"], 4),
+        "files": len(files), "writers_per_file_max": writers_max(files),
+        "write_bytes_ge_8mib_fraction": round(min((w["big_fraction"] for w in writes), default=0.0), 4),
+        "unaligned_calls": max((w["unaligned"] for w in writes), default=0),
         "s3_received_over_uploaded": round(ratio, 4), "s3_files_sampled": s3_files,
-        "collectives_last_rank": collectives, "assembled_tensors": runs[last]["exchanged"],
-        "sampled_ranks": sorted(runs),
+        "collectives_last_rank": collectives,
+        "cached_save_collectives": sorted({f"{k}:{c}" for k, c, _ in runs[others[-1]]["cached_log"]}),
+        "assembled_tensors": runs[others[-1]]["exchanged"], "sampled_ranks": sample,
     }
 
 
@@ -614,11 +737,12 @@ def main() -> None:
                     continue  # master weights of their own: DeepSpeed bf16 only
                 for ranks in (int(n) for n in args.ranks.split(",")):
                     row = Row(model, engine, variant, ranks)
-                    if entries_of(row) > args.max_entries and not getattr(save_mod, "RULE_PLANNING", False):
+                    if entries_of(row) > args.max_entries and row.engine == "mics":
                         print(json.dumps({**dataclasses.asdict(row), "skipped": "too large to simulate today's "
                                           f"census ({entries_of(row):.2g} peer entries)"}), flush=True)
                         continue
-                    out = run_row(row, args)
+                    with tempfile.TemporaryDirectory() as folder:
+                        out = run_row(row, args, Path(folder))
                     rows.append(out)
                     print(json.dumps(out) if args.json else
                           f"{model} {engine} {variant} N={ranks}: plan {out['plan_s']:.3f} s (cached "

@@ -131,7 +131,7 @@ class WholeFileWriter(LocalWrites):
 
 def owner_of(file: FilePlan) -> int:
     """The one rank that writes `file` whole: its header's writer, which every write item names."""
-    assert file.writers <= {file.header_rank}, f"{file.name} has several writers; WholeFileWriter writes files whole"
+    assert not file.pieces, f"{file.name} has several writers; WholeFileWriter writes files whole"
     return file.header_rank
 
 
@@ -151,7 +151,7 @@ class SharedFileWriter(LocalWrites):
         engine.exchange(file.component, file.whole_names, file.header_rank)
 
     def writes(self, file: FilePlan, rank: int) -> bool:
-        return rank in file.writers
+        return file.writes(rank)
 
     def local_tensors(self, engine, file: FilePlan) -> Mapping[str, torch.Tensor]:
         """Whole logical tensors (on the header rank) and this rank's pieces (flat), not yet encoded (`write`
@@ -198,7 +198,7 @@ class SharedFileWriter(LocalWrites):
         if isinstance(tensors, Placed):
             records = tensors.records(ref, file)
         else:
-            if self.spare is not None and file.writers == {self.rank}:
+            if self.spare is not None and file.writes_alone(self.rank):
                 take_spare(self.spare, ref, file.size)
             records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
         store = store_for(ref)

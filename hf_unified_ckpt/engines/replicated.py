@@ -84,6 +84,10 @@ class ReplicatedEngine:
         """None: every rank holds every tensor whole."""
         return {}
 
+    def partition_rule(self, component: str) -> tuple[dict, str]:
+        """Nothing is split over the ranks: the closed form of `fragments` is empty. Local."""
+        return {}, "replicated"
+
     def optimizer_metadata(self) -> dict:
         return self._optimizer_flat()[1]
 

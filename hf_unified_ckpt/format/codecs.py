@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .planning import TensorSpec
+from .planning import Mapped, OwnOnly, TensorSpec
 from .headers import TORCH_DTYPE_NAMES, safetensors_dtype
 
 BLOCK_SIZE = 128
@@ -204,13 +204,21 @@ class MomentCodec:
         entry = self.tensors.get(name)
         if entry is None:
             return {name: pieces}
-        n, codes, scales = _numel(entry["shape"]), [], []
-        for rank, first, count in pieces:
+        n = _numel(entry["shape"])
+
+        def codes(first: int, count: int) -> tuple[int, int]:
             k0, k1 = self._blocks(first, count)
             c0, c1 = k0 * self.block * self.bits // 8, -(-min(k1 * self.block, n) * self.bits // 8)
-            codes.append((rank, c0, max(c1 - c0, 0)))
-            scales.append((rank, k0, max(k1 - k0, 0)))
-        return {name: tuple(codes), name + SCALES: tuple(scales)}
+            return c0, max(c1 - c0, 0)
+
+        def scales(first: int, count: int) -> tuple[int, int]:
+            k0, k1 = self._blocks(first, count)
+            return k0, max(k1 - k0, 0)
+
+        if hasattr(pieces, "of"):  # a closed form: mapped rank by rank when asked
+            return {name: Mapped(pieces, codes), name + SCALES: Mapped(pieces, scales)}
+        return {name: tuple((r, *codes(f, c)) for r, f, c in pieces),
+                name + SCALES: tuple((r, *scales(f, c)) for r, f, c in pieces)}
 
     def halo(self, name: str, first: int, values: torch.Tensor) -> torch.Tensor | None:
         """What this rank shares of its piece of `name` (elements from `first`): those ahead of its first block
@@ -442,6 +450,9 @@ class ResidualCodec:
                  by_rank: Mapping[str, Mapping[int, int]] | None = None):
         self.census = dict(census or {})
         self.by_rank = {name: dict(ranks) for name, ranks in (by_rank or {}).items()}
+        #: A rank-local census (`save.residual_census` with a rule): name -> (this rank, the first of its ties in the
+        #: tensor's ties), `by_rank` then holding this rank's counts only.
+        self.own_offset: dict[str, tuple[int, int]] = {}
         self.anchor = anchor
         self.tensors: dict[str, dict] = {}
 
@@ -461,6 +472,9 @@ class ResidualCodec:
         entry = self.tensors.get(name)
         if entry is None or not entry["ties"]:
             return {name: pieces}
+        if name in self.own_offset:  # a rank-local census: this rank's ties and where they go, nobody else's
+            rank, offset = self.own_offset[name]
+            return {name: pieces, name + TIES: OwnOnly(rank, offset, self.by_rank[name].get(rank, 0), pieces)}
         ties, offset = [], 0
         for rank, _, count in pieces:
             held = self.by_rank.get(name, {}).get(rank, 0) if count else 0
