@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hf_unified_ckpt import dist as real_dist  # noqa: E402
-from hf_unified_ckpt.checkpoint import save as save_mod  # noqa: E402
+from hf_unified_ckpt.checkpoint import rule_plan, save as save_mod  # noqa: E402
 from hf_unified_ckpt.engines.base import Fragment  # noqa: E402
 from hf_unified_ckpt.format.components import MASTER, MODEL, OPTIMIZER, saved_by  # noqa: E402
 from hf_unified_ckpt.format.names import optimizer_key, split_optimizer_key  # noqa: E402
@@ -456,16 +456,41 @@ def small_records(rank: int) -> list:
     return out + ([FileRecord("trainer_state.json", 2345, "0badc0de")] if rank == 0 else [])
 
 
-def messages(files_of) -> dict:
-    """What rank `src` sends to the simulated rank in `record_tree.reduce_records`: its subtree's rows (the
-    tree), or its other records (to rank 0, after the tree: the caller's loop variable `q`)."""
-    from hf_unified_ckpt.checkpoint.record_tree import pack, tree_parent
+def messages(files_of, world: int, me: int) -> dict:
+    """What rank `src` sends to the simulated rank in `record_tree.reduce_records`, made from the plan's closed
+    forms (CRCs made up): a folded rank's rows (`reduce_records`, ranks P and up), a partner's rows of the files this
+    rank keeps at one step of the halving (`_swap`: the partner's block of ranks), a rank's final message to rank 0
+    (its files' rows over every rank, its small files' records: the caller's loop variable `q`)."""
+    from hf_unified_ckpt.checkpoint.record_tree import halving_steps, pack
+
+    p2 = 1 << (world.bit_length() - 1)
+    cache: dict = {}
+
+    def block_rows(lo: int, hi: int, files: tuple[int, int]) -> list:
+        rows = subtree_rows(files_of(), lo, hi, random.Random(lo)) + \
+            [r for q in range(max(lo, 0) + p2, min(hi + p2, world)) for r in subtree_rows(files_of(), q, q + 1,
+                                                                                         random.Random(q))]
+        return sorted(r for r in rows if files[0] <= r[0] < files[1])
+
+    def final(src: int) -> bytes:
+        if "all" not in cache:
+            cache["all"] = subtree_rows(files_of(), 0, world, random.Random(0))
+        lo, hi = halving_steps(src, world, len(files_of()))[1]
+        rows = [r for r in cache["all"] if lo <= r[0] < hi]
+        return pickle.dumps((pack(rows), small_records(src)))
 
     def reduce_records(src, local):
         if "q" in local:
-            return pickle.dumps(small_records(src))
-        return pack(subtree_rows(files_of(), src, src + (src - tree_parent(src)), random.Random(src)))
-    return {"reduce_records": reduce_records}
+            return final(src)
+        return pack(subtree_rows(files_of(), src, src + 1, random.Random(src)))
+
+    def swap(src, local):
+        d = src ^ me
+        step = next(s for s in halving_steps(me, world, len(files_of()))[0] if s[0] == src)
+        first = src - src % d
+        return pack(block_rows(first, first + d, (step[1], step[2])))
+
+    return {"reduce_records": reduce_records, "_swap": swap}
 
 
 @dataclasses.dataclass
@@ -535,7 +560,9 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
     (payload making excluded), what it received, peak memory of the first plan."""
     world = World(model)
     holder: dict = {}
-    sim = SimDist(model.world, rank, world, peer_functions(), reducers(model), messages(lambda: holder["files"]))
+    sim = SimDist(model.world, rank, world, peer_functions(), reducers(model),
+                  messages(lambda: holder["files"], model.world, rank))
+    rule_plan._CACHE.clear()  # a first save
     saved = sim.install()
     try:
         request = request_of(variant, str(folder / f"checkpoint-{model.world}-{rank}"))

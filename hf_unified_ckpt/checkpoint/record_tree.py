@@ -2,15 +2,16 @@
 per file on the way to rank 0, instead of every rank's records sent to every rank.
 
 Each rank folds its own ranges (`RangeRecord`s) into rows (file, first byte, end byte, CRC-32), neighbouring ranges
-of one file joined (`crc32_combine`). The rows then go up a binomial tree over the ranks (rank r + d sends to rank r
-at round d = 1, 2, 4, ...): a rank merges what it receives with its own rows, joining every pair of rows of a file
-that meet. Ranks below rank r + d hold the pieces that come before theirs in the engines that follow a partition
-rule, so the rows a subtree sends are about one per stored tensor it touches: a rank receives at most log2(N)
-messages, rank 0 ends with one row per file. Rows that overlap are never joined: rank 0 reports them (a plan bug),
-as `files.combine_ranges` does.
-
-A rank's other records (its small files', whole files', the parts of multipart uploads) go straight to rank 0, one
-message per rank. Nothing is sent to any rank but rank 0 and a rank's tree parent.
+of one file joined (`crc32_combine`). The rows are then reduce-scattered by file over the ranks (recursive halving:
+at step d = 1, 2, 4, ... a rank keeps half of its files and swaps the other half's rows with rank r ^ d, merging
+what it receives, every two rows of a file that meet joined). Partners are chosen nearest first, so the rows merged
+at each step come from a block of neighbouring ranks, which in the engines that follow a partition rule hold
+neighbouring pieces: a block's rows are about one per stored tensor it touches, and a rank receives about one row
+per stored tensor in all (half the files' rows, then a quarter's...), whatever the number of ranks. Each rank then
+sends the rows of the files it holds, fully combined, with its other records (its small files', whole files', the
+parts of multipart uploads) to rank 0: rank 0 receives one message per rank and one row per file. Rows that overlap
+are never joined: rank 0 reports them (a plan bug), as `files.combine_ranges` does. With N not a power of two, the
+ranks from the largest power of two P up first hand their rows to rank r - P.
 """
 
 from __future__ import annotations
@@ -57,38 +58,62 @@ def split(records: list, names: dict[str, int]) -> tuple[list[Row], list]:
     return merged(rows), [r for r in records if not (type(r) is RangeRecord and r.name in names)]
 
 
-def tree_children(rank: int, world: int) -> list[int]:
-    """The ranks that send their rows to `rank`, in the order it receives them."""
-    out, step = [], 1
-    while step < world and rank % (2 * step) == 0:
-        if rank + step < world:
-            out.append(rank + step)
-        step *= 2
-    return out
+def halving_steps(rank: int, world: int, files: int) -> tuple[list[tuple[int, int, int, int, int]], tuple[int, int]]:
+    """This rank's steps of the reduce-scatter (recursive halving of the files, distance doubling of the ranks) over
+    the largest power of two P <= world of ranks: (partner, first file kept, end kept, first file sent, end sent) per
+    step, and the files it holds at the end (fully combined). Ranks P and above fold into rank - P first and hold
+    none."""
+    p2 = 1 << (world.bit_length() - 1)
+    if rank >= p2:
+        return [], (0, 0)
+    lo, hi, steps, d = 0, files, [], 1
+    while d < p2:
+        mid = (lo + hi) // 2
+        keep, send = ((lo, mid), (mid, hi)) if not rank & d else ((mid, hi), (lo, mid))
+        steps.append((rank ^ d, *keep, *send))
+        (lo, hi), d = keep, d * 2
+    return steps, (lo, hi)
 
 
-def tree_parent(rank: int) -> int | None:
-    """The rank `rank` sends its rows to (None for rank 0)."""
-    return rank - (rank & -rank) if rank else None
+def _swap(rows_out: list[Row], partner: int, group) -> list[Row]:
+    """Send `rows_out` to `partner` and receive its rows (the lower rank sends first). Point-to-point."""
+    if dist.rank() < partner:
+        dist.send_bytes(pack(rows_out), partner, group=group)
+        return unpack(dist.recv_bytes(partner, group=group))
+    got = unpack(dist.recv_bytes(partner, group=group))
+    dist.send_bytes(pack(rows_out), partner, group=group)
+    return got
 
 
 def reduce_records(records: list, files: list, group=None) -> tuple[list[Row], list] | None:
     """Rank 0: (one row per file where the ranks' ranges tile it, more where they do not; every rank's other
-    records); None on the other ranks. Collective (point-to-point on `group`: the binomial tree, then one message
-    from every rank to rank 0): all its ranks must call it."""
+    records); None on the other ranks. Collective (point-to-point on `group`): all its ranks must call it.
+
+    The rows are reduce-scattered by file (recursive halving, partners 1, 2, 4... apart, so that the ranks whose
+    rows meet are merged first: a rank receives about one row per stored tensor in all, whatever the number of
+    ranks), then each rank sends the rows of its files and its other records to rank 0, one message."""
     names = {f.name: i for i, f in enumerate(files)}
     rows, others = split(records, names)
     me, world = dist.rank(), dist.world_size()
-    for child in tree_children(me, world):
-        rows = merged(heapq.merge(rows, unpack(dist.recv_bytes(child, group=group))))
-    parent = tree_parent(me)
-    if parent is not None:
-        dist.send_bytes(pack(rows), parent, group=group)
-        dist.send_bytes(pickle.dumps(others), 0, group=group)
+    p2 = 1 << (world.bit_length() - 1)
+    if me >= p2:
+        dist.send_bytes(pack(rows), me - p2, group=group)
+        rows = []
+    elif me + p2 < world:
+        rows = merged(heapq.merge(rows, unpack(dist.recv_bytes(me + p2, group=group))))
+    steps, _ = halving_steps(me, world, len(files))
+    for partner, k0, k1, s0, s1 in steps:
+        out = [r for r in rows if s0 <= r[0] < s1]
+        kept = [r for r in rows if k0 <= r[0] < k1]
+        rows = merged(heapq.merge(kept, _swap(out, partner, group)))
+    if me:
+        dist.send_bytes(pickle.dumps((pack(rows), others)), 0, group=group)
         return None
     for q in range(1, world):
-        others += pickle.loads(dist.recv_bytes(q, group=group))
-    return rows, others
+        packed, theirs = pickle.loads(dist.recv_bytes(q, group=group))
+        rows += unpack(packed)
+        others += theirs
+    return merged(sorted(rows)), others
 
 
 def file_records(rows: list[Row], files: list) -> tuple[list[FileRecord], set[str]]:
