@@ -554,7 +554,8 @@ def records_of(mine: list, rank: int, rng: random.Random) -> list:
     return out + small_records(rank)
 
 
-def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory: bool = False) -> dict:
+def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory: bool = False,
+                  repeat: int = 1) -> dict:
     """Rank `rank`'s part of a save and of a second save: the staging folder (`open_staging`), the plan and the
     walk of the files, the conclusion (`conclude`: statuses, records, rank 0's manifest, the commit); CPU seconds
     (payload making excluded), what it received, peak memory of the first plan."""
@@ -578,6 +579,14 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
         if memory:
             tracemalloc.stop()
         plan_log = sim.log[mark:]
+        for _ in range(repeat - 1):  # the least of `repeat` first saves (this machine's CPU is shared)
+            rule_plan._CACHE.clear()
+            sim.excluded, t0 = 0.0, time.process_time()
+            again = plan_once(sim, SimEngine(model, rank), request)
+            first = min(first, time.process_time() - t0 - sim.excluded)
+            del sim.log[mark + len(plan_log):]
+        if repeat > 1:
+            plan, mine = again
         holder["files"] = plan.files
         started = save_mod.Started(request, staging, plan, save_mod.SharedFileWriter(rank), [], None)
         records = records_of(mine, rank, random.Random(rank))
@@ -588,15 +597,18 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
         assert all(ok for ok, _ in reports), reports
         conclude_log = sim.log[mark:]
         sim.excluded, mark = 0.0, len(sim.log)
-        second = SimEngine(model, rank)  # an adapter per save, as the Trainer makes them
-        t0 = time.process_time()
-        plan_once(sim, second, request)
-        cached = time.process_time() - t0 - sim.excluded
-        cached_log = sim.log[mark:]
+        first_save = list(sim.log)
+        cached = math.inf
+        for _ in range(repeat):
+            sim.excluded, t0 = 0.0, time.process_time()
+            plan_once(sim, SimEngine(model, rank), request)  # an adapter per save, as the Trainer makes them
+            cached = min(cached, time.process_time() - t0 - sim.excluded)
+            cached_log = sim.log[mark:]
+            mark = len(sim.log)
     finally:
         restore(saved)
     return {"plan": plan, "mine": mine, "plan_s": first, "plan_cached_s": cached, "peak": peak,
-            "conclude_s": concluded, "log": sim.log[:len(sim.log) - len(cached_log)], "plan_log": plan_log,
+            "conclude_s": concluded, "log": first_save, "plan_log": plan_log,
             "conclude_log": conclude_log, "cached_log": cached_log, "exchanged": world(rank).exchanged}
 
 
@@ -700,7 +712,7 @@ def run_row(row: Row, args, folder: Path) -> dict:
     master = row.engine.startswith("zero") or row.engine == "mics"
     model = SimModel(row.engine, row.ranks, params, master)
     sample = sorted({0, row.ranks // 2, row.ranks - 1})
-    runs = {r: simulate_rank(model, r, row.variant, folder) for r in sample}
+    runs = {r: simulate_rank(model, r, row.variant, folder, repeat=args.repeat) for r in sample}
     mem = simulate_rank(model, row.ranks - 1, row.variant, folder, memory=True)["peak"] if args.memory else 0
     files = runs[0]["plan"].files
     others = [r for r in sample if r] or [0]
@@ -754,6 +766,7 @@ def main() -> None:
                         help="skip rows whose simulation would gather more peer entries than this (today's code)")
     parser.add_argument("--s3-files", type=int, default=8)
     parser.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument("--repeat", type=int, default=3, help="plan timings: the least of this many")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []

@@ -102,7 +102,7 @@ def agree(engine, components, request, shared: bool) -> Rule | None:
     if rules is not None:
         why = ("the pieces some rank holds are not the partition rule's" if not matched
                else "the ranks' plans differ (specs, options or world size)")
-    if why not in _SAID:
+    if why not in _SAID and dist.world_size() > 1:
         _SAID.add(why)
         if me == 0:
             logger.warning("Planning this save gathers every rank's pieces (O(ranks x tensors) per rank): %s.", why)
@@ -149,7 +149,7 @@ def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, di
                 wanted.setdefault(source, []).append((component, name, start, n))
     received = dist.exchange_tensors({dst: torch.cat(parts) for dst, parts in sends.items()},
                                       {src: (sum(n for *_, n in w), torch.float32) for src, w in wanted.items()},
-                                      group=group)
+                                      group=group) if sends or wanted else {}
     halos: dict[str, dict[str, dict[int, torch.Tensor]]] = {c: {} for c in plans}
     for source, parts in wanted.items():
         at = 0

@@ -324,6 +324,14 @@ class DeepSpeedEngine:
                 out[spec.name] = self._strided(self._name_of[id(source[1])])
         return {n: s for n, s in out.items() if s.numel}, f"ZeRO-{self.stage}"
 
+    def parameter_rule(self) -> tuple[dict[str, Strided] | None, str]:
+        """`partition_rule` of `parameter_fragments` (an EMA's averages follow it). Local."""
+        why = self._no_rule()
+        if why:
+            return None, why
+        return {self._weight_key.get(n, n): s for n, _ in self._trainable() if (s := self._strided(n)).numel}, \
+            f"ZeRO-{self.stage}"
+
     def _no_rule(self) -> str:
         if self.tp_size > 1:
             return f"AutoTP at {self.tp_size} (tensor parallel)"

@@ -1,0 +1,87 @@
+"""Save metadata linear in the ranks (issue 57), at 4 real ranks (gloo, CPU; the tiny Llama, whose widths 30, 46, 10
+split unevenly over 4: ZeRO-3 tails of 6 of 8 elements, FSDP2 rows 3, 3, 3, 1 of k_proj's 10, ZeRO-1/2 parameters
+across partitions):
+
+- under ZeRO-1/2, ZeRO-3 and FSDP2, the partition rule's pieces of every sharded tensor are exactly what every rank
+  holds (one more gather, outside the count), the first save plans from the rule without gathering anything
+  (no object collective at all on success), and the second save reuses the cached plan (one all-reduce of the
+  rule's check, no census);
+- an engine whose pieces are not the rule it declares (DeepSpeed's rule shifted by one element) is seen at the
+  first save: both saves take the census, said once, and the checkpoint is the same as the rule's;
+- `record_tree`'s rows and the bench's model of them agree (`bench_scale_sim.subtree_rows`), byte for byte, at
+  every step of the reduction, with what the ranks really received.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+ENGINES = {"z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}}
+RANKS = 4
+TWO_SAVES = {"max_steps": 2, "save_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rule-plan")
+    specs = {name: {**spec, "record_plans": True} for name, spec in ENGINES.items()}
+    specs["z3-broken"] = {"zero": 3, "record_plans": True, "break_rule": True}
+    runs = [{**spec, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"), "overrides": TWO_SAVES}
+            for name, spec in specs.items()]
+    launch = torchrun(RANKS, runs, tmp)
+    out = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in specs}
+    return tmp, out, launch.stdout + launch.stderr
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_rule_pieces_are_held_and_the_second_save_reuses_the_plan(runs, engine):
+    _, out, _ = runs
+    first, second = out[engine]["saves"]
+    assert (first["plan"], second["plan"]) == ("rule", "cached")
+    for save in (first, second):
+        assert save["rule_equals_held"] and save["compared"] > 0
+        assert not [c for c in save["calls"] if c[0] == "all_gather_object"], save["calls"]  # no census, no gather
+    assert first["uneven"] > 0  # tails and rows that do not split evenly over 4 ranks
+    assert [c[:2] for c in second["calls"] if c[1] == "agree"] == [("all_reduce_ints", "agree")]
+
+
+@pytest.mark.dist
+def test_an_engine_off_its_rule_takes_the_census_said_once(runs):
+    tmp, out, log = runs
+    saves = out["z3-broken"]["saves"]
+    assert [s["plan"] for s in saves] == ["census", "census"]
+    assert all(any(c[:2] == ("all_gather_object", "census_of_pieces") for c in s["calls"]) for s in saves)
+    assert log.count("the pieces some rank holds are not the partition rule's") == 1
+    from hf_unified_ckpt.checkpoint.manifest import read_manifest
+
+    ruled, censused = (read_manifest(tmp / name / "checkpoint-2")["files"] for name in ("z3", "z3-broken"))
+    assert {n: e["size"] for n, e in ruled.items() if n.endswith(".safetensors")} == \
+        {n: e["size"] for n, e in censused.items() if n.endswith(".safetensors")}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine", ["z3", "f2"])
+def test_the_bench_counts_what_the_ranks_receive(runs, engine):
+    """The bench's rows of a block of ranks (`subtree_rows`, from the plan's closed forms) have the bytes the real
+    ranks received at each step of `record_tree`, and every rank's plan-time traffic is the bench's (one
+    all-reduce of four integers; no halo without a codec)."""
+    from bench_scale_sim import messages
+    from hf_unified_ckpt.checkpoint.record_tree import halving_steps
+
+    tmp, out, _ = runs
+    for rank in range(RANKS):
+        for save in torch.load(tmp / f"{engine}.pt.rank{rank}", weights_only=False):
+            files = save["files"]
+            swaps = [b for kind, caller, b in save["calls"] if caller == "_swap" and kind == "recv_bytes"]
+            model = messages(lambda: files, RANKS, rank)
+            expected = [8 + len(model["_swap"](step[0], {})) for step in halving_steps(rank, RANKS, len(files))[0]]
+            assert swaps == expected, (rank, swaps, expected)
+            assert [c for c in save["calls"] if c[1] in ("agree", "exchange_halos")] == \
+                [("all_reduce_ints", "agree", 64)]
