@@ -172,6 +172,30 @@ def unpack(packed: torch.Tensor, bits: int, n: int, start: int = 0, stop: int | 
 
 
 # ---- the optimizer-moment codec -----------------------------------------------------------------------------------
+class _BlockRange:
+    """(first, count) of the codes (bytes, with `bits`) or the scales (one per block: without `bits`) of the blocks
+    that start among elements `[first, first + count)` of a tensor of `n` elements. Picklable (a plan crosses to
+    the writer process)."""
+
+    __slots__ = ("block", "bits", "n")
+
+    def __init__(self, block: int, bits: int | None = None, n: int = 0):
+        self.block, self.bits, self.n = block, bits, n
+
+    def __call__(self, first: int, count: int) -> tuple[int, int]:
+        k0, k1 = -(-first // self.block), -(-(first + count) // self.block)
+        if self.bits is None:
+            return k0, max(k1 - k0, 0)
+        c0, c1 = k0 * self.block * self.bits // 8, -(-min(k1 * self.block, self.n) * self.bits // 8)
+        return c0, max(c1 - c0, 0)
+
+    def __getstate__(self):
+        return self.block, self.bits, self.n
+
+    def __setstate__(self, state):
+        self.block, self.bits, self.n = state
+
+
 class MomentCodec:
     """Save and read side of O1/O2 for the optimizer component (see the module docstring).
 
@@ -204,17 +228,7 @@ class MomentCodec:
         entry = self.tensors.get(name)
         if entry is None:
             return {name: pieces}
-        n = _numel(entry["shape"])
-
-        def codes(first: int, count: int) -> tuple[int, int]:
-            k0, k1 = self._blocks(first, count)
-            c0, c1 = k0 * self.block * self.bits // 8, -(-min(k1 * self.block, n) * self.bits // 8)
-            return c0, max(c1 - c0, 0)
-
-        def scales(first: int, count: int) -> tuple[int, int]:
-            k0, k1 = self._blocks(first, count)
-            return k0, max(k1 - k0, 0)
-
+        codes, scales = _BlockRange(self.block, self.bits, _numel(entry["shape"])), _BlockRange(self.block)
         if hasattr(pieces, "of"):  # a closed form: mapped rank by rank when asked
             return {name: Mapped(pieces, codes), name + SCALES: Mapped(pieces, scales)}
         return {name: tuple((r, *codes(f, c)) for r, f, c in pieces),

@@ -84,6 +84,12 @@ class Strided:
     def __repr__(self) -> str:
         return f"Strided(numel={self.numel}, size={self.size}, shift={self.shift})"
 
+    def __getstate__(self):
+        return self.numel, self.size, self.shift
+
+    def __setstate__(self, state):
+        self.numel, self.size, self.shift = state
+
 
 class Mapped:
     """The pieces of a stored tensor made of a closed-form `base` (a codec's codes, scales...): rank r's piece is
@@ -112,6 +118,12 @@ class Mapped:
 
     __hash__ = None
 
+    def __getstate__(self):
+        return self.base, self.fn
+
+    def __setstate__(self, state):
+        self.base, self.fn = state
+
 
 class OwnOnly:
     """A stored tensor's pieces where only this rank's is known (the residual's ties: each rank's offset is the sum
@@ -138,6 +150,12 @@ class OwnOnly:
         raise LookupError(f"rank {self.rank}'s plan knows only its own piece of this tensor (a rank-local plan)")
 
     __hash__ = None
+
+    def __getstate__(self):
+        return self.rank, self.first, self.count, self.base
+
+    def __setstate__(self, state):
+        self.rank, self.first, self.count, self.base = state
 
 
 def piece_of(pieces, rank: int) -> tuple[int, int]:
