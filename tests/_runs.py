@@ -1094,7 +1094,9 @@ def die_mid_write(rank: int, step: int):
     def dying(path, file, r, tensors, **kwargs):
         if r == rank and f".checkpoint-{step}." in str(path) and len(file.writers) > 1:
             mine = file.items_of(r)
-            original(path, dataclasses.replace(file, items=tuple(mine[: max(1, len(mine) // 2)])), r, tensors, **kwargs)
+            kept = {item.name for item in mine[: max(1, len(mine) // 2)]}  # its first half (the layout's own order)
+            half = tuple(e for e in file.layout if e[0] in kept)
+            original(path, dataclasses.replace(file, layout=half), r, tensors, **kwargs)
             os._exit(9)
         return original(path, file, r, tensors, **kwargs)
 

@@ -150,12 +150,14 @@ def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, di
     received = dist.exchange_tensors({dst: torch.cat(parts) for dst, parts in sends.items()},
                                       {src: (sum(n for *_, n in w), torch.float32) for src, w in wanted.items()},
                                       group=group) if sends or wanted else {}
-    halos: dict[str, dict[str, dict[int, torch.Tensor]]] = {c: {} for c in plans}
+    collected: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
     for source, parts in wanted.items():
-        at = 0
-        for component, name, start, n in parts:
-            halos[component].setdefault(name, {})[start] = received[source][at:at + n]
-            at += n
+        for (component, name, start, _), chunk in zip(parts, torch.split(received[source], [p[3] for p in parts])):
+            collected.setdefault((component, name), []).append((start, chunk))
+    halos: dict[str, dict[str, dict[int, torch.Tensor]]] = {c: {} for c in plans}
+    for (component, name), got in collected.items():  # the pieces after this rank's, in element order: one halo
+        got.sort(key=lambda g: g[0])
+        halos[component][name] = {got[0][0]: torch.cat([c for _, c in got]) if len(got) > 1 else got[0][1]}
     for component, cplan in plans.items():
         if hasattr(cplan.codec, "receive_halos"):
             cplan.codec.receive_halos(halos[component])
@@ -166,15 +168,13 @@ def _halo_sources(rule: Strided, first: int, count: int, block: int) -> list[tup
     starts among its elements or its last block ends within them)."""
     k0, k1 = -(-first // block), -(-(first + count) // block)
     end, stop = first + count, min(k1 * block, rule.numel)
+    if k1 <= k0 or end >= stop:
+        return []
+    size, shift = rule.size, rule.shift
     out = []
-    if k1 <= k0:
-        return out
-    while end < stop:
-        source = rule.rank_of(end)
-        start, held = rule.of(source)
-        n = min(held, stop - start)
-        out.append((source, start, n))
-        end = start + n
+    for source in range(rule.rank_of(end), rule.rank_of(stop - 1) + 1):
+        start = max(end, source * size - shift)
+        out.append((source, start, min(stop, (source + 1) * size - shift) - start))
     return out
 
 

@@ -7,14 +7,16 @@ It is cut once, where the snapshot is taken:
 - on the training thread, `begin` (collective): rank 0 creates the staging folder (`Store.stage`:
   `.checkpoint-N.incomplete` where the store renames atomically, else `checkpoint-N` itself, committed by its
   manifest); ranks that cannot see it (their machine has its own local folder) create their own; every rank
-  computes the same shard plan (`plan_save`); the write strategy is chosen from the store's capabilities and
+  computes the same shard plan (`plan_save`: from the engine's partition rule, cached across saves, where it has
+  one: `rule_plan`; else from a census of every rank's pieces); the write strategy is chosen from the store's capabilities and
   prepared (`writer.choose_writer`: pieces in place where every rank sees the folder and the store writes at
   offsets, parts of multipart uploads on an object store, else whole files); file by file, sharded engines assemble
   each tensor on the rank that writes it;
 - then the snapshot: the live tensors themselves (synchronous save) or host copies (`snapshot.py`), held by a
   `PersistJob` with the small files as bytes;
 - after it, `finish`, wherever the executor runs it (collective on its group): every rank writes its files
-  (`PersistJob.run`), reports its file records (or its `Failure`) to all (`conclude`); rank 0 finishes the
+  (`PersistJob.run`); the ranks agree on success by an all-reduce and their records reach rank 0 as one record
+  per file (`conclude`, `record_tree`; a failure gathers every rank's `Failure`); rank 0 finishes the
   strategy, writes the index files and the manifest (last); the leader of every other folder copies rank 0's small
   files and manifest into it; every leader publishes its staging folder as `checkpoint-N` (`Store.publish`: a
   rename, or nothing where the manifest is the commit). The `Outcome` is the same on every rank; its leader then

@@ -13,7 +13,8 @@ or in the background after a snapshot).
   element, O1/O2 the blocks that start among its elements, completed by a few elements of the next piece shared
   when the save is planned); only what no rank holds in one contiguous piece (other layouts) is assembled on the
   header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
-  range it wrote; rank 0 combines them into the file's record (`combine_ranges`), checking they tile the file.
+  range it wrote; the ranks combine them into one record per file on the way to rank 0 (`record_tree`), which
+  checks they tile the file.
   Into the memory tier (whose files are reused: `spare`), an async save's snapshot of a file one rank writes whole
   is copied straight into the file (`place`, through a mapping kept from save to save), and `write` only checksums
   it: one copy instead of a copy into host buffers and a `pwrite` of them. A spare file is taken only at exactly
