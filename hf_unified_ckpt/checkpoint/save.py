@@ -137,6 +137,18 @@ def _component_plan(c: Component, engine: EngineAdapter, request: SaveRequest, r
     return dataclasses.replace(plan, index_metadata=_index_metadata(c, engine, codec))
 
 
+def _residual_plan(c: Component, cached: ComponentPlan, engine: EngineAdapter, request: SaveRequest,
+                   rule) -> ComponentPlan:
+    """The residual master weights' plan at a later save: its census taken again (the ties follow the data); the
+    cached files and owners kept where every tensor has as many ties as when they were planned (the stored shapes
+    are the same), else planned again. Collective (the census)."""
+    codec = encoder_for(c, engine, request.options, rule)
+    if codec.census != cached.codec.census:
+        return _component_plan(c, engine, request, rule)
+    stored = {s.name: codec.stored_specs(s) for s in cached.specs.values()}
+    return dataclasses.replace(cached, codec=codec, stored=stored, index_metadata=_index_metadata(c, engine, codec))
+
+
 def _index_metadata(c: Component, engine: EngineAdapter, codec) -> dict:
     metadata = copy.deepcopy(engine.optimizer_metadata()) if c.role is Role.OPTIMIZER else {}
     if codec is not None:
@@ -153,7 +165,7 @@ def _reused(cached: SavePlan, engine: EngineAdapter, request: SaveRequest, compo
     for c in components:
         cplan = cached.components[c.name]
         if isinstance(cplan.codec, ResidualCodec):
-            fresh[c.name] = plans[c.name] = _component_plan(c, engine, request, rule)
+            fresh[c.name] = plans[c.name] = _residual_plan(c, cplan, engine, request, rule)
             continue
         codec = copy.copy(cplan.codec) if cplan.codec is not None else None
         plans[c.name] = dataclasses.replace(cplan, codec=codec, index_metadata=_index_metadata(c, engine, codec))
