@@ -85,3 +85,46 @@ def test_the_bench_counts_what_the_ranks_receive(runs, engine):
             assert swaps == expected, (rank, swaps, expected)
             assert [c for c in save["calls"] if c[1] in ("agree", "exchange_halos")] == \
                 [("all_reduce_ints", "agree", 64)]
+
+
+def test_owners_are_the_least_loaded_writer_in_f_log_n():
+    """Largest file first to the least-loaded writer, ties to the lowest rank, as the linear scan does, but without
+    walking the N writers per file (16,384 ranks x thousands of files): a million writers take no time."""
+    import random
+    import time
+
+    from hf_unified_ckpt.format.planning import assign_owners
+
+    def scan(sizes, writers):
+        load, owners = [0] * writers, {}
+        for name, size in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+            rank = min(range(writers), key=lambda r: (load[r], r))
+            owners[name], load[rank] = rank, load[rank] + size
+        return owners
+
+    rng = random.Random(57)
+    for _ in range(200):
+        sizes = {f"f{i}": rng.choice([0, 1, 5, rng.randrange(100)]) for i in range(rng.randrange(1, 40))}
+        writers = rng.randrange(1, 12)
+        assert assign_owners(sizes, writers) == scan(sizes, writers)
+    started = time.process_time()
+    owners = assign_owners({f"f{i}": 10**9 - i for i in range(3000)}, 10**6)
+    assert time.process_time() - started < 1.0 and sorted(owners.values()) == list(range(3000))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 8, 12, 1024])
+def test_the_halving_leaves_every_file_to_exactly_one_rank(world):
+    """`record_tree`'s reduce-scatter: partners agree on the files they split, and at the end every file is held by
+    exactly one rank (ranks above the largest power of two hold none)."""
+    from hf_unified_ckpt.checkpoint.record_tree import halving_steps
+
+    files = 37
+    held = [0] * files
+    for rank in range(world):
+        steps, (lo, hi) = halving_steps(rank, world, files)
+        for partner, k0, k1, s0, s1 in steps:
+            theirs = next(s for s in halving_steps(partner, world, files)[0] if s[0] == rank)
+            assert (theirs[1], theirs[2], theirs[3], theirs[4]) == (s0, s1, k0, k1)
+        for f in range(lo, hi):
+            held[f] += 1
+    assert held == [1] * files
