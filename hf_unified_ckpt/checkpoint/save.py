@@ -425,6 +425,7 @@ def conclude(started: Started, outcome: tuple[bool, object], group=None) -> list
     per rank.
 
     Collective (on `group`): all its ranks must call it."""
+    group = group if group is not None else dist.cpu_group()  # object collectives never staged in GPU memory
     if dist.all_reduce_ints([int(not outcome[0])], "sum", group=group)[0]:
         return dist.all_gather_object(outcome, group=group)
     gathered = record_tree.reduce_records(outcome[1], started.plan.files, group=group)
