@@ -7,7 +7,8 @@ across partitions):
   (no object collective at all on success), and the second save reuses the cached plan (one all-reduce of the
   rule's check, no census);
 - an engine whose pieces are not the rule it declares (DeepSpeed's rule shifted by one element) is seen at the
-  first save: both saves take the census, said once, and the checkpoint is the same as the rule's;
+  first save: both saves take the census, said once (the launch's log), and the files are the rule's, CRC for CRC,
+  plain and O1 (whose halos go point to point with the rule);
 - `record_tree`'s rows and the bench's model of them agree (`bench_scale_sim.subtree_rows`), byte for byte, at
   every step of the reduction, with what the ranks really received.
 """
@@ -32,8 +33,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rule-plan")
     specs = {name: {**spec, "record_plans": True} for name, spec in ENGINES.items()}
     specs["z3-broken"] = {"zero": 3, "record_plans": True, "break_rule": True}
-    runs = [{**spec, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"), "overrides": TWO_SAVES}
-            for name, spec in specs.items()]
+    specs["z3-o1"] = {"zero": 3, "record_plans": True, "overrides": {"ckpt_quant_stage": "O1"}}
+    specs["z3-o1-broken"] = {"zero": 3, "record_plans": True, "break_rule": True,
+                             "overrides": {"ckpt_quant_stage": "O1"}}
+    runs = [{**spec, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"),
+             "overrides": {**TWO_SAVES, **spec.get("overrides", {})}} for name, spec in specs.items()]
     launch = torchrun(RANKS, runs, tmp)
     out = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in specs}
     return tmp, out, launch.stdout + launch.stderr
@@ -53,17 +57,24 @@ def test_rule_pieces_are_held_and_the_second_save_reuses_the_plan(runs, engine):
 
 
 @pytest.mark.dist
-def test_an_engine_off_its_rule_takes_the_census_said_once(runs):
+@pytest.mark.parametrize("engine", ["z3", "z3-o1"])
+def test_an_engine_off_its_rule_takes_the_census_said_once_and_writes_the_same_bytes(runs, engine):
+    """The census of an engine off its rule and the rule of the same engine write the same files, CRC for CRC
+    (through O1 too: the halos that complete a block, here from up to three ranks whose pieces are smaller than a
+    block, went point to point in one and with the census in the other)."""
     tmp, out, log = runs
-    saves = out["z3-broken"]["saves"]
+    saves = out[f"{engine}-broken"]["saves"]
     assert [s["plan"] for s in saves] == ["census", "census"]
+    assert [s["plan"] for s in out[engine]["saves"]] == ["rule", "cached"]
     assert all(any(c[:2] == ("all_gather_object", "census_of_pieces") for c in s["calls"]) for s in saves)
     assert log.count("the pieces some rank holds are not the partition rule's") == 1
     from hf_unified_ckpt.checkpoint.manifest import read_manifest
 
-    ruled, censused = (read_manifest(tmp / name / "checkpoint-2")["files"] for name in ("z3", "z3-broken"))
-    assert {n: e["size"] for n, e in ruled.items() if n.endswith(".safetensors")} == \
-        {n: e["size"] for n, e in censused.items() if n.endswith(".safetensors")}
+    for step in ("checkpoint-1", "checkpoint-2"):
+        ruled, censused = (read_manifest(tmp / name / step)["files"] for name in (engine, f"{engine}-broken"))
+        tensors = {n for n in ruled if n.endswith(".safetensors")}
+        assert tensors and tensors == {n for n in censused if n.endswith(".safetensors")}
+        assert {n: ruled[n] for n in tensors} == {n: censused[n] for n in tensors}
 
 
 @pytest.mark.dist

@@ -253,6 +253,8 @@ class MomentCodec:
         if entry is None:
             return {name: values}
         k0, k1 = self._blocks(start, values.numel())
+        if k1 <= k0:  # no block starts among these elements: this rank writes nothing of the tensor (its halo did)
+            return {name: torch.empty(0, dtype=torch.uint8), name + SCALES: torch.empty(0, dtype=torch.float32)}
         e0, e1 = k0 * self.block, min(k1 * self.block, _numel(entry["shape"]))
         parts, end = [values[e0 - start:]], start + values.numel()
         for first, head in sorted(self.halos.get(name, {}).items()):
