@@ -8,10 +8,10 @@ It is cut once, where the snapshot is taken:
   `.checkpoint-N.incomplete` where the store renames atomically, else `checkpoint-N` itself, committed by its
   manifest); ranks that cannot see it (their machine has its own local folder) create their own; every rank
   computes the same shard plan (`plan_save`: from the engine's partition rule, cached across saves, where it has
-  one: `rule_plan`; else from a census of every rank's pieces); the write strategy is chosen from the store's capabilities and
-  prepared (`writer.choose_writer`: pieces in place where every rank sees the folder and the store writes at
-  offsets, parts of multipart uploads on an object store, else whole files); file by file, sharded engines assemble
-  each tensor on the rank that writes it;
+  one: `rule_plan`; else from a census of every rank's pieces); the write strategy is chosen from the store's
+  capabilities and prepared (`writer.choose_writer`: pieces in place where every rank sees the folder and the store
+  writes at offsets, parts of multipart uploads on an object store, else whole files); file by file, sharded
+  engines assemble each tensor on the rank that writes it;
 - then the snapshot: the live tensors themselves (synchronous save) or host copies (`snapshot.py`), held by a
   `PersistJob` with the small files as bytes;
 - after it, `finish`, wherever the executor runs it (collective on its group): every rank writes its files
@@ -175,8 +175,7 @@ def _reused(cached: SavePlan, engine: EngineAdapter, request: SaveRequest, compo
         if name in fresh:
             files += file_plans(cplan, pieces.get(name))
         else:
-            files += [f if f.codec is None else dataclasses.replace(f, codec=cplan.codec)
-                      for f in cached.files if f.component == name]
+            files += [f if f.codec is None else f.with_codec(cplan.codec) for f in cached.files if f.component == name]
     return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, planned=tuple(files))
 
 

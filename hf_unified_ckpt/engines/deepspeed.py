@@ -105,7 +105,7 @@ class DeepSpeedEngine:
         self._group_index = {n: g for g, names in enumerate(self._groups) for n in names}
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
         self._frag_sizes: dict[str, list[int]] | None = None
-        self._flat: dict[str, tuple[int, int]] | None = None  # ZeRO-1/2: name -> (offset in its group's flat, partition)
+        self._flat: dict[str, tuple[int, int]] | None = None  # ZeRO-1/2: name -> (offset in its group flat, partition)
         self._rule_confirmed = False
         self._keys: list[tuple[list[str], list[str]]] | None = None
         self._buffer_map: dict[str, torch.Tensor] | None = None

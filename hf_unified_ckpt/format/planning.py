@@ -5,6 +5,7 @@ Every rank computes the same plan from the same tensor specs, so no communicatio
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import json
@@ -442,6 +443,12 @@ class FilePlan:
         return rank == self.header_rank and all(
             list(h.holders()) in ([], [rank]) if hasattr(h, "holders") else {r for r, _, c in h if c} <= {rank}
             for h in self.held.values())
+
+    def with_codec(self, codec: Encoder) -> "FilePlan":
+        """This file with another codec object of the same plan (a later save's halos), its header kept."""
+        out = dataclasses.replace(self, codec=codec)
+        out.__dict__["header_bytes"] = self.header_bytes
+        return out
 
     @functools.cached_property
     def items(self) -> tuple[WriteItem, ...]:
