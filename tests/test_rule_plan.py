@@ -139,3 +139,22 @@ def test_the_halving_leaves_every_file_to_exactly_one_rank(world):
         for f in range(lo, hi):
             held[f] += 1
     assert held == [1] * files
+
+
+def test_halos_from_many_ranks_are_one_halo_per_tensor_in_element_order():
+    """A block whose elements five ranks hold (pieces smaller than a block): the halos of two tensors from each,
+    received one message per rank, are one halo per tensor, source after source (stacked where the layouts are
+    the same, sliced where they differ: the last rank's partial piece, a rank that holds one tensor only)."""
+    from hf_unified_ckpt.checkpoint.rule_plan import _by_tensor
+
+    wanted = {q: [("optimizer", "a", 10 + 3 * (q - 1), 3), ("optimizer", "b", 20 + 2 * (q - 1), 2)] for q in (1, 2, 3)}
+    wanted[4] = [("optimizer", "a", 19, 1)]
+    wanted[6] = [("optimizer", "b", 26, 2)]  # not next to rank 3 in this list: a run of its own
+    received = {q: torch.arange(sum(k for *_, k in parts), dtype=torch.float32) + 100 * q
+                for q, parts in wanted.items()}
+    got = {key: sorted((start, t.tolist()) for start, t in chunks) for key, chunks in _by_tensor(wanted, received).items()}
+    expected_a = [100, 101, 102, 200, 201, 202, 300, 301, 302, 400]
+    expected_b = [103, 104, 203, 204, 303, 304, 600, 601]
+    assert [x for _, part in got[("optimizer", "a")] for x in part] == expected_a
+    assert [x for _, part in got[("optimizer", "b")] for x in part] == expected_b
+    assert got[("optimizer", "a")][0][0] == 10 and got[("optimizer", "b")][0][0] == 20

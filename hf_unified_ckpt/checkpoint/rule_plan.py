@@ -150,10 +150,7 @@ def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, di
     received = dist.exchange_tensors({dst: torch.cat(parts) for dst, parts in sends.items()},
                                       {src: (sum(n for *_, n in w), torch.float32) for src, w in wanted.items()},
                                       group=group) if sends or wanted else {}
-    collected: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
-    for source, parts in wanted.items():
-        for (component, name, start, _), chunk in zip(parts, torch.split(received[source], [p[3] for p in parts])):
-            collected.setdefault((component, name), []).append((start, chunk))
+    collected = _by_tensor(wanted, received)
     halos: dict[str, dict[str, dict[int, torch.Tensor]]] = {c: {} for c in plans}
     for (component, name), got in collected.items():  # the pieces after this rank's, in element order: one halo
         got.sort(key=lambda g: g[0])
@@ -161,6 +158,33 @@ def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, di
     for component, cplan in plans.items():
         if hasattr(cplan.codec, "receive_halos"):
             cplan.codec.receive_halos(halos[component])
+
+
+def _by_tensor(wanted: dict, received: dict) -> dict[tuple[str, str], list[tuple[int, torch.Tensor]]]:
+    """The received halos by tensor: (first element, elements) per run of sources. Consecutive sources that sent
+    the same layout (tensors and counts: pieces smaller than a block, many ranks to one block) are stacked, each
+    tensor's halos then one column slice (in element order: source after source), not one slice per source."""
+    layouts: dict[tuple, list[int]] = {}
+    for source, parts in wanted.items():
+        layouts.setdefault(tuple((c, n, k) for c, n, _, k in parts), []).append(source)
+    out: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
+    for layout, sources in layouts.items():
+        sources.sort()
+        runs, run = [], [sources[0]]
+        for source in sources[1:]:
+            if source == run[-1] + 1:
+                run.append(source)
+            else:
+                runs.append(run)
+                run = [source]
+        runs.append(run)
+        for run in runs:
+            stacked = torch.stack([received[s] for s in run])
+            at = 0
+            for (component, name, start, k) in wanted[run[0]]:
+                out.setdefault((component, name), []).append((start, stacked[:, at:at + k].reshape(-1)))
+                at += k
+    return out
 
 
 def _halo_sources(rule: Strided, first: int, count: int, block: int) -> list[tuple[int, int, int]]:
