@@ -74,14 +74,15 @@ def rule_matches(engine, rules: dict, rank: int) -> bool:
 
 
 def digest_of(engine, components, request, shared: bool, rules: dict | None) -> int:
-    """A 63-bit digest of what the plan depends on: world size, engine, every component's specs, the rule, the
-    options that shape files. The same on every rank that would plan the same. Local."""
+    """A 63-bit digest of what the plan depends on: world size, engine, every component (name, file stem, role) and
+    its specs, the rule, the options that shape files. The same on every rank that would plan the same. Local."""
     h = hashlib.blake2b(digest_size=8)
     options = request.options
     h.update(repr((dist.world_size(), getattr(engine, "engine", type(engine).__name__), shared,
                    request.include_optimizer, options.quant_stage, options.residual_master_weight,
                    options.max_shard_size)).encode())
     for c in components:
+        h.update(repr((c.name, c.file_stem, str(c.role))).encode())
         h.update(repr([(s.name, tuple(s.shape), str(s.dtype)) for s in engine.specs(c.name)]).encode())
         if rules is not None:
             h.update(repr(sorted((n, s.numel, s.size, s.shift) for n, s in rules[c.name].items())).encode())
