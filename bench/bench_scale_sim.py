@@ -778,7 +778,7 @@ def main() -> None:
                 for ranks in (int(n) for n in args.ranks.split(",")):
                     row = Row(model, engine, variant, ranks)
                     if entries_of(row) > args.max_entries and row.engine == "mics":
-                        print(json.dumps({**dataclasses.asdict(row), "skipped": "too large to simulate today's "
+                        print(json.dumps({**dataclasses.asdict(row), "skipped": "too large to simulate the census "
                                           f"census ({entries_of(row):.2g} peer entries)"}), flush=True)
                         continue
                     with tempfile.TemporaryDirectory() as folder:
