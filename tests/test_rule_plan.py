@@ -147,10 +147,13 @@ def test_halos_from_many_ranks_are_one_halo_per_tensor_in_element_order():
     the same, sliced where they differ: the last rank's partial piece, a rank that holds one tensor only)."""
     from hf_unified_ckpt.checkpoint.rule_plan import _by_tensor
 
-    wanted = {q: [("optimizer", "a", 10 + 3 * (q - 1), 3), ("optimizer", "b", 20 + 2 * (q - 1), 2)] for q in (1, 2, 3)}
-    wanted[4] = [("optimizer", "a", 19, 1)]
-    wanted[6] = [("optimizer", "b", 26, 2)]  # not next to rank 3 in this list: a run of its own
-    received = {q: torch.arange(sum(k for *_, k in parts), dtype=torch.float32) + 100 * q
+    wanted = {q: [("optimizer", ("a",), 10 + 3 * (q - 1), 3), ("optimizer", ("b",), 20 + 2 * (q - 1), 2)]
+              for q in (1, 2, 3)}
+    wanted[4] = [("optimizer", ("a",), 19, 1)]
+    wanted[6] = [("optimizer", ("b",), 26, 2)]  # not next to rank 3 in this list: a run of its own
+    wanted[9] = [("optimizer", ("c", "d"), 40, 2)]  # two tensors split alike: c's 2 elements, then d's
+    wanted[10] = [("optimizer", ("c", "d"), 42, 2)]
+    received = {q: torch.arange(sum(len(a) * k for _, a, _, k in parts), dtype=torch.float32) + 100 * q
                 for q, parts in wanted.items()}
     got = {key: sorted((start, t.tolist()) for start, t in chunks) for key, chunks in _by_tensor(wanted, received).items()}
     expected_a = [100, 101, 102, 200, 201, 202, 300, 301, 302, 400]
@@ -158,3 +161,5 @@ def test_halos_from_many_ranks_are_one_halo_per_tensor_in_element_order():
     assert [x for _, part in got[("optimizer", "a")] for x in part] == expected_a
     assert [x for _, part in got[("optimizer", "b")] for x in part] == expected_b
     assert got[("optimizer", "a")][0][0] == 10 and got[("optimizer", "b")][0][0] == 20
+    assert [x for _, part in got[("optimizer", "c")] for x in part] == [900, 901, 1000, 1001]
+    assert [x for _, part in got[("optimizer", "d")] for x in part] == [902, 903, 1002, 1003]

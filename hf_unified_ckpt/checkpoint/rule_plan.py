@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 
 import torch
@@ -126,31 +127,34 @@ def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, di
                    group=None) -> None:
     """Give every codec that encodes blocks across pieces (`receive_halos`) the halos its rank needs: each rank
     sends the elements it holds ahead of its first block start to the rank that holds that block's start (whose
-    last block they complete), all tensors to one rank in one message. Collective (point-to-point between
-    neighbours in element order): all ranks must call it."""
+    last block they complete), all tensors to one rank in one message. Tensors split alike (the same numel and
+    rule: a layer's norms, a parameter's moments) go as one group, in the order both sides walk them.
+    Collective (point-to-point between neighbours in element order): all ranks must call it."""
     me = dist.rank()
     sends: dict[int, list[torch.Tensor]] = {}
-    wanted: dict[int, list[tuple[str, str, int, int]]] = {}  # source -> (component, tensor, first, count)
+    wanted: dict[int, list[tuple[str, tuple[str, ...], int, int]]] = {}  # source -> (component, tensors, first, n)
     for component, cplan in plans.items():
         codec = cplan.codec
         if not hasattr(codec, "receive_halos"):
             continue
-        names = sorted(n for n in codec.tensors if n in pieces[component])
+        rules = pieces[component]
+        names = sorted((n for n in codec.tensors if n in rules), key=lambda n: (_alike(rules[n]), n))
         held = engine.fragments(component, names) if names else {}
-        for name in names:
-            rule, block = pieces[component][name], codec.block
+        for _, alike in itertools.groupby(names, key=lambda n: _alike(rules[n])):
+            alike = tuple(alike)
+            rule, block = rules[alike[0]], codec.block
             first, count = rule.of(me)
             if not count:
                 continue
             ahead = min(count, -(-first // block) * block - first)
             if ahead > 0:
-                values = held[name].values[:ahead].detach().to(torch.float32).reshape(-1)
-                sends.setdefault(rule.rank_of(first // block * block), []).append(values)
+                sends.setdefault(rule.rank_of(first // block * block), []).extend(
+                    held[n].values[:ahead].detach().to(torch.float32).reshape(-1) for n in alike)
             for source, start, n in _halo_sources(rule, first, count, block):
-                wanted.setdefault(source, []).append((component, name, start, n))
+                wanted.setdefault(source, []).append((component, alike, start, n))
     received = dist.exchange_tensors({dst: torch.cat(parts) for dst, parts in sends.items()},
-                                      {src: (sum(n for *_, n in w), torch.float32) for src, w in wanted.items()},
-                                      group=group) if sends or wanted else {}
+                                      {src: (sum(len(a) * n for _, a, _, n in w), torch.float32)
+                                       for src, w in wanted.items()}, group=group) if sends or wanted else {}
     collected = _by_tensor(wanted, received)
     halos: dict[str, dict[str, dict[int, torch.Tensor]]] = {c: {} for c in plans}
     for (component, name), got in collected.items():  # the pieces after this rank's, in element order: one halo
@@ -161,13 +165,17 @@ def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, di
             cplan.codec.receive_halos(halos[component])
 
 
+def _alike(rule: Strided) -> tuple[int, int, int]:
+    return rule.numel, rule.size, rule.shift
+
+
 def _by_tensor(wanted: dict, received: dict) -> dict[tuple[str, str], list[tuple[int, torch.Tensor]]]:
     """The received halos by tensor: (first element, elements) per run of sources. Consecutive sources that sent
-    the same layout (tensors and counts: pieces smaller than a block, many ranks to one block) are stacked, each
-    tensor's halos then one column slice (in element order: source after source), not one slice per source."""
+    the same layout (pieces smaller than a block: many ranks to one block) are stacked, and each group of tensors
+    split alike is cut by one reshape into a halo per tensor (in element order: source after source)."""
     layouts: dict[tuple, list[int]] = {}
     for source, parts in wanted.items():
-        layouts.setdefault(tuple((c, n, k) for c, n, _, k in parts), []).append(source)
+        layouts.setdefault(tuple((c, a, k) for c, a, _, k in parts), []).append(source)
     out: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
     for layout, sources in layouts.items():
         sources.sort()
@@ -180,11 +188,12 @@ def _by_tensor(wanted: dict, received: dict) -> dict[tuple[str, str], list[tuple
                 run = [source]
         runs.append(run)
         for run in runs:
-            stacked = torch.stack([received[s] for s in run])
-            at = 0
-            for (component, name, start, k) in wanted[run[0]]:
-                out.setdefault((component, name), []).append((start, stacked[:, at:at + k].reshape(-1)))
-                at += k
+            stacked, at = torch.stack([received[s] for s in run]), 0
+            for component, alike, start, k in wanted[run[0]]:
+                rows = stacked[:, at:at + len(alike) * k].reshape(len(run), len(alike), k).transpose(0, 1)
+                for name, row in zip(alike, rows.reshape(len(alike), len(run) * k)):
+                    out.setdefault((component, name), []).append((start, row))
+                at += len(alike) * k
     return out
 
 
