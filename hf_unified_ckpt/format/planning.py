@@ -441,8 +441,8 @@ class FilePlan:
     def writes_alone(self, rank: int) -> bool:
         """Whether `rank` writes every byte of this file (no other rank writes any)."""
         return rank == self.header_rank and all(
-            list(h.holders()) in ([], [rank]) if hasattr(h, "holders") else {r for r, _, c in h if c} <= {rank}
-            for h in self.held.values())
+            len(h) == 0 or (len(h) == 1 and h.holders()[0] == rank) if hasattr(h, "holders")
+            else {r for r, _, c in h if c} <= {rank} for h in self.held.values())
 
     def with_codec(self, codec: Encoder) -> "FilePlan":
         """This file with another codec object of the same plan (a later save's halos), its header kept."""
