@@ -115,3 +115,88 @@ def local_rank() -> int:
     """This process's index on its machine (LOCAL_RANK, set by torchrun, accelerate and the DeepSpeed launcher);
     the global rank when the launcher did not set it."""
     return int(os.environ.get("LOCAL_RANK", rank()))
+
+
+# ---- fixed-size and point-to-point messages (issue 57: save metadata linear in the ranks) -------------------------
+# Tensor collectives of a few integers (statuses, digests, counts) and point-to-point messages between the ranks
+# that need them, on CPU tensors (`cpu_group`: the default group where it takes CPU tensors, else a gloo group), so
+# that nothing is staged in GPU memory. Without a process group each is the identity (one rank).
+
+
+def all_reduce_ints(values: list[int], op: str = "sum", group=None) -> list[int]:
+    """`values` (int64 each) reduced elementwise over all ranks with `op` ("sum", "min" or "max"). Collective (on
+    `group`, default: all ranks on CPU tensors): all its ranks must call it with as many values."""
+    if not is_distributed():
+        return list(values)
+    import torch
+
+    dist = _torch_dist()
+    tensor = torch.tensor(values, dtype=torch.int64)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+    dist.all_reduce(tensor, op=reduce_op, group=group if group is not None else cpu_group())
+    return tensor.tolist()
+
+
+def send_bytes(data: bytes, dst: int, group=None) -> None:
+    """Send `data` to rank `dst` (its length first). Point-to-point: `dst` must call `recv_bytes` from this rank."""
+    import torch
+
+    dist = _torch_dist()
+    group = group if group is not None else cpu_group()
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
+
+
+def recv_bytes(src: int, group=None) -> bytes:
+    """The bytes rank `src` sends with `send_bytes`. Point-to-point."""
+    import torch
+
+    dist = _torch_dist()
+    group = group if group is not None else cpu_group()
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    if not int(size):
+        return b""
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(data, src, group=group)
+    return data.numpy().tobytes()
+
+
+def exchange_tensors(sends: dict, receives: dict, group=None) -> dict:
+    """Send `sends[rank]` (a 1-D CPU tensor) to each rank and receive from each rank in `receives` a tensor of the
+    (numel, dtype) given there, all in flight together. Point-to-point: every pair's sender and receiver call it
+    (with matching sizes). Returns the received tensors by source rank."""
+    if not sends and not receives:
+        return {}
+    import torch
+
+    dist = _torch_dist()
+    group = group if group is not None else cpu_group()
+    out = {src: torch.empty(numel, dtype=dtype) for src, (numel, dtype) in receives.items()}
+    ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group=group) for dst, t in sorted(sends.items())]
+    ops += [dist.P2POp(dist.irecv, t, src, group=group) for src, t in sorted(out.items())]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return out
+
+
+def exclusive_scan_ints(values: list[int], group=None) -> list[int]:
+    """Elementwise sums of `values` over the ranks below this one (rank 0: zeros), by recursive doubling: about
+    log2(N) rounds, each one message of len(values) int64 sent and one received. Collective (point-to-point
+    between ranks d apart): all ranks must call it with as many values."""
+    if not is_distributed() or not values:
+        return [0] * len(values)
+    import torch
+
+    n, me = world_size(), rank()
+    total = torch.tensor(values, dtype=torch.int64)
+    step = 1
+    while step < n:
+        sends = {me + step: total.clone()} if me + step < n else {}
+        receives = {me - step: (len(values), torch.int64)} if me - step >= 0 else {}
+        got = exchange_tensors(sends, receives, group=group)
+        if me - step >= 0:
+            total += got[me - step]
+        step *= 2
+    return (total - torch.tensor(values, dtype=torch.int64)).tolist()

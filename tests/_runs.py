@@ -527,6 +527,16 @@ def run_spec(run: dict, world_size: int) -> dict:
         with record_buffers() as buffers:
             return {**run_spec({k: v for k, v in run.items() if k != "record_buffers"}, world_size),
                     "buffers": buffers}
+    if run.get("record_plans"):  # each save's collectives, how its plan was made, the rule against what is held
+        from hf_unified_ckpt import dist
+
+        with record_plans() as saves:
+            result = run_spec({k: v for k, v in run.items() if k != "record_plans"}, world_size)
+        torch.save(saves, f"{run['result']}.rank{dist.rank()}")  # every rank's, for the bench's counts
+        return {**result, "saves": saves}
+    if run.get("break_rule"):  # an engine whose pieces are not its declared rule's (shifted by one element)
+        with broken_rule():
+            return run_spec({k: v for k, v in run.items() if k != "break_rule"}, world_size)
     if run.get("record_pieces"):  # which tensors each save writes in place, piece by piece (no assembling)
         with record_pieces() as pieces:
             return {**run_spec({k: v for k, v in run.items() if k != "record_pieces"}, world_size), "pieces": pieces}
@@ -959,23 +969,148 @@ def record_buffers():
 
 @contextlib.contextmanager
 def record_pieces():
-    """Record, per component, the tensors the last save's census found held in pieces by the ranks (each rank
-    writes its piece in place; nothing of them is assembled on one rank)."""
+    """Record, per component, the tensors the last save planned held in pieces by the ranks (each rank writes its
+    piece in place; nothing of them is assembled on one rank): from the partition rule or the census of pieces."""
     from hf_unified_ckpt.checkpoint import save
 
-    original, recorded = save.census_of_pieces, {}
+    original, recorded = save.plan_save, {}
 
-    def census(engine, plans):
-        out = original(engine, plans)
-        recorded.clear()
-        recorded.update({component: sorted(tensors) for component, tensors in out.items()})
+    def plan_save(engine, request, *args, **kwargs):
+        out = original(engine, request, *args, **kwargs)
+        if out.pieces:
+            recorded.clear()
+            recorded.update({component: sorted(tensors) for component, tensors in out.pieces.items()})
         return out
 
-    save.census_of_pieces = census
+    save.plan_save = plan_save
     try:
         yield recorded
     finally:
-        save.census_of_pieces = original
+        save.plan_save = original
+
+
+#: The functions of `hf_unified_ckpt.dist` a save communicates through, counted by `record_plans`.
+COUNTED = ("all_gather_object", "broadcast_object", "all_reduce_ints", "exchange_tensors", "recv_bytes")
+
+
+def received_bytes(kind: str, result, args) -> int:
+    """What one call received, counted as bench/bench_scale_sim.py counts it: an all-gather of objects N x (8 + the
+    largest pickle), a broadcast 8 + the pickle (0 on its source), an all-reduce twice its vector, a message its
+    bytes (8 more for its length)."""
+    import pickle
+
+    from hf_unified_ckpt import dist
+
+    if kind == "all_gather_object":
+        return len(result) * (8 + max(len(pickle.dumps(x)) for x in result))
+    if kind == "broadcast_object":
+        src = args[1] if len(args) > 1 else 0
+        return 0 if dist.rank() == src else 8 + len(pickle.dumps(result))
+    if kind == "all_reduce_ints":
+        return 16 * len(args[0])
+    if kind == "exchange_tensors":
+        return sum(t.numel() * t.element_size() for t in result.values())
+    return 8 + len(result)
+
+
+@contextlib.contextmanager
+def record_plans():
+    """Per save: every collective and message this rank took part in through `hf_unified_ckpt.dist` ((kind, the
+    function that called it, bytes received: `received_bytes`)), how the plan was made ("rule", "cached" or
+    "census"), and, where the rule was used, whether its pieces are exactly every rank's held pieces (checked by one
+    more gather of every rank's (first, count), left out of the count), with the number of tensors compared and of
+    those whose pieces are uneven."""
+    import sys
+
+    from hf_unified_ckpt import dist
+    from hf_unified_ckpt.checkpoint import rule_plan, save
+
+    saves, paused = [], [False]
+    originals = {name: getattr(dist, name) for name in COUNTED}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            result = originals[name](*args, **kwargs)
+            if saves and not paused[0]:
+                saves[-1]["calls"].append((name, sys._getframe(1).f_code.co_name, received_bytes(name, result, args)))
+            return result
+        return call
+
+    def open_staging(*args, **kwargs):
+        saves.append({"calls": [], "plan": None})
+        return original_staging(*args, **kwargs)
+
+    def plan_save(*args, **kwargs):
+        plan = original_plan(*args, **kwargs)
+        if saves:
+            saves[-1]["files"] = plan.files
+        return plan
+
+    def agree(engine, components, request, shared):
+        rule = original_agree(engine, components, request, shared)
+        saves[-1]["plan"] = "census" if rule is None else "cached" if rule.cached is not None else "rule"
+        if rule is not None:
+            paused[0] = True
+            try:
+                saves[-1].update(_rule_against_held(engine, rule))
+            finally:
+                paused[0] = False
+        return rule
+
+    original_staging, original_agree, original_plan = save.open_staging, rule_plan.agree, save.plan_save
+    for name in COUNTED:
+        setattr(dist, name, counted(name))
+    save.open_staging, rule_plan.agree, save.plan_save = open_staging, agree, plan_save
+    try:
+        yield saves
+    finally:
+        for name, f in originals.items():
+            setattr(dist, name, f)
+        save.open_staging, rule_plan.agree, save.plan_save = original_staging, original_agree, original_plan
+
+
+def _rule_against_held(engine, rule) -> dict:
+    """Every rank's held (first, count) of every tensor of every component, gathered, against the rule's for that
+    rank. Collective."""
+    from hf_unified_ckpt import dist
+
+    held = {c: {n: (f.start, f.values.numel()) for n, f in engine.fragments(c).items()} for c in rule.pieces}
+    everyone = dist.all_gather_object(held)
+    compared = uneven = 0
+    same = True
+    for component, tensors in rule.pieces.items():
+        for name, pieces in tensors.items():
+            compared += 1
+            counts = set()
+            for rank, share in enumerate(everyone):
+                first, count = share[component].get(name, (0, 0))
+                expected = pieces.of(rank)
+                counts.add(count)
+                same &= count == expected[1] and (not count or first == expected[0])
+            uneven += len(counts - {0}) > 1 or 0 in counts
+        for rank, share in enumerate(everyone):
+            same &= all(not count or name in tensors for name, (_, count) in share[component].items())
+    return {"rule_equals_held": same, "compared": compared, "uneven": uneven}
+
+
+@contextlib.contextmanager
+def broken_rule():
+    """DeepSpeed's declared partition rule off by one element (its ZeRO-1/2 offsets, ZeRO-3's piece size), as an
+    engine whose real layout is not the one it declares: the save must see it and take the census."""
+    from hf_unified_ckpt.engines.deepspeed import DeepSpeedEngine
+    from hf_unified_ckpt.format.planning import Strided
+
+    original = DeepSpeedEngine._strided
+
+    def strided(self, name):
+        s = original(self, name)
+        return Strided(s.numel, s.size + 1, s.shift) if self.stage == 3 else Strided(s.numel, s.size, s.shift + 1)
+
+    DeepSpeedEngine._strided = strided
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._strided = original
 
 
 @contextlib.contextmanager
@@ -992,7 +1127,9 @@ def die_mid_write(rank: int, step: int):
     def dying(path, file, r, tensors, **kwargs):
         if r == rank and f".checkpoint-{step}." in str(path) and len(file.writers) > 1:
             mine = file.items_of(r)
-            original(path, dataclasses.replace(file, items=tuple(mine[: max(1, len(mine) // 2)])), r, tensors, **kwargs)
+            kept = {item.name for item in mine[: max(1, len(mine) // 2)]}  # its first half (the layout's own order)
+            half = tuple(e for e in file.layout if e[0] in kept)
+            original(path, dataclasses.replace(file, layout=half), r, tensors, **kwargs)
             os._exit(9)
         return original(path, file, r, tensors, **kwargs)
 

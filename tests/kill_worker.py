@@ -41,8 +41,8 @@ def during_second_save(fn, on_call=1, before=None):
 def half_file_then_die(path, file, rank, tensors, **kwargs):
     """In the middle of writing a shared file in place: the file exists at its final size with its header and the
     first half of its ranges; the rest is never written."""
-    ORIGINAL_WRITE_RANGES(path, dataclasses.replace(file, items=file.items[: len(file.items) // 2]), rank, tensors,
-                          **kwargs)
+    ORIGINAL_WRITE_RANGES(path, dataclasses.replace(file, layout=file.layout[: len(file.layout) // 2]), rank,
+                          tensors, **kwargs)
     die()
 
 

@@ -115,7 +115,8 @@ class AsyncSaver:
         if self._prepared:
             return
         self._prepared = True
-        specs = snapshot_specs(plan_save(engine, request, shared=True).files, dist.rank(), placed_whole)
+        specs = snapshot_specs(plan_save(engine, request, shared=True, rank_local=True).files, dist.rank(),
+                               placed_whole)
         if not specs:
             return
         need = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _ in specs)

@@ -139,6 +139,21 @@ class WithEma:
             if dist.rank() == owner:
                 self._cache[name] = full.view(part.shape)
 
+    def partition_rule(self, component: str) -> tuple[dict | None, str]:
+        """The engine's (`save.plan_save`); for EMA, the layout of the parameters the averages follow (the engine's
+        `parameter_rule`), restricted to the averages not held whole. Local."""
+        if component != EMA.name:
+            inner = getattr(self._engine, "partition_rule", None)
+            return inner(component) if inner is not None else (None, f"{type(self._engine).__name__} has no rule")
+        inner = getattr(self._engine, "parameter_rule", None)
+        if inner is None:
+            return None, f"{type(self._engine).__name__} has no parameter rule for its EMA"
+        rule, why = inner()
+        if rule is None:
+            return None, why
+        parts = self._average.parts
+        return {n: s for n, s in rule.items() if n in parts and not parts[n].replicated}, why
+
     def fragments(self, component: str, names: Sequence[str] | None = None) -> dict[str, Fragment]:
         """The engine's; for EMA, this rank's part of every average not held whole by every rank. Local."""
         if component != EMA.name:

@@ -6,15 +6,17 @@ It is cut once, where the snapshot is taken:
 
 - on the training thread, `begin` (collective): rank 0 creates the staging folder (`Store.stage`:
   `.checkpoint-N.<host>.<pid>.<token>.incomplete`, this save's own, where the store renames atomically, else
-  `checkpoint-N` itself, committed by its manifest); ranks that cannot see it (their machine has its own local folder) create their own; every rank
-  computes the same shard plan (`plan_save`); the write strategy is chosen from the store's capabilities and
-  prepared (`writer.choose_writer`: pieces in place where every rank sees the folder and the store writes at
-  offsets, parts of multipart uploads on an object store, else whole files); file by file, sharded engines assemble
-  each tensor on the rank that writes it;
+  `checkpoint-N` itself, committed by its manifest); ranks that cannot see it (their machine has its own local folder)
+  create their own; every rank computes the same shard plan (`plan_save`: from the engine's partition rule, cached
+  across saves, where it has one: `rule_plan`; else from a census of every rank's pieces); the write strategy is
+  chosen from the store's capabilities and prepared (`writer.choose_writer`: pieces in place where every rank sees the
+  folder and the store writes at offsets, parts of multipart uploads on an object store, else whole files); file by
+  file, sharded engines assemble each tensor on the rank that writes it;
 - then the snapshot: the live tensors themselves (synchronous save) or host copies (`snapshot.py`), held by a
   `PersistJob` with the small files as bytes;
 - after it, `finish`, wherever the executor runs it (collective on its group): every rank writes its files
-  (`PersistJob.run`), reports its file records (or its `Failure`) to all (`conclude`); rank 0 finishes the
+  (`PersistJob.run`); the ranks agree on success by an all-reduce and their records reach rank 0 as one record
+  per file (`conclude`, `record_tree`; a failure gathers every rank's `Failure`); rank 0 finishes the
   strategy, writes the index files and the manifest (last); the leader of every other folder copies rank 0's small
   files and manifest into it; every leader publishes its staging folder as `checkpoint-N` (`Store.publish`: a
   rename, or nothing where the manifest is the commit). The `Outcome` is the same on every rank; its leader then
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -44,6 +47,7 @@ from ..format.components import MASTER, Component, Role, component
 from ..engines.base import EngineAdapter
 from ..errors import UnifiedCheckpointError
 from ..options import UnifiedCheckpointOptions
+from . import record_tree, rule_plan
 from .persist import PersistJob, write_small_files
 from .reports import Failure, guarded, out_of_space
 from ..format.planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
@@ -90,29 +94,89 @@ class SavePlan:
     components: dict[str, ComponentPlan]
     saved_by: dict
     pieces: dict[str, dict[str, Pieces]] = dataclasses.field(default_factory=dict)  # component -> tensor -> pieces
+    #: The file plans, where they were made already (a plan reused from an earlier save, `rule_plan`).
+    planned: tuple[FilePlan, ...] | None = dataclasses.field(default=None, repr=False)
 
-    @property
+    @functools.cached_property
     def files(self) -> list[FilePlan]:
-        """Every file with its header and write items, in the order all ranks walk them."""
+        """Every file with its header and write items, in the order all ranks walk them (made once per plan)."""
+        if self.planned is not None:
+            return list(self.planned)
         return [f for name, cplan in self.components.items() for f in file_plans(cplan, self.pieces.get(name))]
 
 
-def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False) -> SavePlan:
+def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False, rank_local: bool = False) -> SavePlan:
     """The save plan, identical on all ranks; with `shared` (every rank sees the staging folder), the tensors the
-    ranks hold in pieces are planned to be written in place. Collective (locality hints of sharded engines, the
-    census of pieces): all ranks must call it."""
+    ranks hold in pieces are planned to be written in place. With `rank_local` too (the ranks write their pieces
+    in place themselves: no multipart hand-overs), an engine that follows a partition rule gives the pieces in
+    closed form, checked against what each rank holds, and the plan is reused by the next saves of the same
+    shapes, world and options (`rule_plan`); else every rank's pieces are gathered (`census_of_pieces`).
+    Collective (one all-reduce of the rule's check; or locality hints of sharded engines and the census of
+    pieces): all ranks must call it."""
     components = [c for c in engine.components() if request.include_optimizer or c.role is not Role.OPTIMIZER]
-    plans = {}
+    rule = rule_plan.agree(engine, components, request, shared) if shared and rank_local else None
+    if rule is not None and hasattr(engine, "confirm_rule"):
+        engine.confirm_rule()
+    if rule is not None and rule.cached is not None:
+        return _reused(rule.cached, engine, request, components, rule)
+    plans = {c.name: _component_plan(c, engine, request, rule) for c in components}
+    if rule is None:
+        return SavePlan(plans, copy.deepcopy(engine.saved_by()), census_of_pieces(engine, plans) if shared else {})
+    pieces = rule_plan.pieces_of(rule, plans)
+    rule_plan.exchange_halos(engine, plans, pieces)
+    plan = SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces)
+    rule_plan.remember(rule, plan)
+    return plan
+
+
+def _component_plan(c: Component, engine: EngineAdapter, request: SaveRequest, rule) -> ComponentPlan:
+    """One component's shard plan with its index metadata (collective where its codec takes a census)."""
+    codec = encoder_for(c, engine, request.options, rule)
+    plan = plan_component(c.name, engine.specs(c.name), dist.world_size(), request.options.max_shard_size,
+                          file_stem=c.file_stem, owners=engine.preferred_owners(c.name), codec=codec)
+    return dataclasses.replace(plan, index_metadata=_index_metadata(c, engine, codec))
+
+
+def _residual_plan(c: Component, cached: ComponentPlan, engine: EngineAdapter, request: SaveRequest,
+                   rule) -> ComponentPlan:
+    """The residual master weights' plan at a later save: its census taken again (the ties follow the data); the
+    cached files and owners kept where every tensor has as many ties as when they were planned (the stored shapes
+    are the same), else planned again. Collective (the census)."""
+    codec = encoder_for(c, engine, request.options, rule)
+    if codec.census != cached.codec.census:
+        return _component_plan(c, engine, request, rule)
+    stored = {s.name: codec.stored_specs(s) for s in cached.specs.values()}
+    return dataclasses.replace(cached, codec=codec, stored=stored, index_metadata=_index_metadata(c, engine, codec))
+
+
+def _index_metadata(c: Component, engine: EngineAdapter, codec) -> dict:
+    metadata = copy.deepcopy(engine.optimizer_metadata()) if c.role is Role.OPTIMIZER else {}
+    if codec is not None:
+        metadata["codec"] = codec.metadata()
+    return metadata
+
+
+def _reused(cached: SavePlan, engine: EngineAdapter, request: SaveRequest, components, rule) -> SavePlan:
+    """A plan made at an earlier save of the same digest, with what changes from save to save made again: the
+    index metadata (the optimizer's param groups), the halos of a block codec (a fresh codec object, so that an
+    earlier save still writing keeps its own), and a component whose files depend on the data (the residual's
+    ties). Collective (the halos, the residual's census): all ranks must call it."""
+    plans, files, fresh = {}, [], {}
     for c in components:
-        codec = encoder_for(c, engine, request.options)
-        plan = plan_component(c.name, engine.specs(c.name), dist.world_size(), request.options.max_shard_size,
-                              file_stem=c.file_stem, owners=engine.preferred_owners(c.name), codec=codec)
-        metadata = copy.deepcopy(engine.optimizer_metadata()) if c.role is Role.OPTIMIZER else {}
-        if codec is not None:
-            metadata["codec"] = codec.metadata()
-        plans[c.name] = dataclasses.replace(plan, index_metadata=metadata)
-    pieces = census_of_pieces(engine, plans) if shared else {}
-    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces)
+        cplan = cached.components[c.name]
+        if isinstance(cplan.codec, ResidualCodec):
+            fresh[c.name] = plans[c.name] = _residual_plan(c, cplan, engine, request, rule)
+            continue
+        codec = copy.copy(cplan.codec) if cplan.codec is not None else None
+        plans[c.name] = dataclasses.replace(cplan, codec=codec, index_metadata=_index_metadata(c, engine, codec))
+    pieces = {**cached.pieces, **rule_plan.pieces_of(rule, fresh)}
+    rule_plan.exchange_halos(engine, {n: p for n, p in plans.items() if n not in fresh}, pieces)
+    for name, cplan in plans.items():
+        if name in fresh:
+            files += file_plans(cplan, pieces.get(name))
+        else:
+            files += [f if f.codec is None else f.with_codec(cplan.codec) for f in cached.files if f.component == name]
+    return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, planned=tuple(files))
 
 
 def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:
@@ -142,12 +206,15 @@ def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> 
     return out
 
 
-def encoder_for(c: Component, engine: EngineAdapter, options: UnifiedCheckpointOptions) -> Encoder | None:
+def encoder_for(c: Component, engine: EngineAdapter, options: UnifiedCheckpointOptions, rule=None) -> Encoder | None:
     """The codec that stores component `c` (None: stored as it is): O1/O2 for optimizer moments, the bf16 residual
-    for master weights. Collective for the residual (a census of every rank's fragments): all ranks must call it."""
+    for master weights. Collective for the residual (a census of every rank's fragments: summed by an all-reduce
+    where the save follows a partition `rule`, else gathered): all ranks must call it."""
     if c.role is Role.OPTIMIZER and options.quant_stage != "O0":
         return MomentCodec(options.quant_stage)
     if c.name == MASTER.name and options.residual_master_weight:
+        if rule is not None:
+            return rule_plan.residual_census(engine, [s.name for s in engine.specs(c.name)])
         census, by_rank = residual_census(engine)
         return ResidualCodec(census, by_rank=by_rank)
     return None
@@ -209,7 +276,7 @@ def begin(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, 
     `Started.files` is walked, which must then happen on this thread), and the job with `small_files`.
     Collective: all ranks must call it."""
     staging = open_staging(as_ref(request.final_dir))
-    plan = plan_save(engine, request, shared=staging.in_place)
+    plan = plan_save(engine, request, shared=staging.in_place, rank_local=not staging.multipart)
     writer = choose_writer(staging, request)
     raise_if_failed([writer.prepare(staging.path, plan.files)], staging, writer)
     show = request.show_progress and dist.rank() == 0
@@ -339,6 +406,8 @@ def open_staging(final: str, group=None) -> Staging:
     joined = (True, None) if sees_rank0 else guarded(lambda: (remove_stale(parent_of(final), keep=path),
                                                               join_staging(path, attempt),
                                                               mark_writer(path, dist.rank(), attempt)))
+    if dist.all_reduce_ints([int(not joined[0]), int(not sees_rank0)], "sum", group=group) == [0, 0]:
+        return Staging(path, final, 0, shared=True)  # every rank sees rank 0's folder: nothing to gather
     reports = dist.all_gather_object((joined, sees_rank0), group=group)
     raise_if_failed([j for j, _ in reports], creator if sees_rank0 else Staging(path, final, dist.rank(), False))
     creators = [r for r, (_, seen) in enumerate(reports) if r == 0 or not seen]
@@ -352,19 +421,25 @@ def conclude(started: Started, outcome: tuple[bool, object], group=None) -> list
     copied into the folders of other machines first). Returns the reports every rank then checks with
     `raise_if_failed` (the same on all ranks).
 
+    Success is agreed by an all-reduce of every rank's status; only a failure gathers every rank's outcome. The
+    ranges the ranks wrote reach rank 0 as one record per file (`record_tree`), their other records one message
+    per rank.
+
     Collective (on `group`): all its ranks must call it."""
-    reports = dist.all_gather_object(outcome, group=group)
-    if any(not ok for ok, _ in reports):
-        return reports
+    group = group if group is not None else dist.cpu_group()  # object collectives never staged in GPU memory
+    if dist.all_reduce_ints([int(not outcome[0])], "sum", group=group)[0]:
+        return dist.all_gather_object(outcome, group=group)
+    gathered = record_tree.reduce_records(outcome[1], started.plan.files, group=group)
     status = None
     if dist.rank() == 0:
-        records = [r for _, payload in reports for r in payload]
-        status = guarded(lambda: _finalize(started, records))
+        status = guarded(lambda: _finalize(started, gathered))
     status = dist.broadcast_object(status, group=group)
     if not status[0]:
         return [status]
     done = guarded(lambda: _commit_folder(started.staging, status[1])) if started.staging.is_leader else (True, None)
-    return dist.all_gather_object(done, group=group)
+    if dist.all_reduce_ints([int(not done[0])], "sum", group=group)[0]:
+        return dist.all_gather_object(done, group=group)
+    return [done]
 
 
 def raise_if_failed(reports, staging: Staging, writer: StorageWriter | None = None) -> None:
@@ -396,17 +471,21 @@ def assembled_files(engine: EngineAdapter, writer: StorageWriter, files: list[Fi
             yield file
 
 
-def _finalize(started: Started, records: list[FileRecord | RangeRecord]) -> dict[str, bytes]:
-    """Rank 0: finish the write strategy (`StorageWriter.finish`: multipart uploads completed), combine the ranges
-    the ranks wrote into file records, write the indexes and the manifest (last) into its staging folder. Returns
+def _finalize(started: Started, gathered: tuple[list, list]) -> dict[str, bytes]:
+    """Rank 0: finish the write strategy (`StorageWriter.finish`: multipart uploads completed), check the ranges
+    the ranks wrote and make each file's record (`gathered`: `record_tree.reduce_records`' rows, combined on the
+    way, and every other record), write the indexes and the manifest (last) into its staging folder. Returns
     the bytes of the small files every folder holds (empty when all ranks share one folder)."""
     plan, staging = started.plan, started.staging
     shards = {f for cplan in plan.components.values() for f in cplan.files}
+    rows, records = gathered
     written = started.writer.finish(staging.path, plan.files, records)
+    combined, covered = record_tree.file_records(rows, plan.files)
     ranges = [r for r in records if isinstance(r, RangeRecord)]
     if ranges:
-        sizes = {f.name: f.size for f in plan.files}
-        records = [r for r in records if not isinstance(r, RangeRecord)] + combine_ranges(sizes, ranges)
+        sizes = {f.name: f.size for f in plan.files if f.name not in covered}
+        combined += combine_ranges(sizes, ranges)
+    records = [r for r in records if not isinstance(r, RangeRecord)] + combined
     entries = {}
     for name, cplan in plan.components.items():
         index = None

@@ -121,7 +121,7 @@ def snapshot_specs(files: Iterable[FilePlan], rank: int, placed_whole: bool = Fa
     file has a codec (its encoded tensors are not known before the data is)."""
     specs = []
     for file in files:
-        if rank not in file.writers:
+        if not file.writes(rank):
             continue
         if file.codec is not None:
             return None
@@ -129,8 +129,7 @@ def snapshot_specs(files: Iterable[FilePlan], rank: int, placed_whole: bool = Fa
         if placed_whole and writes_whole(file, rank, items):
             continue
         starts = {item.name: len(file.header_bytes) + item.start for item in items}
-        wanted = [(name, (next(c for r, _, c in file.held[name] if r == rank and c),))
-                  for name in file.pieces_held(rank)]
+        wanted = [(name, (file.first_held(name, rank)[1],)) for name in file.pieces_held(rank)]
         if rank == file.header_rank:
             wanted += [(name, tuple(file.header[name]["shape"])) for name in file.whole_names]
         specs += [((file.component, name), shape, _dtype(file.header[name]["dtype"]), starts.get(name, 0) % PAGE)

@@ -13,7 +13,8 @@ or in the background after a snapshot).
   element, O1/O2 the blocks that start among its elements, completed by a few elements of the next piece shared
   when the save is planned); only what no rank holds in one contiguous piece (other layouts) is assembled on the
   header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
-  range it wrote; rank 0 combines them into the file's record (`combine_ranges`), checking they tile the file.
+  range it wrote; the ranks combine them into one record per file on the way to rank 0 (`record_tree`), which
+  checks they tile the file.
   Into the memory tier (whose files are reused: `spare`), an async save's snapshot of a file one rank writes whole
   is copied straight into the file (`place`, through a mapping kept from save to save), and `write` only checksums
   it: one copy instead of a copy into host buffers and a `pwrite` of them. A spare file is taken only at exactly
@@ -131,7 +132,7 @@ class WholeFileWriter(LocalWrites):
 
 def owner_of(file: FilePlan) -> int:
     """The one rank that writes `file` whole: its header's writer, which every write item names."""
-    assert file.writers <= {file.header_rank}, f"{file.name} has several writers; WholeFileWriter writes files whole"
+    assert not file.pieces, f"{file.name} has several writers; WholeFileWriter writes files whole"
     return file.header_rank
 
 
@@ -151,7 +152,7 @@ class SharedFileWriter(LocalWrites):
         engine.exchange(file.component, file.whole_names, file.header_rank)
 
     def writes(self, file: FilePlan, rank: int) -> bool:
-        return rank in file.writers
+        return file.writes(rank)
 
     def local_tensors(self, engine, file: FilePlan) -> Mapping[str, torch.Tensor]:
         """Whole logical tensors (on the header rank) and this rank's pieces (flat), not yet encoded (`write`
@@ -198,7 +199,7 @@ class SharedFileWriter(LocalWrites):
         if isinstance(tensors, Placed):
             records = tensors.records(ref, file)
         else:
-            if self.spare is not None and file.writers == {self.rank}:
+            if self.spare is not None and file.writes_alone(self.rank):
                 take_spare(self.spare, ref, file.size)
             records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
         store = store_for(ref)

@@ -175,6 +175,11 @@ class WithConversion:
     def optimizer_metadata(self) -> dict:
         return self.conversion.metadata(self.inner.optimizer_metadata())
 
+    def partition_rule(self, component: str) -> tuple[None, str]:
+        """None: the saved tensors are pieces of fused live ones (`WeightConversion.fragments`), not the engine's
+        rule; the save takes the census. Local."""
+        return None, "tensors saved under converted names (pieces of fused live tensors)"
+
     def master_fragments(self):
         """`master_fragments` of the wrapped adapter, by saved name (a piece of each saved tensor it covers)."""
         inner = getattr(self.inner, "master_fragments", None)

@@ -25,6 +25,7 @@ each rank's slice of the rows that cover its fragment.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -36,7 +37,7 @@ from ..errors import UnsupportedCheckpointError, count_and_first
 from .hf_model import naming_policy, model_config_files
 from ..format.names import optimizer_key, split_optimizer_key
 from ..format.optim_state import OptimizerStateDecoder, OptimizerStateEncoder, encode_scalar
-from ..format.planning import TensorSpec
+from ..format.planning import Strided, TensorSpec
 from ..format.reader import TensorReader, read_flat_range
 from .autotp import TPSplit, autotp_splits, gather_split, read_split_range
 from .base import Fragment, component_source
@@ -104,6 +105,8 @@ class DeepSpeedEngine:
         self._group_index = {n: g for g, names in enumerate(self._groups) for n in names}
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
         self._frag_sizes: dict[str, list[int]] | None = None
+        self._flat: dict[str, tuple[int, int]] | None = None  # ZeRO-1/2: name -> (offset in its group flat, partition)
+        self._rule_confirmed = False
         self._keys: list[tuple[list[str], list[str]]] | None = None
         self._buffer_map: dict[str, torch.Tensor] | None = None
         self._tables: dict[str, tuple] | None = None
@@ -303,6 +306,62 @@ class DeepSpeedEngine:
             return ("scalar", g, key)
         return ("hp", by_name[param_name], key)
 
+    # ---- the closed form of the partition (issue 57) -----------------------------------------------------------
+    def partition_rule(self, component: str) -> tuple[dict[str, Strided] | None, str]:
+        """(the closed form of `fragments(component)` from DeepSpeed's partition rule and the shapes, a reason), or
+        (None, why not). ZeRO-3: every parameter split in ceil(numel / N) elements per rank. ZeRO-1/2: each param
+        group's flat buffer (its trainable parameters in order) padded to a multiple of 2N elements
+        (`nccl_start_alignment_factor` x N) and split in N equal partitions. None where the layout does not follow
+        the world size alone: AutoTP, MiCS (its shard groups), expert parameters (their own data-parallel groups).
+        Local: shapes and group membership only."""
+        why = self._no_rule()
+        if why:
+            return None, why
+        out = {}
+        for spec in self.specs(component):
+            source = self._source(component, spec.name)
+            if source[0] == "hp" or (source[0] == "lp" and self.stage == 3):
+                out[spec.name] = self._strided(self._name_of[id(source[1])])
+        return {n: s for n, s in out.items() if s.numel}, f"ZeRO-{self.stage}"
+
+    def parameter_rule(self) -> tuple[dict[str, Strided] | None, str]:
+        """`partition_rule` of `parameter_fragments` (an EMA's averages follow it). Local."""
+        why = self._no_rule()
+        if why:
+            return None, why
+        return {self._weight_key.get(n, n): s for n, _ in self._trainable() if (s := self._strided(n)).numel}, \
+            f"ZeRO-{self.stage}"
+
+    def _no_rule(self) -> str:
+        if self.tp_size > 1:
+            return f"AutoTP at {self.tp_size} (tensor parallel)"
+        if "MiCS" in type(self.zero).__name__:
+            return "MiCS (shard groups smaller than the world)"
+        if any(getattr(p, "allreduce", True) is False for _, p in self._named):
+            return "expert parameters (expert-parallel groups)"
+        return ""
+
+    def _strided(self, param_name: str) -> Strided:
+        """The rule's pieces of parameter `param_name` over the current world."""
+        world, numel = dist.world_size(), math.prod(self._full_shape(self._by_name[param_name]))
+        if self.stage == 3:
+            return Strided(numel, max(1, -(-numel // world)))
+        if self._flat is None:
+            self._flat = {}
+            for names in self._groups:
+                at, numels = 0, [math.prod(self._full_shape(self._by_name[n])) for n in names]
+                padded = -(-sum(numels) // (2 * world)) * 2 * world
+                for n, count in zip(names, numels):
+                    self._flat[n] = (at, max(1, padded // world))
+                    at += count
+        at, size = self._flat[param_name]
+        return Strided(numel, size, at)
+
+    def confirm_rule(self) -> None:
+        """The save checked on every rank that the rule's pieces are the ones held (`save.plan_save`): owners are
+        then computed from the rule, with no gather of fragment sizes."""
+        self._rule_confirmed = True
+
     def _fragment_sizes(self) -> dict[str, list[int]]:
         """Per trainable parameter, the numel of its fp32 fragment on each rank (ZeRO-1/2).
         Collective on first call: all ranks must call it."""
@@ -314,6 +373,8 @@ class DeepSpeedEngine:
         return self._frag_sizes
 
     def _fragment_owner(self, param_name: str) -> int:
+        if self._rule_confirmed:
+            return self._strided(param_name).majority()
         sizes = self._fragment_sizes()[param_name]
         return max(range(len(sizes)), key=lambda r: (sizes[r], -r))
 
@@ -326,6 +387,8 @@ class DeepSpeedEngine:
         if kind == "lp":
             return True
         p = source[1]
+        if self._rule_confirmed:
+            return len(self._strided(self._name_of[id(p)])) <= 1
         return max(self._fragment_sizes()[self._name_of[id(p)]]) == p.numel()
 
     # ---- planning hints and exchange ----------------------------------------------------------------------
@@ -334,7 +397,8 @@ class DeepSpeedEngine:
         Tensors absent from the result may be written by any rank. Collective: all ranks must call it."""
         if self.stage == 3:
             return {}
-        self._fragment_sizes()
+        if not self._rule_confirmed:
+            self._fragment_sizes()
         owners = {}
         for spec in self.specs(component):
             source = self._source(component, spec.name)

@@ -13,6 +13,7 @@ colwise (Shard(0)) and rowwise (Shard(1)) layers are one more DTensor layout to 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +25,7 @@ from ..errors import UnsupportedCheckpointError, count_and_first
 from .hf_model import naming_policy, model_config_files
 from ..format.names import optimizer_key, split_optimizer_key
 from ..format.optim_state import OptimizerStateDecoder, OptimizerStateEncoder, in_group_order
-from ..format.planning import TensorSpec
+from ..format.planning import Strided, TensorSpec
 from .base import Fragment, component_source
 
 
@@ -242,6 +243,34 @@ class FSDPEngine:
             if fragment is not None:
                 out[name] = fragment
         return out
+
+    def partition_rule(self, component: str) -> tuple[dict[str, Strided] | None, str]:
+        """(the closed form of `fragments(component)`: FSDP2's Shard(0) on a 1-D mesh over every rank, ceil(dim0 /
+        N) rows per rank, torch.chunk's split; a reason) or (None, why not: FSDP1, HSDP or a tensor-parallel mesh,
+        whose layout does not follow the world size alone). Local: reads placements and shapes only."""
+        return self._rows_rule((name, t) for name, t in self._source(component).items() if _is_sharded(t))
+
+    def parameter_rule(self) -> tuple[dict[str, Strided] | None, str]:
+        """`partition_rule` of `parameter_fragments` (an EMA's averages follow it). Local."""
+        return self._rows_rule((self.naming.weight_key(n) or self.naming.stored_key(n), p)
+                               for n, p in self.model.named_parameters() if p.requires_grad)
+
+    def _rows_rule(self, tensors) -> tuple[dict[str, Strided] | None, str]:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import Shard
+
+        if self.kind != "fsdp" or self.version != 2:
+            return None, f"{self.engine} (its shards do not follow the world size alone)"
+        world, out = dist.world_size(), {}
+        for name, t in tensors:
+            if not (isinstance(t, DTensor) and t.device_mesh.ndim == 1 and t.device_mesh.size() == world
+                    and tuple(t.placements) == (Shard(0),) and t.dim() > 0):
+                return None, f"{name} is not sharded by rows over all {world} ranks (HSDP or another mesh)"
+            shape = _global_shape(t)
+            rows, numel = shape[0], math.prod(shape)
+            if numel:
+                out[name] = Strided(numel, -(-rows // world) * (numel // rows))
+        return out, "FSDP2 Shard(0)"
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Tensors this rank writes (after `exchange`); local reads only."""

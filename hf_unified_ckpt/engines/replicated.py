@@ -84,6 +84,14 @@ class ReplicatedEngine:
         """None: every rank holds every tensor whole."""
         return {}
 
+    def partition_rule(self, component: str) -> tuple[dict, str]:
+        """Nothing is split over the ranks: the closed form of `fragments` is empty. Local."""
+        return {}, "replicated"
+
+    def parameter_rule(self) -> tuple[dict, str]:
+        """Every parameter is whole on every rank. Local."""
+        return {}, "replicated"
+
     def optimizer_metadata(self) -> dict:
         return self._optimizer_flat()[1]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .planning import TensorSpec
+from .planning import Mapped, OwnOnly, TensorSpec
 from .headers import TORCH_DTYPE_NAMES, safetensors_dtype
 from .state_shapes import (MOMENT_CODEC, RESIDUAL_CODEC, SCALES, SIGNED_MOMENTS, SQRT_MOMENTS, STAGE_BITS, TIES,
                            Problems, codec_metadata_problems, codec_stored_problems)
@@ -169,6 +169,30 @@ def unpack(packed: torch.Tensor, bits: int, n: int, start: int = 0, stop: int | 
 
 
 # ---- the optimizer-moment codec -----------------------------------------------------------------------------------
+class _BlockRange:
+    """(first, count) of the codes (bytes, with `bits`) or the scales (one per block: without `bits`) of the blocks
+    that start among elements `[first, first + count)` of a tensor of `n` elements. Picklable (a plan crosses to
+    the writer process)."""
+
+    __slots__ = ("block", "bits", "n")
+
+    def __init__(self, block: int, bits: int | None = None, n: int = 0):
+        self.block, self.bits, self.n = block, bits, n
+
+    def __call__(self, first: int, count: int) -> tuple[int, int]:
+        k0, k1 = -(-first // self.block), -(-(first + count) // self.block)
+        if self.bits is None:
+            return k0, max(k1 - k0, 0)
+        c0, c1 = k0 * self.block * self.bits // 8, -(-min(k1 * self.block, self.n) * self.bits // 8)
+        return c0, max(c1 - c0, 0)
+
+    def __getstate__(self):
+        return self.block, self.bits, self.n
+
+    def __setstate__(self, state):
+        self.block, self.bits, self.n = state
+
+
 class MomentCodec:
     """Save and read side of O1/O2 for the optimizer component (see the module docstring).
 
@@ -201,13 +225,11 @@ class MomentCodec:
         entry = self.tensors.get(name)
         if entry is None:
             return {name: pieces}
-        n, codes, scales = _numel(entry["shape"]), [], []
-        for rank, first, count in pieces:
-            k0, k1 = self._blocks(first, count)
-            c0, c1 = k0 * self.block * self.bits // 8, -(-min(k1 * self.block, n) * self.bits // 8)
-            codes.append((rank, c0, max(c1 - c0, 0)))
-            scales.append((rank, k0, max(k1 - k0, 0)))
-        return {name: tuple(codes), name + SCALES: tuple(scales)}
+        codes, scales = _BlockRange(self.block, self.bits, _numel(entry["shape"])), _BlockRange(self.block)
+        if hasattr(pieces, "of"):  # a closed form: mapped rank by rank when asked
+            return {name: Mapped(pieces, codes), name + SCALES: Mapped(pieces, scales)}
+        return {name: tuple((r, *codes(f, c)) for r, f, c in pieces),
+                name + SCALES: tuple((r, *scales(f, c)) for r, f, c in pieces)}
 
     def halo(self, name: str, first: int, values: torch.Tensor) -> torch.Tensor | None:
         """What this rank shares of its piece of `name` (elements from `first`): those ahead of its first block
@@ -228,6 +250,8 @@ class MomentCodec:
         if entry is None:
             return {name: values}
         k0, k1 = self._blocks(start, values.numel())
+        if k1 <= k0:  # no block starts among these elements: this rank writes nothing of the tensor (its halo did)
+            return {name: torch.empty(0, dtype=torch.uint8), name + SCALES: torch.empty(0, dtype=torch.float32)}
         e0, e1 = k0 * self.block, min(k1 * self.block, _numel(entry["shape"]))
         parts, end = [values[e0 - start:]], start + values.numel()
         for first, head in sorted(self.halos.get(name, {}).items()):
@@ -443,6 +467,9 @@ class ResidualCodec:
                  by_rank: Mapping[str, Mapping[int, int]] | None = None):
         self.census = dict(census or {})
         self.by_rank = {name: dict(ranks) for name, ranks in (by_rank or {}).items()}
+        #: A rank-local census (`save.residual_census` with a rule): name -> (this rank, the first of its ties in the
+        #: tensor's ties), `by_rank` then holding this rank's counts only.
+        self.own_offset: dict[str, tuple[int, int]] = {}
         self.anchor = anchor
         self.tensors: dict[str, dict] = {}
 
@@ -462,6 +489,9 @@ class ResidualCodec:
         entry = self.tensors.get(name)
         if entry is None or not entry["ties"]:
             return {name: pieces}
+        if name in self.own_offset:  # a rank-local census: this rank's ties and where they go, nobody else's
+            rank, offset = self.own_offset[name]
+            return {name: pieces, name + TIES: OwnOnly(rank, offset, self.by_rank[name].get(rank, 0), pieces)}
         ties, offset = [], 0
         for rank, _, count in pieces:
             held = self.by_rank.get(name, {}).get(rank, 0) if count else 0

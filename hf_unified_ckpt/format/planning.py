@@ -5,6 +5,9 @@ Every rank computes the same plan from the same tensor specs, so no communicatio
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import heapq
 import json
 import struct
 from collections.abc import Mapping
@@ -23,8 +26,146 @@ MIN_PARALLEL_SHARD_BYTES = 64 * 2**20
 
 
 #: Who holds which contiguous part of a sharded tensor: ((rank, first element, element count), ...) in element
-#: order, tiling the flattened tensor exactly. A tensor with pieces is written in place by its holders.
+#: order, tiling the flattened tensor exactly. A tensor with pieces is written in place by its holders. Either a
+#: tuple (every rank's piece, from the census of pieces) or a closed form (`Strided`, and what codecs make of it:
+#: `Mapped`, `OwnOnly`), which answers for one rank in O(1) (`piece_of`) without listing the N pieces.
 Pieces = tuple[tuple[int, int, int], ...]
+
+
+class Strided:
+    """The pieces of a tensor of `numel` elements laid along a line split in runs of `size` elements, one run per
+    rank in rank order, the tensor starting `shift` elements into the line: rank k holds elements
+    `[k * size - shift, (k + 1) * size - shift)` of the tensor (clipped). ZeRO-3 and FSDP2's Shard(0) (shift 0),
+    ZeRO-1/2 (the flat buffer of a parameter group, `shift` the parameter's offset in it). Iterates like `Pieces`:
+    the non-empty pieces, in element order."""
+
+    __slots__ = ("numel", "size", "shift")
+
+    def __init__(self, numel: int, size: int, shift: int = 0):
+        self.numel, self.size, self.shift = numel, size, shift
+
+    def of(self, rank: int) -> tuple[int, int]:
+        """(first element, count) `rank` holds (count 0: none)."""
+        lo = max(0, rank * self.size - self.shift)
+        hi = min(self.numel, (rank + 1) * self.size - self.shift)
+        return (lo, hi - lo) if hi > lo else (0, 0)
+
+    def holders(self) -> range:
+        """The ranks holding a non-empty piece, in element order."""
+        if not self.numel:
+            return range(0)
+        return range(self.shift // self.size, (self.shift + self.numel - 1) // self.size + 1)
+
+    def rank_of(self, element: int) -> int:
+        """The rank holding `element`."""
+        return (element + self.shift) // self.size
+
+    def majority(self) -> int:
+        """The rank holding most elements (the lowest such rank on a tie): only the first, second and last holders
+        can differ."""
+        ranks = self.holders()
+        return min({ranks[0], ranks[min(1, len(ranks) - 1)], ranks[-1]}, key=lambda r: (-self.of(r)[1], r))
+
+    def __len__(self) -> int:
+        return len(self.holders())
+
+    def __iter__(self):
+        return ((r, *self.of(r)) for r in self.holders())
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        r = self.holders()[i]
+        return (r, *self.of(r))
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash((self.numel, self.size, self.shift))
+
+    def __repr__(self) -> str:
+        return f"Strided(numel={self.numel}, size={self.size}, shift={self.shift})"
+
+    def __getstate__(self):
+        return self.numel, self.size, self.shift
+
+    def __setstate__(self, state):
+        self.numel, self.size, self.shift = state
+
+
+class Mapped:
+    """The pieces of a stored tensor made of a closed-form `base` (a codec's codes, scales...): rank r's piece is
+    `fn(first, count)` of its piece of `base` (`Pieces` order: the base's)."""
+
+    __slots__ = ("base", "fn")
+
+    def __init__(self, base, fn):
+        self.base, self.fn = base, fn
+
+    def of(self, rank: int) -> tuple[int, int]:
+        first, count = piece_of(self.base, rank)
+        return self.fn(first, count) if count else (0, 0)
+
+    def holders(self):
+        return self.base.holders()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __iter__(self):
+        return ((r, *self.fn(f, c)) for r, f, c in self.base)
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    def __getstate__(self):
+        return self.base, self.fn
+
+    def __setstate__(self, state):
+        self.base, self.fn = state
+
+
+class OwnOnly:
+    """A stored tensor's pieces where only this rank's is known (the residual's ties: each rank's offset is the sum
+    of the ties of the ranks before it, `dist.exclusive_scan_ints`): `of(rank)` of another rank, and listing them,
+    raise LookupError. A rank-local plan asks only for its own."""
+
+    __slots__ = ("rank", "first", "count", "base")
+
+    def __init__(self, rank: int, first: int, count: int, base):
+        self.rank, self.first, self.count, self.base = rank, first, count, base
+
+    def of(self, rank: int) -> tuple[int, int]:
+        if rank != self.rank:
+            raise LookupError(f"rank {self.rank}'s plan knows only its own piece of this tensor")
+        return self.first, self.count
+
+    def holders(self):
+        return self.base.holders()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __iter__(self):
+        raise LookupError(f"rank {self.rank}'s plan knows only its own piece of this tensor (a rank-local plan)")
+
+    __hash__ = None
+
+    def __getstate__(self):
+        return self.rank, self.first, self.count, self.base
+
+    def __setstate__(self, state):
+        self.rank, self.first, self.count, self.base = state
+
+
+def piece_of(pieces, rank: int) -> tuple[int, int]:
+    """(first element, count) of `rank`'s piece in `pieces` (count 0: none): O(1) for a closed form, a scan of a
+    tuple."""
+    of = getattr(pieces, "of", None)
+    if of is not None:
+        return of(rank)
+    return next(((first, count) for r, first, count in pieces if r == rank and count), (0, 0))
 
 
 class Encoder(Protocol):
@@ -116,14 +257,39 @@ def target_shard_size(total_bytes: int, writers: int, max_shard_size: int,
 
 
 def assign_owners(file_sizes: dict[str, int], writers: int) -> dict[str, int]:
-    """Largest file first, each to the least-loaded writer (ties to the lowest rank)."""
-    load = [0] * max(writers, 1)
+    """Largest file first, each to the least-loaded writer (ties to the lowest rank): O(F log N) with a heap of
+    the writers by (load, rank); a writer with no file yet is taken from a counter, not listed."""
+    load = _Loads(max(writers, 1))
     owners = {}
     for name, size in sorted(file_sizes.items(), key=lambda kv: (-kv[1], kv[0])):
-        rank = min(range(len(load)), key=lambda r: (load[r], r))
-        owners[name] = rank
-        load[rank] += size
+        owners[name] = load.take(size)
     return owners
+
+
+class _Loads:
+    """The least-loaded of `n` writers (ties to the lowest rank), O(log) per take: the writers with no load yet
+    are ranks `fresh..n-1` (the lowest first), the others in a heap of (load, rank)."""
+
+    def __init__(self, n: int, loads: dict[int, int] | None = None):
+        self.n, self.heap = n, [(v, r) for r, v in (loads or {}).items()]
+        heapq.heapify(self.heap)
+        self.used = set(loads or ())
+        self.fresh = 0
+
+    def _next_fresh(self) -> int | None:
+        while self.fresh < self.n and self.fresh in self.used:
+            self.fresh += 1
+        return self.fresh if self.fresh < self.n else None
+
+    def take(self, size: int) -> int:
+        fresh = self._next_fresh()
+        if fresh is not None and (not self.heap or (0, fresh) < self.heap[0]):
+            self.used.add(fresh)
+            heapq.heappush(self.heap, (size, fresh))
+            return fresh
+        load, rank = heapq.heappop(self.heap)
+        heapq.heappush(self.heap, (load + size, rank))
+        return rank
 
 
 def plan_component(component: str, specs: list[TensorSpec], writers: int, max_shard_size: int,
@@ -160,21 +326,21 @@ def plan_component(component: str, specs: list[TensorSpec], writers: int, max_sh
 
 def _plan_pinned(specs: list[TensorSpec], size: dict[str, int], writers: int, max_shard_size: int, pattern: str,
                  owners: dict[str, int]) -> tuple[dict[str, list[str]], dict[str, int]]:
-    load = [0] * writers
+    pinned: dict[int, int] = {}
     for s in specs:
         if s.name in owners:
-            load[owners[s.name]] += size[s.name]
+            pinned[owners[s.name]] = pinned.get(owners[s.name], 0) + size[s.name]
+    load = _Loads(writers, pinned)
     rank_of = {}
     for s in specs:
-        if s.name in owners:
-            rank_of[s.name] = owners[s.name]
-        else:
-            rank_of[s.name] = min(range(writers), key=lambda r: (load[r], r))
-            load[rank_of[s.name]] += size[s.name]
+        rank_of[s.name] = owners[s.name] if s.name in owners else load.take(size[s.name])
+    by_rank: dict[int, list[TensorSpec]] = {}
+    for s in specs:
+        by_rank.setdefault(rank_of[s.name], []).append(s)
     chunks: list[tuple[int, list[str]]] = []
-    for rank in range(writers):
+    for rank in sorted(by_rank):
         current, used = [], 0
-        for s in (s for s in specs if rank_of[s.name] == rank):
+        for s in by_rank[rank]:
             if current and used + size[s.name] > max_shard_size:
                 chunks.append((rank, current))
                 current, used = [], 0
@@ -204,14 +370,20 @@ class WriteItem:
 class FilePlan:
     """One file of the checkpoint, fixed before any byte is written: its component, its safetensors header
     (every tensor's dtype, shape and data offsets, in the order safetensors lays them out: wider dtypes first,
-    then by name), the rank that writes the header and the write items that fill its data section."""
+    then by name), the rank that writes the header and the write items that fill its data section.
+
+    The items are held compactly (`layout`: per stored tensor its byte range, and its pieces where it is written in
+    place), so that a rank asks for its own (`items_of`, `writes`, `pieces_held`) in O(tensors of the file) even
+    when the pieces are a closed form over N ranks; `items` and `writers` list every rank's (O(N) per tensor)."""
 
     component: str
     name: str
     tensor_names: tuple[str, ...]  # in the component plan's order (the order of collectives that assemble them)
     header_rank: int
     header: dict = field(repr=False)
-    items: tuple[WriteItem, ...] = field(repr=False)
+    #: (stored name, first byte, end byte, element size, its pieces or None: written whole by the header rank), in
+    #: the component plan's order.
+    layout: tuple[tuple[str, int, int, int, object], ...] = field(repr=False)
     codec: Encoder | None = field(repr=False, default=None)
     pieces: dict[str, Pieces] = field(repr=False, default_factory=dict)  # stored tensors written in place, by holder
     held: dict[str, Pieces] = field(repr=False, default_factory=dict)  # their logical tensors: every rank's elements
@@ -224,7 +396,11 @@ class FilePlan:
 
     def pieces_held(self, rank: int) -> list[str]:
         """The logical tensors of which `rank` holds a non-empty piece written in place."""
-        return [n for n in self.tensor_names if any(r == rank and count for r, _, count in self.held.get(n, ()))]
+        return [n for n in self.tensor_names if n in self.held and piece_of(self.held[n], rank)[1]]
+
+    def first_held(self, name: str, rank: int) -> tuple[int, int]:
+        """(first element, count) of `rank`'s piece of logical tensor `name` (written in place)."""
+        return piece_of(self.held[name], rank)
 
     def encoded(self, tensors: Mapping[str, torch.Tensor], rank: int) -> Mapping[str, torch.Tensor]:
         """What `rank` writes of this file, by stored name, from its logical `tensors` (its pieces of
@@ -234,7 +410,7 @@ class FilePlan:
             return tensors
         out = {}
         for name in self.pieces_held(rank):
-            start = next(first for r, first, count in self.held[name] if r == rank and count)
+            start = self.first_held(name, rank)[0]
             out.update(self.codec.encode_piece(name, _on_host(tensors[name]), start, rank))
         if rank == self.header_rank:
             out.update(self.stored_tensors({n: _on_host(tensors[n]) for n in self.whole_names}))
@@ -246,7 +422,45 @@ class FilePlan:
         return tuple(n for n in self.tensor_names if n not in self.held)
 
     def items_of(self, rank: int) -> list[WriteItem]:
-        return [item for item in self.items if item.rank == rank]
+        """`rank`'s write items, in the component plan's order: O(tensors of the file)."""
+        out = []
+        for name, start, end, itemsize, pieces in self.layout:
+            if pieces is None:
+                if rank == self.header_rank:
+                    out.append(WriteItem(name, start, end, rank))
+                continue
+            first, count = piece_of(pieces, rank)
+            if count:
+                out.append(WriteItem(name, start + first * itemsize, start + (first + count) * itemsize, rank))
+        return out
+
+    def writes(self, rank: int) -> bool:
+        """Whether `rank` writes any byte of this file (its header, or a piece)."""
+        return rank == self.header_rank or any(piece_of(p, rank)[1] for *_, p in self.layout if p is not None)
+
+    def writes_alone(self, rank: int) -> bool:
+        """Whether `rank` writes every byte of this file (no other rank writes any)."""
+        return rank == self.header_rank and all(
+            len(h) == 0 or (len(h) == 1 and h.holders()[0] == rank) if hasattr(h, "holders")
+            else {r for r, _, c in h if c} <= {rank} for h in self.held.values())
+
+    def with_codec(self, codec: Encoder) -> "FilePlan":
+        """This file with another codec object of the same plan (a later save's halos), its header kept."""
+        out = dataclasses.replace(self, codec=codec)
+        out.__dict__["header_bytes"] = self.header_bytes
+        return out
+
+    @functools.cached_property
+    def items(self) -> tuple[WriteItem, ...]:
+        """Every rank's write items (O(N) per tensor written in place: for multipart plans and checks)."""
+        out = []
+        for name, start, end, itemsize, pieces in self.layout:
+            if pieces is None:
+                out.append(WriteItem(name, start, end, self.header_rank))
+                continue
+            out += [WriteItem(name, start + first * itemsize, start + (first + count) * itemsize, rank)
+                    for rank, first, count in pieces if count]
+        return tuple(out)
 
     @property
     def writers(self) -> frozenset[int]:
@@ -254,9 +468,9 @@ class FilePlan:
 
     @property
     def data_bytes(self) -> int:
-        return max((item.end for item in self.items), default=0)
+        return max((end for _, _, end, _, _ in self.layout), default=0)
 
-    @property
+    @functools.cached_property
     def header_bytes(self) -> bytes:
         """The file's first bytes: the header's length (8 bytes, little-endian) and the JSON header, padded with
         spaces to a multiple of 8 as safetensors pads it (so tensor data stays aligned)."""
@@ -271,24 +485,22 @@ def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> 
     """The files of a component plan with their headers and write items (stored tensors, after the codec). A
     tensor in `pieces` is written in place by its holders, each its own byte range (through a `piecewise` codec:
     each stored tensor's pieces); every other tensor whole by its file's owner. Pure: every rank computes the same
-    list."""
+    list; O(tensors) whatever the number of ranks when the pieces are closed forms."""
     logical = pieces or {}
     stored = stored_pieces(plan, logical)
     out = []
     for file, names in plan.files.items():
         specs = [s for n in names for s in plan.stored_specs(n)]
         header, offsets = safetensors_header(specs)
-        owner, items, mine = plan.owners[file], [], {}
+        owner, layout, mine = plan.owners[file], [], {}
         for s in specs:
             start, end = offsets[s.name]
-            if s.name not in stored:
-                items.append(WriteItem(s.name, start, end, owner))
-                continue
-            mine[s.name] = stored[s.name]
-            items += [WriteItem(s.name, start + first * s.dtype.itemsize, start + (first + count) * s.dtype.itemsize,
-                                rank) for rank, first, count in stored[s.name] if count]
+            held = stored.get(s.name)
+            if held is not None:
+                mine[s.name] = held
+            layout.append((s.name, start, end, s.dtype.itemsize, held))
         held = {n: logical[n] for n in names if n in stored}  # a stored tensor of each keeps its logical name
-        out.append(FilePlan(plan.component, file, tuple(names), owner, header, tuple(items), plan.codec, mine, held))
+        out.append(FilePlan(plan.component, file, tuple(names), owner, header, tuple(layout), plan.codec, mine, held))
     return out
 
 

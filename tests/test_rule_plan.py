@@ -1,0 +1,165 @@
+"""Save metadata linear in the ranks (issue 57), at 4 real ranks (gloo, CPU; the tiny Llama, whose widths 30, 46, 10
+split unevenly over 4: ZeRO-3 tails of 6 of 8 elements, FSDP2 rows 3, 3, 3, 1 of k_proj's 10, ZeRO-1/2 parameters
+across partitions):
+
+- under ZeRO-1/2, ZeRO-3 and FSDP2, the partition rule's pieces of every sharded tensor are exactly what every rank
+  holds (one more gather, outside the count), the first save plans from the rule without gathering anything
+  (no object collective at all on success), and the second save reuses the cached plan (one all-reduce of the
+  rule's check, no census);
+- an engine whose pieces are not the rule it declares (DeepSpeed's rule shifted by one element) is seen at the
+  first save: both saves take the census, said once (the launch's log), and the files are the rule's, CRC for CRC,
+  plain and O1 (whose halos go point to point with the rule);
+- `record_tree`'s rows and the bench's model of them agree (`bench_scale_sim.subtree_rows`), byte for byte, at
+  every step of the reduction, with what the ranks really received.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+ENGINES = {"z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}}
+RANKS = 4
+TWO_SAVES = {"max_steps": 2, "save_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rule-plan")
+    specs = {name: {**spec, "record_plans": True} for name, spec in ENGINES.items()}
+    specs["z3-broken"] = {"zero": 3, "record_plans": True, "break_rule": True}
+    specs["z3-o1"] = {"zero": 3, "record_plans": True, "overrides": {"ckpt_quant_stage": "O1"}}
+    specs["z3-o1-broken"] = {"zero": 3, "record_plans": True, "break_rule": True,
+                             "overrides": {"ckpt_quant_stage": "O1"}}
+    runs = [{**spec, "output_dir": str(tmp / name), "result": str(tmp / f"{name}.pt"),
+             "overrides": {**TWO_SAVES, **spec.get("overrides", {})}} for name, spec in specs.items()]
+    launch = torchrun(RANKS, runs, tmp)
+    out = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in specs}
+    return tmp, out, launch.stdout + launch.stderr
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_rule_pieces_are_held_and_the_second_save_reuses_the_plan(runs, engine):
+    _, out, _ = runs
+    first, second = out[engine]["saves"]
+    assert (first["plan"], second["plan"]) == ("rule", "cached")
+    for save in (first, second):
+        assert save["rule_equals_held"] and save["compared"] > 0
+        assert not [c for c in save["calls"] if c[0] == "all_gather_object"], save["calls"]  # no census, no gather
+    assert first["uneven"] > 0  # tails and rows that do not split evenly over 4 ranks
+    assert [c[:2] for c in second["calls"] if c[1] == "agree"] == [("all_reduce_ints", "agree")]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine", ["z3", "z3-o1"])
+def test_an_engine_off_its_rule_takes_the_census_said_once_and_writes_the_same_bytes(runs, engine):
+    """The census of an engine off its rule and the rule of the same engine write the same files, CRC for CRC
+    (through O1 too: the halos that complete a block, here from up to three ranks whose pieces are smaller than a
+    block, went point to point in one and with the census in the other)."""
+    tmp, out, log = runs
+    saves = out[f"{engine}-broken"]["saves"]
+    assert [s["plan"] for s in saves] == ["census", "census"]
+    assert [s["plan"] for s in out[engine]["saves"]] == ["rule", "cached"]
+    assert all(any(c[:2] == ("all_gather_object", "census_of_pieces") for c in s["calls"]) for s in saves)
+    assert log.count("the pieces some rank holds are not the partition rule's") == 1
+    from hf_unified_ckpt.checkpoint.manifest import read_manifest
+
+    for step in ("checkpoint-1", "checkpoint-2"):
+        ruled, censused = (read_manifest(tmp / name / step)["files"] for name in (engine, f"{engine}-broken"))
+        tensors = {n for n in ruled if n.endswith(".safetensors")}
+        assert tensors and tensors == {n for n in censused if n.endswith(".safetensors")}
+        assert {n: ruled[n] for n in tensors} == {n: censused[n] for n in tensors}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine", ["z3", "f2"])
+def test_the_bench_counts_what_the_ranks_receive(runs, engine):
+    """The bench's rows of a block of ranks (`subtree_rows`, from the plan's closed forms) have the bytes the real
+    ranks received at each step of `record_tree`, and every rank's plan-time traffic is the bench's (one
+    all-reduce of four integers; no halo without a codec)."""
+    from bench_scale_sim import messages
+    from hf_unified_ckpt.checkpoint.record_tree import halving_steps
+
+    tmp, out, _ = runs
+    for rank in range(RANKS):
+        for save in torch.load(tmp / f"{engine}.pt.rank{rank}", weights_only=False):
+            files = save["files"]
+            swaps = [b for kind, caller, b in save["calls"] if caller == "_swap" and kind == "recv_bytes"]
+            model = messages(lambda: files, RANKS, rank)
+            expected = [8 + len(model["_swap"](step[0], {})) for step in halving_steps(rank, RANKS, len(files))[0]]
+            assert swaps == expected, (rank, swaps, expected)
+            assert [c for c in save["calls"] if c[1] in ("agree", "exchange_halos")] == \
+                [("all_reduce_ints", "agree", 64)]
+
+
+def test_owners_are_the_least_loaded_writer_in_f_log_n():
+    """Largest file first to the least-loaded writer, ties to the lowest rank, as the linear scan does, but without
+    walking the N writers per file (16,384 ranks x thousands of files): a million writers take no time."""
+    import random
+    import time
+
+    from hf_unified_ckpt.format.planning import assign_owners
+
+    def scan(sizes, writers):
+        load, owners = [0] * writers, {}
+        for name, size in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+            rank = min(range(writers), key=lambda r: (load[r], r))
+            owners[name], load[rank] = rank, load[rank] + size
+        return owners
+
+    rng = random.Random(57)
+    for _ in range(200):
+        sizes = {f"f{i}": rng.choice([0, 1, 5, rng.randrange(100)]) for i in range(rng.randrange(1, 40))}
+        writers = rng.randrange(1, 12)
+        assert assign_owners(sizes, writers) == scan(sizes, writers)
+    started = time.process_time()
+    owners = assign_owners({f"f{i}": 10**9 - i for i in range(3000)}, 10**6)
+    assert time.process_time() - started < 1.0 and sorted(owners.values()) == list(range(3000))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 8, 12, 1024])
+def test_the_halving_leaves_every_file_to_exactly_one_rank(world):
+    """`record_tree`'s reduce-scatter: partners agree on the files they split, and at the end every file is held by
+    exactly one rank (ranks above the largest power of two hold none)."""
+    from hf_unified_ckpt.checkpoint.record_tree import halving_steps
+
+    files = 37
+    held = [0] * files
+    for rank in range(world):
+        steps, (lo, hi) = halving_steps(rank, world, files)
+        for partner, k0, k1, s0, s1 in steps:
+            theirs = next(s for s in halving_steps(partner, world, files)[0] if s[0] == rank)
+            assert (theirs[1], theirs[2], theirs[3], theirs[4]) == (s0, s1, k0, k1)
+        for f in range(lo, hi):
+            held[f] += 1
+    assert held == [1] * files
+
+
+def test_halos_from_many_ranks_are_one_halo_per_tensor_in_element_order():
+    """A block whose elements five ranks hold (pieces smaller than a block): the halos of two tensors from each,
+    received one message per rank, are one halo per tensor, source after source (stacked where the layouts are
+    the same, sliced where they differ: the last rank's partial piece, a rank that holds one tensor only)."""
+    from hf_unified_ckpt.checkpoint.rule_plan import _by_tensor
+
+    wanted = {q: [("optimizer", ("a",), 10 + 3 * (q - 1), 3), ("optimizer", ("b",), 20 + 2 * (q - 1), 2)]
+              for q in (1, 2, 3)}
+    wanted[4] = [("optimizer", ("a",), 19, 1)]
+    wanted[6] = [("optimizer", ("b",), 26, 2)]  # not next to rank 3 in this list: a run of its own
+    wanted[9] = [("optimizer", ("c", "d"), 40, 2)]  # two tensors split alike: c's 2 elements, then d's
+    wanted[10] = [("optimizer", ("c", "d"), 42, 2)]
+    received = {q: torch.arange(sum(len(a) * k for _, a, _, k in parts), dtype=torch.float32) + 100 * q
+                for q, parts in wanted.items()}
+    got = {key: sorted((start, t.tolist()) for start, t in chunks) for key, chunks in _by_tensor(wanted, received).items()}
+    expected_a = [100, 101, 102, 200, 201, 202, 300, 301, 302, 400]
+    expected_b = [103, 104, 203, 204, 303, 304, 600, 601]
+    assert [x for _, part in got[("optimizer", "a")] for x in part] == expected_a
+    assert [x for _, part in got[("optimizer", "b")] for x in part] == expected_b
+    assert got[("optimizer", "a")][0][0] == 10 and got[("optimizer", "b")][0][0] == 20
+    assert [x for _, part in got[("optimizer", "c")] for x in part] == [900, 901, 1000, 1001]
+    assert [x for _, part in got[("optimizer", "d")] for x in part] == [902, 903, 1002, 1003]
