@@ -26,6 +26,7 @@ LOWER = dict(BEST, greater_is_better=False)
 EIGHT = dict(HIGHER, max_steps=8)
 ASYNC = {"unified_checkpoint_config": "async_save"}
 FLASH = {"unified_checkpoint_config": "flash", "unified_checkpoint_persist_every": 1}  # every save made durable
+TRL_RESUME = dict(max_steps=6, save_steps=2)
 LAST, FIRST, MIDDLE = {2: 0.9, 4: 0.5, 6: 0.95}, {2: 0.95, 4: 0.5, 6: 0.9}, {2: 0.5, 4: 0.95, 6: 0.9}
 LOW_LAST, LOW_FIRST, LOW_MIDDLE = {2: 0.9, 4: 0.5, 6: 0.1}, {2: 0.1, 4: 0.5, 6: 0.9}, {2: 0.5, 4: 0.1, 6: 0.9}
 OLD_BEST_OF_4, MIDDLE_OF_4 = {2: 0.95, 4: 0.5, 6: 0.6, 8: 0.7}, {2: 0.5, 4: 0.95, 6: 0.6, 8: 0.7}
@@ -88,6 +89,14 @@ SCENARIOS = {
                                                             ["checkpoint-2", "checkpoint-8"])}},
     "flash-limit1-best-first": {"args": dict(HIGHER, save_total_limit=1), "scores": FIRST, "plugin": FLASH},
     "flash-limit2-best-middle": {"args": dict(EIGHT, save_total_limit=2), "scores": MIDDLE_OF_4, "plugin": FLASH},
+    # bf16 autocast (on CPU)
+    "bf16-best-middle": {"args": dict(HIGHER, bf16=True), "scores": MIDDLE},
+    # the trainer class's own `_save_checkpoint` and load hooks (parity_trainers.py): GRPO with adaptive entropy
+    # (entropy_ctrl_state.json, the model card) and a user's subclass writing a file before and after the base save;
+    # resumed from checkpoint-4 of an uninterrupted run of the same length, sync, async and flash
+    **{f"{kind}-resume{tag}": {"trainer": kind, "args": TRL_RESUME, "first": {}, "resume": "checkpoint-4",
+                               **({"plugin": plugin} if plugin else {})}
+       for kind in ("grpo", "hooked") for tag, plugin in (("", None), ("-async", ASYNC), ("-flash", FLASH))},
 }
 
 #: Best model, rotation and background saves under the sharded engines, 2 processes, one launch.
@@ -111,7 +120,7 @@ ENGINE_SCENARIOS = {
 }
 
 COMPARED = ("best_metric", "best_global_step", "best_model_checkpoint", "best_exists", "global_step", "epoch",
-            "log_history", "checkpoints", "batches", "on_save")
+            "log_history", "checkpoints", "checkpoint_files", "readme", "batches", "on_save", "calls")
 
 
 def assert_parity(out: dict, scenario: dict) -> None:
@@ -125,6 +134,12 @@ def assert_parity(out: dict, scenario: dict) -> None:
     for key in COMPARED:
         natives, want = differs.get(key, ([native[key]], native[key]))
         assert native[key] in natives and plugin[key] == want, (key, native[key], plugin[key])
+    if scenario.get("first") == {}:  # resumed within a run of the same length: bit-exact against it, as natively
+        for side in (native, plugin):
+            steps = [e for e in side["log_history"] if "loss" in e]
+            assert steps == [e for e in side["uninterrupted"]["log_history"] if "loss" in e], steps
+            whole = side["uninterrupted"]["weights"]
+            assert [k for k, v in whole.items() if not torch.equal(side["weights"][k], v)] == []
     assert sorted(plugin["weights"]) == sorted(native["weights"])
     if differs.get("weights") == "best":  # the plugin's weights are its best checkpoint's, whatever native loaded
         from safetensors.torch import load_file
