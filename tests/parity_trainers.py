@@ -153,10 +153,11 @@ def build_trainer(kind: str, recorder, model, training_args, train_set, eval_set
 
 
 #: Names that differ by design between a native checkpoint folder and a unified one (training-loop.md, "file names
-#: inside checkpoint-N"): the optimizer's and RNG's files, the engines' folders, the manifest.
-_RENAMED = ("optimizer.pt", "optimizer.bin", "rng_state", "global_step", "latest", "zero_to_fp32.py",
-            "pytorch_model_fsdp_", "optimizer_0", "unified_checkpoint.json", "optimizer.safetensors",
-            "optimizer-0", "master", "ema")
+#: inside checkpoint-N"): the weights' (ZeRO-3 natively writes none; the weights are compared by value), the
+#: optimizer's and RNG's files, the engines' folders and scripts, the manifest.
+_RENAMED = ("model.safetensors", "model-0", "pytorch_model", "optimizer.pt", "optimizer.bin", "rng_state",
+            "global_step", "latest", "zero_to_fp32.py", "zero_to_torch.py", "optimizer_0", "unified_checkpoint.json",
+            "optimizer.safetensors", "optimizer-0", "master", "ema")
 
 
 def checkpoint_files(output_dir: str) -> dict[str, list[str]]:

@@ -49,6 +49,12 @@ class Outermost:
         return self._uc_session.output_dir(super()._get_output_dir, trial)
 
 
+def overrides_save(cls: type) -> bool:
+    """Whether a class of `cls`'s own (not the plugin's, not `transformers.Trainer`) defines `_save_checkpoint`."""
+    return any("_save_checkpoint" in vars(c) for c in cls.__mro__
+               if c not in (Outermost, NativeStandIn, transformers.Trainer))
+
+
 _CHAINED: dict[tuple[type, type | None], type] = {}
 
 

@@ -1,7 +1,7 @@
 """The folder a trainer class's own `_save_checkpoint` writes into during a unified save (`HookFolder`): while the
 class's chain runs, `trainer._get_output_dir(trial)` resolves to this save's hook root, a hidden folder of this save's
-own next to the run's checkpoints (`.checkpoint-N.<host>.<pid>.<token>.incomplete`: the staging name a later save's
-clean-up removes once this process is gone), and its `checkpoint-N` is where the class's code writes. When the
+own next to the run's checkpoints (`.checkpoint-N.hooks.<host>.<pid>.<token>.incomplete`: a staging name, which a
+later save's clean-up removes once this process is gone), and its `checkpoint-N` is where the class's code writes. When the
 outermost `_save_checkpoint` ends, the files there are taken into the save as small files (listed in the manifest,
 verified, copied with it wherever it goes) and the folder is removed."""
 
@@ -21,7 +21,7 @@ class HookFolder:
 
     def __init__(self, output_dir: str, step: int):
         self.step = step
-        self.root = join(output_dir, f".{PREFIX_CHECKPOINT_DIR}-{step}.{new_tag()}.hooks{STAGING_SUFFIX}")
+        self.root = join(output_dir, f".{PREFIX_CHECKPOINT_DIR}-{step}.hooks.{new_tag()}{STAGING_SUFFIX}")
         self.folder = join(self.root, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         store_for(self.folder).make_folder(self.folder)
 

@@ -57,6 +57,7 @@ from ..store.capture import torch_bytes
 from .best import locate_best, track_best
 from .capture import ARGS_FILE, SCALER_FILE, SCHEDULER_FILE, export_callback_states, processing_class_files, small_files
 from .engines import engine_of
+from .chain import overrides_save
 from .hook_files import HookFolder, is_reserved, shared_hook_files
 from .preempt import PreemptionRun, take_over_jit_checkpoint
 from .refusals import refuse_unsupported, warn_engine_fallback
@@ -85,7 +86,7 @@ class ChainRun:
     """One outermost `_save_checkpoint` call: its hook folder, whether `_get_output_dir` resolves into it now, and
     the save planned by the base (None: not reached yet)."""
 
-    hooks: HookFolder
+    hooks: HookFolder | None  # None: the class has no `_save_checkpoint` of its own
     redirect: bool = True
     planned: Planned | None = None
 
@@ -455,22 +456,24 @@ class CheckpointSession:
         it."""
         if not self.options.enabled or self.chain is not None:  # a nested call runs as the class wrote it
             return chain(model, trial)
-        hooks = HookFolder(as_ref(self.trainer._get_output_dir(trial=trial)), self.trainer.state.global_step)
+        hooks = None  # a class without a `_save_checkpoint` of its own writes nothing there
+        if overrides_save(type(self.trainer)):
+            hooks = HookFolder(as_ref(self.trainer._get_output_dir(trial=trial)), self.trainer.state.global_step)
         self.chain = run = ChainRun(hooks)
         try:
             chain(model, trial)
             self.chain = None
             if run.planned is None:
                 return self._base_skipped(hooks)
-            files = hooks.files(type(self.trainer).__name__)
-            self._write(run.planned, files)
+            self._write(run.planned, hooks.files(type(self.trainer).__name__) if hooks is not None else None)
         except BaseException:
             if run.planned is not None:
                 self.trainer.state.best_model_checkpoint = run.planned.before
             raise
         finally:
             self.chain = None
-            hooks.remove()
+            if hooks is not None:
+                hooks.remove()
         self.best_before = (run.planned.before,) if self.saver.in_flight else None
         if self.trainer.args.push_to_hub and not self.saver.in_flight:
             self.trainer._push_from_checkpoint(str(run.planned.request.final_dir))
@@ -498,7 +501,7 @@ class CheckpointSession:
         """`_get_output_dir` (`native`): while a class's `_save_checkpoint` chain runs, this save's hook root (its
         `checkpoint-N` is the hook folder); else the native folder."""
         run = self.chain
-        if run is not None and run.redirect:
+        if run is not None and run.redirect and run.hooks is not None:
             return run.hooks.root
         return native(trial)
 
@@ -516,11 +519,11 @@ class CheckpointSession:
         export_callback_states(self.trainer)
         return Planned(run_dir, request, into_memory, before)
 
-    def _base_skipped(self, hooks: HookFolder) -> None:
+    def _base_skipped(self, hooks: HookFolder | None) -> None:
         """The class's `_save_checkpoint` never called the base Trainer's: nothing is saved by the plugin, as
         natively; the files it wrote under `checkpoint-N` are left as a plain folder there (rank 0 says so)."""
-        native = join(as_ref(self.trainer._get_output_dir(trial=None)), name_of(hooks.folder))
-        if is_folder(hooks.folder) and hooks.files(type(self.trainer).__name__) and not is_folder(native):
+        native = join(as_ref(self.trainer._get_output_dir(trial=None)), name_of(hooks.folder)) if hooks else None
+        if hooks is not None and hooks.files(type(self.trainer).__name__) and not is_folder(native):
             store_for(native).move(hooks.folder, native)
         if dist.rank() == 0:
             logger.warning("%s._save_checkpoint did not call the base Trainer's _save_checkpoint at step %d: no "
@@ -573,15 +576,16 @@ class CheckpointSession:
         best, limit = self.trainer.state.best_model_checkpoint, self.trainer.args.save_total_limit
         return lambda: rotate_checkpoints(run_dir, limit, protect=[best, output_dir])
 
-    def _write(self, planned: Planned, hooks: dict[str, bytes]) -> None:
-        """Capture the small files, with the files the class's `_save_checkpoint` wrote (`hooks`), and start (or
-        make) the save; a save that fails to start puts `best_model_checkpoint` back to `before` (the folder it may
+    def _write(self, planned: Planned, hooks: dict[str, bytes] | None) -> None:
+        """Capture the small files, with the files the class's `_save_checkpoint` wrote (`hooks`; None: it has no
+        `_save_checkpoint` of its own), and start (or make) the save; a save that fails to start puts `best_model_checkpoint` back to `before` (the folder it may
         name was not committed). Collective."""
         request = planned.request
         rotate = self._rotation(planned.run_dir, request.final_dir)
         engine = self.engine()
         small = small_files(self.trainer, engine)
-        small.update(self._hook_files(hooks, small))
+        if hooks is not None:
+            small.update(self._hook_files(hooks, small))
         self.saved_step = request.global_step
         try:
             self._dispatch(engine, request, small, rotate, planned.into_memory)
