@@ -36,13 +36,14 @@ def batch_digest(inputs) -> str:
 
 
 def config_class(kind: str):
-    """The TRL config class of trainer `kind` (None: `TrainingArguments`)."""
+    """The config class of trainer `kind` (None: `UnifiedCheckpointArguments`): the plugin's TRL config classes for
+    SFT and DPO, TRL's `GRPOConfig` (given the plugin's fields by `with_unified_checkpoint`, bound to no name)."""
     if kind == "sft":
-        from trl import SFTConfig
-        return SFTConfig
+        from hf_unified_ckpt.trl_configs import UnifiedSFTConfig
+        return UnifiedSFTConfig
     if kind == "dpo":
-        from trl import DPOConfig
-        return DPOConfig
+        from hf_unified_ckpt.trl_configs import UnifiedDPOConfig
+        return UnifiedDPOConfig
     if kind == "grpo":
         from trl import GRPOConfig
         return GRPOConfig
