@@ -98,6 +98,8 @@ SCENARIOS = {
     **{f"{kind}-resume{tag}": {"trainer": kind, "args": TRL_RESUME, "first": {}, "resume": "checkpoint-4",
                                **({"plugin": plugin} if plugin else {})}
        for kind in ("grpo", "hooked") for tag, plugin in (("", None), ("-async", ASYNC), ("-flash", FLASH))},
+    # the chain runs once per save: one best decision, one rotation (the best kept under save_total_limit=1)
+    "hooked-limit1-best-first": {"trainer": "hooked", "args": dict(HIGHER, save_total_limit=1), "scores": FIRST},
 }
 
 #: Best model, rotation and background saves under the sharded engines, 2 processes, one launch.

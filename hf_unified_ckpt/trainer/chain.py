@@ -51,8 +51,14 @@ class Outermost:
 
 def overrides_save(cls: type) -> bool:
     """Whether a class of `cls`'s own (not the plugin's, not `transformers.Trainer`) defines `_save_checkpoint`."""
-    return any("_save_checkpoint" in vars(c) for c in cls.__mro__
-               if c not in (Outermost, NativeStandIn, transformers.Trainer))
+    return save_owner(cls) is not None
+
+
+def save_owner(cls: type) -> str | None:
+    """The name of the outermost class of `cls`'s own (not the plugin's, not `transformers.Trainer`) defining
+    `_save_checkpoint` (what messages name); None when none does."""
+    return next((c.__name__ for c in cls.__mro__ if "_save_checkpoint" in vars(c)
+                 and c not in (Outermost, NativeStandIn, transformers.Trainer)), None)
 
 
 _CHAINED: dict[tuple[type, type | None], type] = {}

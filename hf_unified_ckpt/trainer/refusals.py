@@ -48,7 +48,7 @@ def refuse_native_write_overrides(cls: type) -> None:
     the unified save replaces the base Trainer's native write, which is what calls them. Local."""
     import transformers
 
-    found = [(c.__qualname__, name) for name in NATIVE_WRITES for c in cls.__mro__
+    found = [(c.__name__, name) for name in NATIVE_WRITES for c in cls.__mro__
              if c not in (transformers.Trainer, object) and not c.__module__.startswith("hf_unified_ckpt.")
              and name in vars(c)]
     if found:

@@ -57,7 +57,7 @@ from ..store.capture import torch_bytes
 from .best import locate_best, track_best
 from .capture import ARGS_FILE, SCALER_FILE, SCHEDULER_FILE, export_callback_states, processing_class_files, small_files
 from .engines import engine_of
-from .chain import overrides_save
+from .chain import overrides_save, save_owner
 from .hook_files import HookFolder, is_reserved, shared_hook_files
 from .preempt import PreemptionRun, take_over_jit_checkpoint
 from .refusals import refuse_unsupported, warn_engine_fallback
@@ -465,7 +465,7 @@ class CheckpointSession:
             self.chain = None
             if run.planned is None:
                 return self._base_skipped(hooks)
-            self._write(run.planned, hooks.files(type(self.trainer).__name__) if hooks is not None else None)
+            self._write(run.planned, hooks.files(save_owner(type(self.trainer))) if hooks is not None else None)
         except BaseException:
             if run.planned is not None:
                 self.trainer.state.best_model_checkpoint = run.planned.before
@@ -523,12 +523,12 @@ class CheckpointSession:
         """The class's `_save_checkpoint` never called the base Trainer's: nothing is saved by the plugin, as
         natively; the files it wrote under `checkpoint-N` are left as a plain folder there (rank 0 says so)."""
         native = join(as_ref(self.trainer._get_output_dir(trial=None)), name_of(hooks.folder)) if hooks else None
-        if hooks is not None and hooks.files(type(self.trainer).__name__) and not is_folder(native):
+        if hooks is not None and hooks.files(save_owner(type(self.trainer))) and not is_folder(native):
             store_for(native).move(hooks.folder, native)
         if dist.rank() == 0:
             logger.warning("%s._save_checkpoint did not call the base Trainer's _save_checkpoint at step %d: no "
                            "unified checkpoint was written (as natively, nothing but the files it wrote itself).",
-                           type(self.trainer).__name__, hooks.step)
+                           save_owner(type(self.trainer)), self.trainer.state.global_step)
         return None
 
     @property
@@ -600,7 +600,7 @@ class CheckpointSession:
         dropped = sorted(n for n in hooks if is_reserved(n, small))
         if dropped:
             logger.warning("%s._save_checkpoint wrote %s into checkpoint-%d, which the unified checkpoint writes "
-                           "itself: its own are kept.", type(self.trainer).__name__, dropped,
+                           "itself: its own are kept.", save_owner(type(self.trainer)), dropped,
                            self.trainer.state.global_step)
         return kept
 
