@@ -81,8 +81,9 @@ class LocalAlias:
     """A local stand-in for a checkpoint in object storage, for the Trainer's own resume code (see the module
     docstring): a temporary folder per process with its trainer state (the best checkpoint taken out of it: the
     Trainer would drop a URL it cannot `os.path.isdir`; `best_model_checkpoint` is put back by the plugin), and
-    the other small files `manifest` lists (not the tensor files nor their indexes: the scaler, the files a
-    class's `_save_checkpoint` wrote, which its load hooks read). Removed by `close`."""
+    the other small files `manifest` lists (the scaler, the files a class's `_save_checkpoint` wrote, which its load
+    hooks read; not the tensor files, their indexes nor the ranks' RNG states, which the plugin reads from the
+    bucket itself). Removed by `close`."""
 
     def __init__(self, remote: str, manifest: dict | None = None):
         self.remote = as_ref(remote)
@@ -96,7 +97,7 @@ class LocalAlias:
         listed = (manifest or {}).get("files", {SCALER_FILE: None})
         tensors = {f for entry in (manifest or {}).get("components", {}).values()
                    for f in [*entry.get("files", []), entry.get("index")] if f}
-        for name in sorted(set(listed) - tensors - {TRAINER_STATE_FILE}):
+        for name in sorted(n for n in set(listed) - tensors - {TRAINER_STATE_FILE} if not n.startswith("rng_state")):
             if is_file(join(self.remote, name)):
                 put_bytes(join(self.path, name), read_bytes(join(self.remote, name)))
 
