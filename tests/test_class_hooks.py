@@ -144,6 +144,27 @@ def test_a_config_class_bound_to_no_name_unpickles_equal_without_the_class_made_
         arguments._CACHE[GRPOConfig] = made
 
 
+def test_a_hook_writing_by_a_path_built_from_output_dir_is_refused_at_that_save(tmp_path):
+    """A class writing into `args.output_dir/checkpoint-N` (not `_get_output_dir(trial)`): that folder is the save's
+    to write, so the files would be lost without a word; the save is refused, naming the class."""
+    reset_accelerate_state()
+
+    class BuildsItsOwnPath(Trainer):
+        def _save_checkpoint(self, model, trial):
+            super()._save_checkpoint(model, trial)
+            folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "mine.txt"), "w") as f:
+                f.write("mine")
+
+    trainer = hf_unified_ckpt.attach(BuildsItsOwnPath(model=build_model("llama"), train_dataset=TokenDataset(),
+                                                      args=make_args(tmp_path, max_steps=2, save_steps=2)))
+    with pytest.raises(UnsupportedCheckpointError, match=r"^BuildsItsOwnPath._save_checkpoint wrote into .*"
+                                                         r"checkpoint-2 by a path it did not get from"):
+        trainer.train()
+    assert not (tmp_path / "checkpoint-2" / "unified_checkpoint.json").exists()
+
+
 FRESH = """
 import sys, torch
 from trl import GRPOConfig

@@ -12,7 +12,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .. import dist
 from ..checkpoint.commit import COMMIT_FILE, new_tag
 from ..errors import UnsupportedCheckpointError
-from ..store import STAGING_SUFFIX, join, store_for
+from ..store import STAGING_SUFFIX, is_file, join, store_for
 
 
 class HookFolder:
@@ -23,11 +23,15 @@ class HookFolder:
         self.step = step
         self.root = join(output_dir, f".{PREFIX_CHECKPOINT_DIR}-{step}.hooks.{new_tag()}{STAGING_SUFFIX}")
         self.folder = join(self.root, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        #: The real `checkpoint-N` of the native output folder, and whether it was there before the chain ran.
+        self.native = join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        self.native_existed = store_for(self.native).is_folder(self.native)
         store_for(self.folder).make_folder(self.folder)
 
     def files(self, owner: str) -> dict[str, bytes]:
         """The files the chain wrote (name -> bytes). A sub-folder is refused (a unified checkpoint holds plain files
         only), naming `owner` (the trainer class)."""
+        self._refuse_native_writes(owner)
         store = store_for(self.folder)
         listed = store.list(self.folder) if store.is_folder(self.folder) else {}
         folders = sorted(name for name, size in listed.items() if size is None)
@@ -38,6 +42,20 @@ class HookFolder:
                 "(or train without unified_checkpoint). Nothing of this save was committed; earlier checkpoints are "
                 "untouched.")
         return {name: store.read(join(self.folder, name)) for name in sorted(listed)}
+
+    def _refuse_native_writes(self, owner: str) -> None:
+        """A `checkpoint-N` folder that appeared in the native output folder while the chain ran, without a manifest:
+        the class wrote into a path it built otherwise (from `args.output_dir`), which the save would replace
+        without a word; refused, naming `owner`."""
+        store = store_for(self.native)
+        if not self.native_existed and store.is_folder(self.native) and not is_file(join(self.native, COMMIT_FILE)):
+            raise UnsupportedCheckpointError(
+                f"{owner}._save_checkpoint wrote into {self.native} by a path it did not get from "
+                "self._get_output_dir(trial) (built from args.output_dir?); with unified_checkpoint=True that folder "
+                "is written by the save and the files there would be lost. Build the folder as "
+                "os.path.join(self._get_output_dir(trial), f'checkpoint-{self.state.global_step}'), as transformers "
+                "and TRL do: what is written there is part of the checkpoint. Nothing of this save was committed; "
+                "earlier checkpoints are untouched.")
 
     def remove(self) -> None:
         store = store_for(self.root)
