@@ -152,6 +152,29 @@ class UnifiedCheckpointFields:
         """The parsed, frozen options."""
         return self._unified_checkpoint_options
 
+    def __reduce__(self):
+        """Pickled (`training_args.bin`) by the config class it extends, so that it unpickles in any interpreter,
+        also where the class `with_unified_checkpoint` made is bound to no importable name."""
+        cls = type(self)
+        return _rebuild, (cls.__module__, cls.__qualname__, getattr(cls, "_uc_base", None), dict(self.__dict__))
+
+
+def _rebuild(module: str, qualname: str, base: type | None, state: dict):
+    """Unpickle an arguments object `__reduce__` pickled: its class by name where importable, else
+    `with_unified_checkpoint(base)`."""
+    import importlib
+
+    cls = None
+    try:
+        cls = getattr(importlib.import_module(module), qualname, None)
+    except ImportError:
+        pass
+    if not (isinstance(cls, type) and issubclass(cls, UnifiedCheckpointFields)):
+        cls = with_unified_checkpoint(base)
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
 
 _CACHE: dict[type, type] = {}
 
@@ -159,8 +182,9 @@ _CACHE: dict[type, type] = {}
 def with_unified_checkpoint(config_cls: type, name: str | None = None, module: str | None = None) -> type:
     """Return a subclass of `config_cls` (a TrainingArguments dataclass) with the plugin's fields.
 
-    The result is cached per class. For `torch.save(args)` (the Trainer's `training_args.bin`) to unpickle,
-    bind the returned class to a module-level name in `module` (as `hf_unified_ckpt.trl_configs` does).
+    The result is cached per class. Its objects pickle by `config_cls` (the Trainer's `training_args.bin`
+    unpickles in a fresh interpreter, to an equal object), whether or not the result is bound to a module-level
+    name.
     """
     if not (isinstance(config_cls, type) and issubclass(config_cls, TrainingArguments) and is_dataclass(config_cls)):
         raise TypeError(f"with_unified_checkpoint expects a TrainingArguments dataclass, got {config_cls!r}.")
@@ -168,7 +192,7 @@ def with_unified_checkpoint(config_cls: type, name: str | None = None, module: s
         return config_cls
     if config_cls not in _CACHE:
         cls_name = name or f"Unified{config_cls.__name__}"
-        namespace = {"__module__": module or config_cls.__module__, "__qualname__": cls_name}
+        namespace = {"__module__": module or config_cls.__module__, "__qualname__": cls_name, "_uc_base": config_cls}
         _CACHE[config_cls] = dataclass(type(cls_name, (UnifiedCheckpointFields, config_cls), namespace))
     return _CACHE[config_cls]
 

@@ -227,8 +227,10 @@ def tp_trainer_class():
 
 
 def make_args(output_dir, world_size: int = 1, max_steps: int = 6, save_steps: int = 3, optim: str = "adamw_torch",
-              **overrides):
-    from hf_unified_ckpt import UnifiedCheckpointArguments
+              config: type | None = None, **overrides):
+    """The arguments of a test run: `UnifiedCheckpointArguments`, or `config` (a TRL config class) with the plugin's
+    fields (`with_unified_checkpoint`)."""
+    from hf_unified_ckpt import UnifiedCheckpointArguments, with_unified_checkpoint
 
     kwargs = dict(
         output_dir=str(output_dir), per_device_train_batch_size=GLOBAL_BATCH // world_size,
@@ -240,7 +242,7 @@ def make_args(output_dir, world_size: int = 1, max_steps: int = 6, save_steps: i
     if world_size > 1:
         kwargs["ddp_backend"] = "gloo"
     kwargs.update(overrides)
-    return UnifiedCheckpointArguments(**kwargs)
+    return (UnifiedCheckpointArguments if config is None else with_unified_checkpoint(config))(**kwargs)
 
 
 def reset_accelerate_state() -> None:

@@ -47,9 +47,11 @@ def half_file_then_die(path, file, rank, tensors, **kwargs):
 
 
 def rotation_killer(real_rmtree):
-    """Kill while rotation deletes checkpoint-3 (after checkpoint-6 was committed)."""
+    """Kill while rotation deletes checkpoint-3 (after checkpoint-6 was committed): the folder itself or its hidden
+    `.deleting` name (not the hook folder of the save at step 3, `.checkpoint-3.hooks.<tag>.incomplete`)."""
     def rmtree(path, *a, **k):
-        if "checkpoint-3" in os.path.basename(str(path)):
+        name = os.path.basename(str(path))
+        if name == "checkpoint-3" or (name.startswith(".checkpoint-3.") and name.endswith(".deleting")):
             for name in sorted(os.listdir(path))[:3]:
                 os.remove(os.path.join(path, name))
             die()

@@ -7,7 +7,8 @@ A scenario is a dict: `model` ("llama", "gpt2", "lora", "regression", "growing")
 `unified_checkpoint_config`), `first` (a run before the recorded one, in the same output folder: `{"args": ...}`),
 `resume` (the recorded run's `resume_from_checkpoint`: True, "checkpoint-N", a missing or an empty path),
 `train_twice` (a second `train()` on the same Trainer), `read_on_save` (a callback that reads the checkpoint folder
-in `on_save`; `wait` first calls `hf_unified_ckpt.wait_for_saves()`).
+in `on_save`; `wait` first calls `hf_unified_ckpt.wait_for_saves()`), `trainer` (`parity_trainers.py`: "plain",
+"sft", "dpo", "grpo", or "hooked", a user's subclass with its own `_save_checkpoint` and load hooks).
 
 Every run computes with `_runs.THREADS` threads, so both runs of a scenario round alike.
 """
@@ -15,7 +16,6 @@ Every run computes with `_runs.THREADS` threads, so both runs of a scenario roun
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 
@@ -25,9 +25,10 @@ from torch.utils.data import Dataset
 
 from _runs import (TokenDataset, build_model, disable_deepspeed_jit, final_state, fsdp_args, fsdp_on_cpu, make_args,
                    reset_accelerate_state, zero_config, assert_sharded)
+from parity_trainers import TRL_ARGS, build_trainer, checkpoint_files, config_class, model_card
 
 #: Log keys that measure time, not training: never compared.
-TIMING = ("runtime", "per_second")
+TIMING = ("runtime", "per_second", "step_time")
 
 
 class RegressionDataset(Dataset):
@@ -94,27 +95,13 @@ def _datasets(kind: str):
 
 
 class _Recorder:
-    """What the runs saw: the content of every training batch (in order), and what `on_save` found in the
-    checkpoint folder."""
+    """What the runs saw: the content of every training batch (in order), what `on_save` found in the checkpoint
+    folder, and the calls of a subclass's checkpoint hooks (`parity_trainers.hooked_trainer`)."""
 
     def __init__(self):
         self.batches: list[str] = []
         self.on_save: list[dict] = []
-
-
-def trainer_class(recorder: _Recorder):
-    """A Trainer that records the batches it trains on (their content, hashed), for both runs of a scenario."""
-    from transformers import Trainer
-
-    class RecordingTrainer(Trainer):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            digest = hashlib.sha256()
-            for key in sorted(inputs):
-                digest.update(inputs[key].detach().cpu().numpy().tobytes())
-            recorder.batches.append(digest.hexdigest()[:16])
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    return RecordingTrainer
+        self.calls: list[list] = []
 
 
 def _scripted_metric(scores: dict, holder: dict):
@@ -183,7 +170,10 @@ def build(scenario: dict, output_dir: str, plugin: bool, recorder: _Recorder, ar
         overrides.update(scenario.get("plugin", {}))
         if "flash" in overrides.get("unified_checkpoint_config", ""):
             overrides["unified_checkpoint_memory_dir"] = f"{output_dir}-memory"
-    training_args = make_args(output_dir, world_size=world_size, unified_checkpoint=plugin, **overrides)
+    trainer_kind = scenario.get("trainer", "plain")
+    overrides = {**TRL_ARGS.get(trainer_kind, {}), **overrides}
+    training_args = make_args(output_dir, world_size=world_size, unified_checkpoint=plugin,
+                              config=config_class(trainer_kind), **overrides)
     kind = scenario.get("model", "llama")
     model = _model(kind)
     train_set, eval_set = _datasets(kind)
@@ -191,11 +181,10 @@ def build(scenario: dict, output_dir: str, plugin: bool, recorder: _Recorder, ar
     callbacks = [_read_on_save(recorder, scenario["read_on_save"] == "wait")] if scenario.get("read_on_save") else []
     if engine.get("fsdp"):
         callbacks.append(_sharded_while_training(holder))
-    trainer = trainer_class(recorder)(
-        model=model, args=training_args, train_dataset=train_set,
-        eval_dataset=eval_set if training_args.eval_strategy != "no" else None,
-        compute_metrics=_scripted_metric(scenario["scores"], holder) if scenario.get("scores") else None,
-        callbacks=callbacks)
+    trainer = build_trainer(trainer_kind, recorder, model, training_args, train_set,
+                            eval_set if training_args.eval_strategy != "no" else None,
+                            _scripted_metric(scenario["scores"], holder) if scenario.get("scores") else None,
+                            callbacks)
     holder["trainer"] = trainer
     if plugin:
         hf_unified_ckpt.attach(trainer)
@@ -208,10 +197,13 @@ def run(scenario: dict, output_dir: str, plugin: bool, world_size: int = 1) -> d
     recorder = _Recorder()
     error = None
     with shim:
-        if scenario.get("first"):
+        uninterrupted = None
+        if "first" in scenario:
             first = build(scenario, output_dir, plugin, _Recorder(), {**scenario["args"], **scenario["first"]},
                           world_size)
             first.train()
+            uninterrupted = {"weights": {k: v.detach().cpu().clone() for k, v in final_state(first).items()},
+                             "log_history": _history(first.state)}
         trainer = build(scenario, output_dir, plugin, recorder, scenario["args"], world_size)
         resume = scenario.get("resume")
         if isinstance(resume, str) and resume != "missing":
@@ -225,14 +217,20 @@ def run(scenario: dict, output_dir: str, plugin: bool, world_size: int = 1) -> d
         except Exception as e:  # noqa: BLE001 - the type and message are what is compared
             error = {"type": type(e).__name__, "value_error": isinstance(e, ValueError),
                      "message": str(e).replace(output_dir, "<output_dir>")}
-    return record(trainer, recorder, output_dir, error)
+    return {**record(trainer, recorder, output_dir, error), "uninterrupted": uninterrupted}
+
+
+def _history(state) -> list[dict]:
+    """The log history, without the entries that measure time."""
+    return [{k: v for k, v in entry.items() if not any(t in k for t in TIMING)} for entry in state.log_history]
 
 
 def record(trainer, recorder: _Recorder, output_dir: str, error: dict | None) -> dict:
-    """What the harness compares: weights and buffers, the trainer state, the checkpoints left, the batches, what
-    `on_save` saw, the error. Collective under ZeRO-3 and FSDP (the weights are gathered)."""
+    """What the harness compares: weights and buffers, the trainer state, the checkpoints left and the files in each
+    (by name, the documented renames left out), `output_dir/README.md`, the batches, what `on_save` saw, the
+    subclass's hook calls, the error. Collective under ZeRO-3 and FSDP (the weights are gathered)."""
     state = trainer.state
-    history = [{k: v for k, v in entry.items() if not any(t in k for t in TIMING)} for entry in state.log_history]
+    history = _history(state)
     return {
         "weights": {k: v.detach().cpu().clone() for k, v in final_state(trainer).items()},
         "best_metric": state.best_metric, "best_global_step": state.best_global_step,
@@ -241,7 +239,8 @@ def record(trainer, recorder: _Recorder, output_dir: str, error: dict | None) ->
         "global_step": state.global_step, "epoch": state.epoch, "log_history": history,
         "checkpoints": sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint-"))
         if os.path.isdir(output_dir) else [],
-        "batches": recorder.batches, "on_save": recorder.on_save, "error": error,
+        "checkpoint_files": checkpoint_files(output_dir), "readme": model_card(output_dir),
+        "batches": recorder.batches, "on_save": recorder.on_save, "calls": recorder.calls, "error": error,
     }
 
 

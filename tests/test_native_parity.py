@@ -26,6 +26,8 @@ LOWER = dict(BEST, greater_is_better=False)
 EIGHT = dict(HIGHER, max_steps=8)
 ASYNC = {"unified_checkpoint_config": "async_save"}
 FLASH = {"unified_checkpoint_config": "flash", "unified_checkpoint_persist_every": 1}  # every save made durable
+TRL_RESUME = dict(max_steps=6, save_steps=2)
+TRL_SHORT = dict(max_steps=4, save_steps=2)
 LAST, FIRST, MIDDLE = {2: 0.9, 4: 0.5, 6: 0.95}, {2: 0.95, 4: 0.5, 6: 0.9}, {2: 0.5, 4: 0.95, 6: 0.9}
 LOW_LAST, LOW_FIRST, LOW_MIDDLE = {2: 0.9, 4: 0.5, 6: 0.1}, {2: 0.1, 4: 0.5, 6: 0.9}, {2: 0.5, 4: 0.1, 6: 0.9}
 OLD_BEST_OF_4, MIDDLE_OF_4 = {2: 0.95, 4: 0.5, 6: 0.6, 8: 0.7}, {2: 0.5, 4: 0.95, 6: 0.6, 8: 0.7}
@@ -88,6 +90,16 @@ SCENARIOS = {
                                                             ["checkpoint-2", "checkpoint-8"])}},
     "flash-limit1-best-first": {"args": dict(HIGHER, save_total_limit=1), "scores": FIRST, "plugin": FLASH},
     "flash-limit2-best-middle": {"args": dict(EIGHT, save_total_limit=2), "scores": MIDDLE_OF_4, "plugin": FLASH},
+    # bf16 autocast (on CPU)
+    "bf16-best-middle": {"args": dict(HIGHER, bf16=True), "scores": MIDDLE},
+    # the trainer class's own `_save_checkpoint` and load hooks (parity_trainers.py): GRPO with adaptive entropy
+    # (entropy_ctrl_state.json, the model card) and a user's subclass writing a file before and after the base save;
+    # resumed from checkpoint-4 of an uninterrupted run of the same length, sync, async and flash
+    **{f"{kind}-resume{tag}": {"trainer": kind, "args": TRL_RESUME, "first": {}, "resume": "checkpoint-4",
+                               **({"plugin": plugin} if plugin else {})}
+       for kind in ("grpo", "hooked") for tag, plugin in (("", None), ("-async", ASYNC), ("-flash", FLASH))},
+    # the chain runs once per save: one best decision, one rotation (the best kept under save_total_limit=1)
+    "hooked-limit1-best-first": {"trainer": "hooked", "args": dict(HIGHER, save_total_limit=1), "scores": FIRST},
 }
 
 #: Best model, rotation and background saves under the sharded engines, 2 processes, one launch.
@@ -108,10 +120,21 @@ ENGINE_SCENARIOS = {
                              "scores": FIRST},  # tied embeddings
     "f2-flash-best-middle": {"engine": {"fsdp": 2}, "args": dict(EIGHT, save_total_limit=2), "scores": MIDDLE_OF_4,
                              "plugin": FLASH},
+    # TRL's SFTTrainer and DPOTrainer (their own `_save_checkpoint` writes the model card): sync saves resumed within
+    # a run of the same length, async and flash saves, each on another engine
+    "ddp-sft-resume": {"trainer": "sft", "args": TRL_SHORT, "first": {}, "resume": "checkpoint-2"},
+    "z3-sft-async": {"trainer": "sft", "engine": {"zero": 3}, "args": TRL_SHORT, "plugin": ASYNC},
+    "z2-sft-flash": {"trainer": "sft", "engine": {"zero": 2}, "args": TRL_SHORT, "plugin": FLASH},
+    "z3-dpo-resume": {"trainer": "dpo", "engine": {"zero": 3}, "args": TRL_SHORT, "first": {},
+                      "resume": "checkpoint-2"},
+    "ddp-dpo-async": {"trainer": "dpo", "args": TRL_SHORT, "plugin": ASYNC},
+    "z2-dpo-flash": {"trainer": "dpo", "engine": {"zero": 2}, "args": TRL_SHORT, "plugin": FLASH},
 }
 
+#: Files a unified checkpoint always holds, which a native one may lack (FSDP's sharded state dict writes neither).
+ALWAYS_WRITTEN = {"config.json", "generation_config.json", "training_args.bin"}
 COMPARED = ("best_metric", "best_global_step", "best_model_checkpoint", "best_exists", "global_step", "epoch",
-            "log_history", "checkpoints", "batches", "on_save")
+            "log_history", "checkpoints", "readme", "batches", "on_save", "calls")
 
 
 def assert_parity(out: dict, scenario: dict) -> None:
@@ -125,6 +148,15 @@ def assert_parity(out: dict, scenario: dict) -> None:
     for key in COMPARED:
         natives, want = differs.get(key, ([native[key]], native[key]))
         assert native[key] in natives and plugin[key] == want, (key, native[key], plugin[key])
+    for name in set(native["checkpoint_files"]) & set(plugin["checkpoint_files"]):  # "checkpoints" says which differ
+        natives, plugins = set(native["checkpoint_files"][name]), set(plugin["checkpoint_files"][name])
+        assert natives <= plugins and plugins - natives <= ALWAYS_WRITTEN, (name, natives, plugins)
+    if scenario.get("first") == {}:  # resumed within a run of the same length: bit-exact against it, as natively
+        for side in (native, plugin):  # the losses (TRL counts some metrics, `num_tokens`, per train() call)
+            steps = [(e["step"], e["loss"]) for e in side["log_history"] if "loss" in e]
+            assert steps == [(e["step"], e["loss"]) for e in side["uninterrupted"]["log_history"] if "loss" in e]
+            whole = side["uninterrupted"]["weights"]
+            assert [k for k, v in whole.items() if not torch.equal(side["weights"][k], v)] == []
     assert sorted(plugin["weights"]) == sorted(native["weights"])
     if differs.get("weights") == "best":  # the plugin's weights are its best checkpoint's, whatever native loaded
         from safetensors.torch import load_file

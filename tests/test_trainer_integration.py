@@ -239,14 +239,17 @@ def test_the_trainer_holds_only_its_session(tmp_path):
 
 
 def test_attach_lists_every_change_it_makes():
-    """`attach`'s docstring names every Trainer method the mixin overrides and every callback event it uses."""
+    """`attach`'s docstring names every Trainer method the mixin and the chain's classes (`chain.Outermost`,
+    `chain.NativeStandIn`) override and every callback event it uses."""
     from hf_unified_ckpt.trainer import attach as attach_module
+    from hf_unified_ckpt.trainer.chain import NativeStandIn, Outermost
     from hf_unified_ckpt.trainer.hooks import SessionHooks
     from hf_unified_ckpt.trainer.mixin import UnifiedCheckpointMixin
 
-    overrides = [n for n in vars(UnifiedCheckpointMixin) if callable(getattr(Trainer, n, None)) and n != "__init__"]
+    overrides = [n for cls in (UnifiedCheckpointMixin, Outermost, NativeStandIn) for n in vars(cls)
+                 if callable(getattr(Trainer, n, None)) and n != "__init__"]
     events = [n for n in vars(SessionHooks) if n.startswith("on_")]
-    assert len(overrides) >= 10 and len(events) == 4
+    assert len(overrides) >= 14 and len(events) == 4
     missing = [n for n in overrides + events + ["_uc_session", "atexit"] if f"`{n}`" not in attach_module.__doc__]
     assert not missing, f"trainer/attach.py's docstring does not list {missing}"
 

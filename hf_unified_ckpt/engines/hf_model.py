@@ -72,8 +72,8 @@ def parameter_names(module: nn.Module, naming: NamingPolicy) -> dict[int, str]:
 
 
 def model_config_files(module: nn.Module) -> dict[str, bytes]:
-    """config.json / generation_config.json (or adapter_config.json), as `save_pretrained` would write them: name ->
-    bytes."""
+    """config.json / generation_config.json (or adapter_config.json and PEFT's adapter card README.md), as
+    `save_pretrained` would write them: name -> bytes."""
     from ..store.capture import files_written_by
 
     return files_written_by(lambda folder: _save_configs(module, folder))
@@ -84,6 +84,7 @@ def _save_configs(module: nn.Module, folder: str) -> None:
         config = copy.deepcopy(module.peft_config[module.active_adapter])
         config.inference_mode = True
         config.save_pretrained(folder)
+        module.create_or_update_model_card(folder)  # the adapter card, as PeftModel.save_pretrained writes it
     elif hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
         config = copy.deepcopy(module.config)
         if hasattr(module, "dtype"):

@@ -2,10 +2,13 @@
 `UnifiedCheckpointCallback` does the same from `Trainer(..., callbacks=[...])`. Nothing is patched globally. Every
 change made to that Trainer, all of them:
 
-- its class: switched to `Unified<its class>` (made once per class), a subclass with `UnifiedCheckpointMixin` first
-  in its bases, which overrides `train`, `_prepare_for_training`, `_load_from_checkpoint`, `_load_rng_state`,
-  `_load_best_model`, `_save_checkpoint`, `_finalize_training`, `save_model`, `_maybe_log_save_evaluate`,
-  `get_train_dataloader` and `get_eval_dataloader`, each handing the call to the session (`mixin.py`);
+- its class: switched to `Unified<its class>` (made once per class, `chain.chained`), a subclass with
+  `chain.Outermost` and `UnifiedCheckpointMixin` first in its bases and `chain.NativeStandIn` last (just above
+  `transformers.Trainer`): the mixin overrides `train`, `_prepare_for_training`, `_load_best_model`,
+  `_finalize_training`, `save_model`, `_maybe_log_save_evaluate`, `get_train_dataloader` and
+  `get_eval_dataloader`; `Outermost` the outermost `_save_checkpoint` and `_get_output_dir`; `NativeStandIn` the
+  base Trainer's `_save_checkpoint`, `_load_optimizer_and_scheduler`, `_load_from_checkpoint` and
+  `_load_rng_state`, so that the class's own overrides of those run; each hands the call to the session;
 - one attribute: `_uc_session`, its `CheckpointSession` (`session.py`), which holds all the plugin's state;
 - one callback: a `UnifiedCheckpointCallback` added (or the one passed in `callbacks=[...]` used), which calls the
   session at `on_train_begin`, `on_pre_optimizer_step`, `on_step_end` and `on_train_end` (`hooks.SessionHooks`);
@@ -25,6 +28,7 @@ import inspect
 
 import transformers
 
+from .chain import chained
 from .hooks import SessionHooks, equip
 from .mixin import UnifiedCheckpointMixin
 
@@ -60,9 +64,6 @@ class UnifiedCheckpointCallback(SessionHooks):
         super().on_train_begin(args, state, control, **kwargs)
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
 def _trainer_holding(callback) -> object | None:
     """The Trainer whose `__init__` is running with `callback` among its callbacks: callbacks are not handed the
     Trainer, so look for it on the call stack (the `self` of `Trainer.__init__`, which called `on_init_end`)."""
@@ -88,10 +89,6 @@ def attach(trainer):
     `with_unified_checkpoint`, such as `hf_unified_ckpt.trl_configs.UnifiedSFTConfig`).
     """
     equip(trainer, UnifiedCheckpointCallback)
-    cls = type(trainer)
     if not isinstance(trainer, UnifiedCheckpointMixin):
-        if cls not in _SUBCLASSES:
-            _SUBCLASSES[cls] = type(f"Unified{cls.__name__}", (UnifiedCheckpointMixin, cls),
-                                    {"__module__": cls.__module__, "__doc__": cls.__doc__})
-        trainer.__class__ = _SUBCLASSES[cls]
+        trainer.__class__ = chained(type(trainer), UnifiedCheckpointMixin)
     return trainer

@@ -17,7 +17,7 @@ from .session import CheckpointSession
 
 SUPPORTED_TRANSFORMERS_MAJOR = 5
 _REQUIRED_METHODS = ("train", "_prepare_for_training", "_load_from_checkpoint", "_load_rng_state",
-                     "_save_checkpoint", "_get_output_dir", "store_flos", "_load_scaler", "_load_best_model",
+                     "_save_checkpoint", "_get_output_dir", "_load_optimizer_and_scheduler", "store_flos", "_load_scaler", "_load_best_model",
                      "save_model", "push_to_hub", "_maybe_log_save_evaluate", "get_train_dataloader",
                      "get_eval_dataloader", "_finalize_training")
 

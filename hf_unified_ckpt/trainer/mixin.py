@@ -4,11 +4,9 @@ to it:
 
 - `train`: refuses what a save could not handle (before anything trains), resolves `resume_from_checkpoint`
   (`resume.resolve`: True -> newest *complete* checkpoint; a unified folder verified before anything is loaded);
-- `_prepare_for_training` / `_load_from_checkpoint`: a unified folder is loaded after the engine is prepared; the
-  prepared engine is described once as a save would, so its refusals come before the first step;
-- `_load_rng_state`: per-rank RNG with one warning when the world size changed;
-- `_save_checkpoint`: replaces the native checkpoint write by the unified one (not written twice), into memory
-  (`flash`), in the background (`async_save`) or inline;
+- `_prepare_for_training`: a unified folder is loaded after the engine is prepared, then the class's own load hooks
+  run with that folder; the prepared engine is described once as a save would, so its refusals come before the
+  first step;
 - `_finalize_training`: the save in flight committed and the memory tier's checkpoints made durable before the
   Trainer's end steps read checkpoint folders;
 - `_load_best_model`: `load_best_model_at_end` from a unified checkpoint into any engine;
@@ -16,6 +14,11 @@ to it:
   type (one process and DDP keep the Trainer's own);
 - `_maybe_log_save_evaluate`: the step boundary, where the ranks' vote on a preemption signal is read;
 - `get_train_dataloader` / `get_eval_dataloader`: DataLoader workers ignore the preemption signals.
+
+`_save_checkpoint`, `_get_output_dir` and the base Trainer's checkpoint loads are not overridden here but by the two
+classes `chain.chained` puts around the trainer's own (`chain.py`): the class's own `_save_checkpoint` chain and
+load hooks run, and only the base Trainer's native writes and reads are replaced. A subclass of this mixin is
+switched to its chained class when it is built.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from .chain import chained
 from .hooks import equip
 
 
@@ -32,7 +36,8 @@ class UnifiedCheckpointMixin:
     `DistributedConfig`): `Trainer.__init__` refuses to checkpoint its optimizer state before any callback runs, so
     build it from a subclass, `class TPTrainer(UnifiedCheckpointMixin, Trainer)`, which lifts that refusal while
     the Trainer is built (unified checkpoints save every rank's shards) and equips itself as `attach` would (its
-    callback is a `hooks.SessionHooks` unless a `UnifiedCheckpointCallback` was passed)."""
+    callback is a `hooks.SessionHooks` unless a `UnifiedCheckpointCallback` was passed), its class switched to
+    `chain.chained(its class)`."""
 
     def __init__(self, *args, **kwargs):
         model = kwargs.get("model", args[0] if args else None)
@@ -40,6 +45,7 @@ class UnifiedCheckpointMixin:
         with _optimizer_state_checkpointable(model, training_args):
             super().__init__(*args, **kwargs)
         equip(self)
+        self.__class__ = chained(type(self))
 
     # ---- resume -----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -51,20 +57,10 @@ class UnifiedCheckpointMixin:
         return self._uc_session.prepare(super()._prepare_for_training, max_steps, train_dataloader,
                                         resume_from_checkpoint)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        return self._uc_session.load_from_checkpoint(super()._load_from_checkpoint, resume_from_checkpoint, model)
-
-    def _load_rng_state(self, checkpoint):
-        return self._uc_session.load_rng_state(super()._load_rng_state, checkpoint)
-
     def _load_best_model(self):
         return self._uc_session.load_best_model(super()._load_best_model)
 
     # ---- save -------------------------------------------------------------------------------------------
-    def _save_checkpoint(self, model, trial):
-        """Write a unified checkpoint instead of the native one. Collective: all ranks call it."""
-        return self._uc_session.save(super()._save_checkpoint, model, trial)
-
     def _finalize_training(self, trial, num_train_samples, start_time):
         """Collective: the in-flight save commits, the memory tier's last and best are made durable."""
         self._uc_session.finish()

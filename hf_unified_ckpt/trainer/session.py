@@ -52,11 +52,13 @@ from ..format.optim_state import fit_scheduler_state, group_param_names, match_g
 from ..legacy import legacy_components
 from ..legacy.trainer_folder import load_converted_weights
 from ..preemption.signals import ignore_in_workers
-from ..store import as_ref, is_file, is_folder, join, name_of, parent_of, read_bytes
+from ..store import as_ref, is_file, is_folder, join, name_of, parent_of, read_bytes, store_for
 from ..store.capture import torch_bytes
 from .best import locate_best, track_best
 from .capture import ARGS_FILE, SCALER_FILE, SCHEDULER_FILE, export_callback_states, processing_class_files, small_files
 from .engines import engine_of
+from .chain import overrides_save, save_owner
+from .hook_files import HookFolder, is_reserved, shared_hook_files
 from .preempt import PreemptionRun, take_over_jit_checkpoint
 from .refusals import refuse_unsupported, warn_engine_fallback
 from .resume import Resume, check_unified, resolve, same_ref
@@ -66,6 +68,27 @@ logger = logging.getLogger(__name__)
 
 #: `CheckpointSession.conversion` until the first save or load works it out.
 NOT_YET = object()
+
+
+@dataclasses.dataclass
+class Planned:
+    """A save planned where the class's chain reached the base Trainer's `_save_checkpoint` (`CheckpointSession.
+    _plan`): written when the outermost call returns."""
+
+    run_dir: str
+    request: SaveRequest
+    into_memory: bool
+    before: str | None  # `best_model_checkpoint` before this save decided it
+
+
+@dataclasses.dataclass
+class ChainRun:
+    """One outermost `_save_checkpoint` call: its hook folder, whether `_get_output_dir` resolves into it now, and
+    the save planned by the base (None: not reached yet)."""
+
+    hooks: HookFolder | None  # None: the class has no `_save_checkpoint` of its own
+    redirect: bool = True
+    planned: Planned | None = None
 
 
 class CheckpointSession:
@@ -80,6 +103,8 @@ class CheckpointSession:
         #: `best_model_checkpoint` before the save in flight, put back if that save fails.
         self.best_before: tuple[str | None] | None = None
         self.guard_said = False  # the lineage guard's choice of O0 was said
+        #: The outermost `_save_checkpoint` call in progress (`save`), None between saves.
+        self.chain: ChainRun | None = None
         self._forget_run()
 
     @property
@@ -151,7 +176,7 @@ class CheckpointSession:
         """The folder resumed from (`resume.resolve`), and what the plugin loads itself. Collective."""
         path, self.resume = resolve(self.trainer, resume_from_checkpoint)
         if self.resume is not None and is_remote(path):  # the Trainer's own code opens its small files by path
-            self.alias = LocalAlias(path)
+            self.alias = LocalAlias(path, self.resume.manifest)
             path = self.alias.path
         return path
 
@@ -189,7 +214,25 @@ class CheckpointSession:
         self._preflight()
         if resume is not None:
             self.load(resume)
+            self._load_hooks(resume_from_checkpoint)
         return prepared
+
+    def _load_hooks(self, folder: str) -> None:
+        """The trainer class's own load hooks, called where the native `_prepare_for_training` calls them, with the
+        folder the Trainer resumes from (`folder`: a local stand-in for one in object storage): under FSDP
+        `_load_from_checkpoint`, then `_load_optimizer_and_scheduler`; the base Trainer's loads do nothing there
+        (`chain.NativeStandIn`: the plugin loaded the folder). Collective under FSDP."""
+        trainer = self.trainer
+        if trainer.is_fsdp_enabled:
+            trainer._load_from_checkpoint(folder, trainer.model_wrapped)
+        trainer._load_optimizer_and_scheduler(folder)
+
+    def load_optimizer_and_scheduler(self, native_load: Callable, checkpoint) -> None:
+        """The base Trainer's `_load_optimizer_and_scheduler` (`native_load`): nothing for a checkpoint `prepare`
+        loaded. Local."""
+        if self._resuming(checkpoint) is not None:
+            return None
+        return native_load(checkpoint)
 
     def _resuming(self, checkpoint) -> Resume | None:
         """What the plugin loads itself when the Trainer resumes from `checkpoint` (None: the Trainer's own code)."""
@@ -403,12 +446,69 @@ class CheckpointSession:
         return loader
 
     # ---- save -----------------------------------------------------------------------------------------------------
-    def save(self, native_save: Callable, model, trial) -> None:
-        """`_save_checkpoint` (`native_save` without `unified_checkpoint`): a unified checkpoint instead of the
-        native one (not written twice), into memory (`flash`), in the background (`async_save`) or written inline.
-        Collective: all ranks call it."""
+    def save(self, chain: Callable, model, trial) -> None:
+        """The outermost `_save_checkpoint` (`chain`: the trainer class's own `_save_checkpoint` chain, down to
+        `chain.NativeStandIn`): without `unified_checkpoint`, the native save. Else the chain runs with
+        `_get_output_dir` resolving into this save's hook folder (`hook_files.HookFolder`); where it reaches the base
+        Trainer's `_save_checkpoint` the unified save is planned (`save_base`); once it returns, the files it wrote
+        under `checkpoint-N` are part of the save, written into memory (`flash`), in the background (`async_save`)
+        or inline. Rotation, the push and the best checkpoint's decision happen once. Collective: all ranks call
+        it."""
+        if not self.options.enabled or self.chain is not None:  # a nested call runs as the class wrote it
+            return chain(model, trial)
+        hooks = None  # a class without a `_save_checkpoint` of its own writes nothing there
+        if overrides_save(type(self.trainer)):
+            hooks = HookFolder(as_ref(self.trainer._get_output_dir(trial=trial)), self.trainer.state.global_step)
+        self.chain = run = ChainRun(hooks)
+        try:
+            chain(model, trial)
+            self.chain = None
+            if run.planned is None:
+                return self._base_skipped(hooks)
+            self._write(run.planned, hooks.files(save_owner(type(self.trainer))) if hooks is not None else None)
+        except BaseException:
+            if run.planned is not None:
+                self.trainer.state.best_model_checkpoint = run.planned.before
+            raise
+        finally:
+            self.chain = None
+            if hooks is not None:
+                hooks.remove()
+        self.best_before = (run.planned.before,) if self.saver.in_flight else None
+        if self.trainer.args.push_to_hub and not self.saver.in_flight:
+            self.trainer._push_from_checkpoint(str(run.planned.request.final_dir))
+        return None
+
+    def save_base(self, native_save: Callable, model, trial) -> None:
+        """The base Trainer's `_save_checkpoint` (`native_save`, without `unified_checkpoint`), reached through the
+        class's chain: the unified save planned in its place (`_plan`: the Trainer's floating-point operations
+        stored, the save in flight committed, the best checkpoint decided, the callbacks' state exported), written
+        once the outermost call returns. Reached without it (called directly), the whole save. Collective: all ranks
+        call it."""
         if not self.options.enabled:
             return native_save(model, trial)
+        run = self.chain
+        if run is None:
+            return self.save(lambda m, t: self.save_base(native_save, m, t), model, trial)
+        run.redirect = False  # the plugin's own folders are the real ones
+        try:
+            run.planned = self._plan(trial)
+        finally:
+            run.redirect = True
+        return None
+
+    def output_dir(self, native: Callable, trial) -> str:
+        """`_get_output_dir` (`native`): while a class's `_save_checkpoint` chain runs, this save's hook root (its
+        `checkpoint-N` is the hook folder); else the native folder."""
+        run = self.chain
+        if run is not None and run.redirect and run.hooks is not None:
+            return run.hooks.root
+        return native(trial)
+
+    def _plan(self, trial) -> Planned:
+        """Where the base Trainer's save stands: the request of this step's save, the save in flight committed, the
+        EMA ready, the best checkpoint decided (put back if this save fails), the callbacks' state exported.
+        Collective: all ranks call it."""
         run_dir, request = self._request(trial)
         self.wait()  # one save in flight: the previous one commits (or raises) before this one starts
         if self.ema is not None:
@@ -417,10 +517,18 @@ class CheckpointSession:
         final_dir = self.flash.final_dir(request.global_step) if into_memory else request.final_dir
         before = track_best(self.trainer, self._best_roots(run_dir), final_dir)
         export_callback_states(self.trainer)
-        self._write(request, self._rotation(run_dir, request.final_dir), into_memory, before)
-        self.best_before = (before,) if self.saver.in_flight else None
-        if self.trainer.args.push_to_hub and not self.saver.in_flight:
-            self.trainer._push_from_checkpoint(str(request.final_dir))
+        return Planned(run_dir, request, into_memory, before)
+
+    def _base_skipped(self, hooks: HookFolder | None) -> None:
+        """The class's `_save_checkpoint` never called the base Trainer's: nothing is saved by the plugin, as
+        natively; the files it wrote under `checkpoint-N` are left as a plain folder there (rank 0 says so)."""
+        native = join(as_ref(self.trainer._get_output_dir(trial=None)), name_of(hooks.folder)) if hooks else None
+        if hooks is not None and hooks.files(save_owner(type(self.trainer))) and not is_folder(native):
+            store_for(native).move(hooks.folder, native)
+        if dist.rank() == 0:
+            logger.warning("%s._save_checkpoint did not call the base Trainer's _save_checkpoint at step %d: no "
+                           "unified checkpoint was written (as natively, nothing but the files it wrote itself).",
+                           save_owner(type(self.trainer)), self.trainer.state.global_step)
         return None
 
     @property
@@ -468,17 +576,33 @@ class CheckpointSession:
         best, limit = self.trainer.state.best_model_checkpoint, self.trainer.args.save_total_limit
         return lambda: rotate_checkpoints(run_dir, limit, protect=[best, output_dir])
 
-    def _write(self, request: SaveRequest, rotate: Callable[[], None], into_memory: bool, before: str | None) -> None:
-        """Capture the small files and start (or make) the save; a save that fails to start puts
-        `best_model_checkpoint` back to `before` (the folder it may name was not committed). Collective."""
+    def _write(self, planned: Planned, hooks: dict[str, bytes] | None) -> None:
+        """Capture the small files, with the files the class's `_save_checkpoint` wrote (`hooks`; None: it has no
+        `_save_checkpoint` of its own), and start (or make) the save; a save that fails to start puts `best_model_checkpoint` back to `before` (the folder it may
+        name was not committed). Collective."""
+        request = planned.request
+        rotate = self._rotation(planned.run_dir, request.final_dir)
         engine = self.engine()
         small = small_files(self.trainer, engine)
+        if hooks is not None:
+            small.update(self._hook_files(hooks, small))
         self.saved_step = request.global_step
         try:
-            self._dispatch(engine, request, small, rotate, into_memory)
+            self._dispatch(engine, request, small, rotate, planned.into_memory)
         except BaseException:
-            self.trainer.state.best_model_checkpoint = before
+            self.trainer.state.best_model_checkpoint = planned.before
             raise
+
+    def _hook_files(self, hooks: dict[str, bytes], small: dict) -> dict[str, bytes]:
+        """The hook files this rank adds to the save (`hook_files.shared_hook_files`); one named as a file of the
+        plugin's own is left out, with a warning. Collective."""
+        kept = shared_hook_files(hooks, small)
+        dropped = sorted(n for n in hooks if is_reserved(n, small))
+        if dropped:
+            logger.warning("%s._save_checkpoint wrote %s into checkpoint-%d, which the unified checkpoint writes "
+                           "itself: its own are kept.", save_owner(type(self.trainer)), dropped,
+                           self.trainer.state.global_step)
+        return kept
 
     def _dispatch(self, engine, request: SaveRequest, small: dict, rotate: Callable[[], None],
                   into_memory: bool) -> None:

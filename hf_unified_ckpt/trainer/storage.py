@@ -5,9 +5,9 @@
 - `checkpoint_root`: the folder (or URL prefix) holding the run's `checkpoint-N`s;
 - `check_writable`: before the first step, a small put and delete under it (read-only credentials, a missing
   bucket or an unreachable endpoint are refused there, not at the first save);
-- `LocalAlias`: the Trainer's own resume code opens `trainer_state.json` (and `scaler.pt`) by local path, so a
-  checkpoint in object storage is given a local stand-in holding those small files; the plugin loads everything
-  else from the bucket itself.
+- `LocalAlias`: the Trainer's own resume code (and a trainer class's load hooks) open `trainer_state.json`, the
+  scaler and the other small files by local path, so a checkpoint in object storage is given a local stand-in
+  holding those small files; the plugin loads the tensors from the bucket itself.
 """
 
 from __future__ import annotations
@@ -80,10 +80,12 @@ def close_store(ref: str) -> None:
 class LocalAlias:
     """A local stand-in for a checkpoint in object storage, for the Trainer's own resume code (see the module
     docstring): a temporary folder per process with its trainer state (the best checkpoint taken out of it: the
-    Trainer would drop a URL it cannot `os.path.isdir`; `best_model_checkpoint` is put back by the plugin) and
-    scaler state. Removed by `close`."""
+    Trainer would drop a URL it cannot `os.path.isdir`; `best_model_checkpoint` is put back by the plugin), and
+    the other small files `manifest` lists (the scaler, the files a class's `_save_checkpoint` wrote, which its load
+    hooks read; not the tensor files, their indexes nor the ranks' RNG states, which the plugin reads from the
+    bucket itself). Removed by `close`."""
 
-    def __init__(self, remote: str):
+    def __init__(self, remote: str, manifest: dict | None = None):
         self.remote = as_ref(remote)
         self.path = tempfile.mkdtemp(prefix="hf_unified_ckpt-resume-")
         state = read_json(join(self.remote, TRAINER_STATE_FILE), "trainer state")
@@ -92,8 +94,12 @@ class LocalAlias:
         self.best_model_checkpoint = state.get("best_model_checkpoint")
         state["best_model_checkpoint"] = None
         put_bytes(join(self.path, TRAINER_STATE_FILE), json.dumps(state).encode())
-        if is_file(join(self.remote, SCALER_FILE)):
-            put_bytes(join(self.path, SCALER_FILE), read_bytes(join(self.remote, SCALER_FILE)))
+        listed = (manifest or {}).get("files", {SCALER_FILE: None})
+        tensors = {f for entry in (manifest or {}).get("components", {}).values()
+                   for f in [*entry.get("files", []), entry.get("index")] if f}
+        for name in sorted(n for n in set(listed) - tensors - {TRAINER_STATE_FILE} if not n.startswith("rng_state")):
+            if is_file(join(self.remote, name)):
+                put_bytes(join(self.path, name), read_bytes(join(self.remote, name)))
 
     def close(self) -> None:
         remove(self.path)
