@@ -22,3 +22,24 @@ def fingerprint(folder: Path) -> dict[str, str]:
     """Every file under `folder` (relative path) -> the SHA-256 of its bytes."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused_unless_trusted(run: Path, hostile: Path, marker: Path, out: Path, capsys) -> None:
+    """The checks both legacy engines' malicious-pickle tests make of `run/checkpoint-3`, whose file `hostile`
+    writes `marker` when unpickled: `convert` and a one-process resume refuse it, naming the global, the file and
+    both opt-ins; nothing runs, `out` is not written, `run` is unchanged; `convert --trust-pickles` runs it."""
+    from _runs import run_spec
+
+    from hf_unified_ckpt.tools.cli import main as cli
+
+    before = fingerprint(run)
+    assert cli(["convert", str(run / "checkpoint-3"), str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "builtins.eval" in err and str(hostile) in err and "--trust-pickles" in err and "trust_pickles" in err, err
+    refused = run_spec({"output_dir": str(run), "resume": str(run / "checkpoint-3"),
+                        "expect_error": "builtins.eval"}, 1)
+    assert refused["error"].startswith("UnsupportedCheckpointError") and refused["global_step"] == 0
+    assert str(hostile) in refused["error"] and "trust_pickles" in refused["error"]
+    assert not marker.exists() and not out.exists() and fingerprint(run) == before
+    assert cli(["convert", str(run / "checkpoint-3"), str(out), "--quiet", "--trust-pickles"]) == 0
+    assert marker.exists()

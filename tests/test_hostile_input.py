@@ -289,18 +289,20 @@ def test_a_malformed_field_is_a_named_error(ckpt, case, capsys, tmp_path):
 
 
 def test_an_unreadable_folder_is_a_finding_for_an_unprivileged_user(ckpt):
-    """Run as an unprivileged user (`nobody`), as an attacker or a colleague would: today `info` and `verify` end in
-    a PermissionError traceback."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run the command line as another user (as a user, chmod 000 is enough)")
+    """Run as an unprivileged user, as an attacker or a colleague would: today `info` and `verify` end in a
+    PermissionError traceback. As root (CI), the command line becomes `nobody` and reads root's 0700 folder; as
+    another user, the folder is made unreadable to its own owner (0000), which root would read regardless."""
+    root = os.geteuid() == 0
     shared = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
         os.chmod(shared, 0o755)
         folder = shared / "checkpoint-3"
         shutil.copytree(ckpt, folder)
-        os.chmod(folder, 0o700)  # root's, unreadable to nobody
-        info, verify = _cli_subprocess([["info", "--json", str(folder)], ["verify", str(folder)]], user=65534)
+        os.chmod(folder, 0o700 if root else 0o000)  # root's, unreadable to nobody; or unreadable to its owner
+        info, verify = _cli_subprocess([["info", "--json", str(folder)], ["verify", str(folder)]],
+                                       user=65534 if root else None)
     finally:
+        os.chmod(shared / "checkpoint-3", 0o700)
         shutil.rmtree(shared)
     assert info["code"] == 0 and "Permission denied" in " ".join(json.loads(info["out"])["findings"]), info
     assert verify["code"] == 1 and "Permission denied" in verify["err"] and "Traceback" not in verify["err"], verify

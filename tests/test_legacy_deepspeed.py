@@ -250,7 +250,7 @@ def test_a_partition_file_that_pickles_code_is_refused_unless_the_folder_is_trus
     the global, the file and the opt-in; nothing runs, nothing is written, the run's other checkpoints stay as they
     were. Trusted (`--trust-pickles`, `trust_pickles`), it is unpickled whole, as DeepSpeed would: the code runs and
     the folder converts and resumes."""
-    from hostile import WritesMarker, fingerprint
+    from hostile import WritesMarker, refused_unless_trusted
 
     run, marker = tmp_path / "run", tmp_path / "marker"
     shutil.copytree(legacy[0] / "z2" / "checkpoint-3", run / "checkpoint-3")
@@ -258,19 +258,7 @@ def test_a_partition_file_that_pickles_code_is_refused_unless_the_folder_is_trus
     hostile = run / "checkpoint-3" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     state = torch.load(hostile, weights_only=False)  # the real file, with DeepSpeed's classes
     torch.save({**state, "extra": WritesMarker(marker)}, hostile)
-    before = fingerprint(run)
-
-    assert cli(["convert", str(run / "checkpoint-3"), str(tmp_path / "converted"), "--quiet"]) == 1
-    err = capsys.readouterr().err
-    assert "builtins.eval" in err and str(hostile) in err and "--trust-pickles" in err and "trust_pickles" in err, err
-    refused = run_spec({"output_dir": str(run), "resume": str(run / "checkpoint-3"),
-                        "expect_error": "builtins.eval"}, 1)
-    assert refused["error"].startswith("UnsupportedCheckpointError") and refused["global_step"] == 0
-    assert str(hostile) in refused["error"] and "trust_pickles" in refused["error"]
-    assert not marker.exists() and not (tmp_path / "converted").exists() and fingerprint(run) == before
-
-    assert cli(["convert", str(run / "checkpoint-3"), str(tmp_path / "converted"), "--quiet", "--trust-pickles"]) == 0
-    assert marker.exists()
+    refused_unless_trusted(run, hostile, marker, tmp_path / "converted", capsys)
     marker.unlink()
     resumed = run_spec({"output_dir": str(tmp_path / "trusted"), "resume": str(run / "checkpoint-3"),
                         "overrides": {"unified_checkpoint_config": "trust_pickles"}}, 1)

@@ -116,7 +116,7 @@ def test_a_dcp_metadata_file_that_pickles_code_is_refused_unless_the_folder_is_t
     runs it and the folder converts."""
     import pickle
 
-    from hostile import WritesMarker, fingerprint
+    from hostile import WritesMarker, refused_unless_trusted
 
     run, marker = tmp_path / "run", tmp_path / "marker"
     shutil.copytree(legacy[0] / "f2sharded" / "checkpoint-3", run / "checkpoint-3")
@@ -125,19 +125,7 @@ def test_a_dcp_metadata_file_that_pickles_code_is_refused_unless_the_folder_is_t
     metadata = pickle.loads(hostile.read_bytes())
     metadata.planner_data = {**(metadata.planner_data or {}), "extra": WritesMarker(marker)}
     hostile.write_bytes(pickle.dumps(metadata))
-    before = fingerprint(run)
-
-    assert cli(["convert", str(run / "checkpoint-3"), str(tmp_path / "converted"), "--quiet"]) == 1
-    err = capsys.readouterr().err
-    assert "builtins.eval" in err and str(hostile) in err and "--trust-pickles" in err and "trust_pickles" in err, err
-    refused = run_spec({"output_dir": str(run), "resume": str(run / "checkpoint-3"),
-                        "expect_error": "builtins.eval"}, 1)
-    assert refused["error"].startswith("UnsupportedCheckpointError") and refused["global_step"] == 0
-    assert str(hostile) in refused["error"] and "trust_pickles" in refused["error"]
-    assert not marker.exists() and not (tmp_path / "converted").exists() and fingerprint(run) == before
-
-    assert cli(["convert", str(run / "checkpoint-3"), str(tmp_path / "converted"), "--quiet", "--trust-pickles"]) == 0
-    assert marker.exists()
+    refused_unless_trusted(run, hostile, marker, tmp_path / "converted", capsys)
 
 
 def test_legacy_fsdp_reads_no_entry_with_dcps_full_unpickle(legacy, tmp_path, monkeypatch):
