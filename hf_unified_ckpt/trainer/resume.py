@@ -141,7 +141,8 @@ def refuse_unsafe_pickles(path: str, listed) -> None:
     """Unpickle now, with the loaders the resume uses later (`weights_only` and their allow-lists: nothing runs),
     the pickled small files this rank will read (the scheduler's and the scaler's state, its own RNG state and rank
     0's, which ranks without their own use), so that one needing another global is refused before anything loads,
-    not after the weights are in. Collective: all ranks call it; a refusal on one rank is raised on every rank."""
+    not after the weights are in. Collective: all ranks call it (one all-reduce of a status; the messages are
+    gathered only on a refusal); a refusal on one rank is raised on every rank."""
     error = None
     try:
         for name in (SCHEDULER_FILE, SCALER_FILE):
@@ -152,6 +153,8 @@ def refuse_unsafe_pickles(path: str, listed) -> None:
                 read_rng_file(join(path, name))
     except UnifiedCheckpointError as e:  # shared below, so that no rank loads on after another refused
         error = e
+    if dist.all_reduce_ints([int(error is not None)]) == [0]:  # 8 bytes per rank; the messages only on a refusal
+        return
     failures = [f for f in dist.all_gather_object(None if error is None else f"rank {dist.rank()}: {error}") if f]
     if error is not None:
         raise error
