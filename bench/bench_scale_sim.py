@@ -50,6 +50,7 @@ I/O and no real collective; it measures the save's metadata work and traffic whe
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -83,6 +84,8 @@ MODELS = {  # Llama-3 / 3.1 public configs
 }
 ENGINES = ("zero12", "zero3", "fsdp2", "ddp", "mics")
 STATES = ("exp_avg", "exp_avg_sq")
+#: Ranks per machine (8 GPUs), and the filesystem's block every rank agrees on (`aggregating.agreed_layout`).
+LOCAL_WORLD = 8
 
 
 def llama_params(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -414,17 +417,22 @@ def reducers(model: SimModel) -> dict:
         names = local["names"]
         held = [int(bool(model.numel[n]) and (model.engine == "ddp" or n in model.rule)) for n in names]
         return [0] * len(names) + held + [0] * len(names)
-    return {"residual_census": residual}
+    return {"residual_census": residual,
+            "agreed_layout": lambda values, op, local: [LOCAL_WORLD, -LOCAL_WORLD, 4096]}
 
 
-def subtree_rows(files: list, lo: int, hi: int, rng: random.Random) -> list:
+def subtree_rows(files: list, lo: int, hi: int, rng: random.Random, plans: dict | None = None) -> list:
     """The rows ranks [lo, hi) send up `record_tree`'s tree: their ranges of every file, joined where they meet
-    (CRCs made up). From the closed-form pieces: a subtree's piece of a tensor is one range."""
+    (CRCs made up). From the closed-form pieces: a subtree's piece of a tensor is one range; of a file aggregated
+    (`plans`: the aggregating writer's), the cells of its aggregators among them."""
     from hf_unified_ckpt.checkpoint.record_tree import merged
     from hf_unified_ckpt.format.planning import piece_of
 
     rows = []
     for index, file in enumerate(files):
+        if plans and file.name in plans:
+            rows += [(index, a, b, rng.getrandbits(32)) for a, b, owner in plans[file.name].cells if lo <= owner < hi]
+            continue
         head = len(file.header_bytes)
         if lo <= file.header_rank < hi:
             rows.append((index, 0, head, rng.getrandbits(32)))
@@ -456,7 +464,7 @@ def small_records(rank: int) -> list:
     return out + ([FileRecord("trainer_state.json", 2345, "0badc0de")] if rank == 0 else [])
 
 
-def messages(files_of, world: int, me: int) -> dict:
+def messages(files_of, world: int, me: int, plans_of=dict) -> dict:
     """What rank `src` sends to the simulated rank in `record_tree.reduce_records`, made from the plan's closed
     forms (CRCs made up): a folded rank's rows (`reduce_records`, ranks P and up), a partner's rows of the files this
     rank keeps at one step of the halving (`_swap`: the partner's block of ranks), a rank's final message to rank 0
@@ -467,14 +475,14 @@ def messages(files_of, world: int, me: int) -> dict:
     cache: dict = {}
 
     def block_rows(lo: int, hi: int, files: tuple[int, int]) -> list:
-        rows = subtree_rows(files_of(), lo, hi, random.Random(lo)) + \
+        rows = subtree_rows(files_of(), lo, hi, random.Random(lo), plans_of()) + \
             [r for q in range(max(lo, 0) + p2, min(hi + p2, world)) for r in subtree_rows(files_of(), q, q + 1,
-                                                                                         random.Random(q))]
+                                                                                         random.Random(q), plans_of())]
         return sorted(r for r in rows if files[0] <= r[0] < files[1])
 
     def final(src: int) -> bytes:
         if "all" not in cache:
-            cache["all"] = subtree_rows(files_of(), 0, world, random.Random(0))
+            cache["all"] = subtree_rows(files_of(), 0, world, random.Random(0), plans_of())
         lo, hi = halving_steps(src, world, len(files_of()))[1]
         rows = [r for r in cache["all"] if lo <= r[0] < hi]
         return pickle.dumps((pack(rows), small_records(src)))
@@ -482,7 +490,7 @@ def messages(files_of, world: int, me: int) -> dict:
     def reduce_records(src, local):
         if "q" in local:
             return final(src)
-        return pack(subtree_rows(files_of(), src, src + 1, random.Random(src)))
+        return pack(subtree_rows(files_of(), src, src + 1, random.Random(src), plans_of()))
 
     def swap(src, local):
         d = src ^ me
@@ -525,20 +533,43 @@ class World:
 
 def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, list]:
     """One rank's planning on the training thread, as `save.begin` does it (the staging folder aside): the plan,
-    the writer's prepare, and the walk of the files (what it assembles, which it writes, its items and pieces)."""
+    the writer's prepare (which files are aggregated, their ranges), and the walk of the files (what it assembles,
+    which it writes, the byte ranges it writes: its cells of an aggregated file, else its header and items)."""
     try:
         plan = save_mod.plan_save(engine, request, shared=True, rank_local=True)
     except TypeError:  # the code before issue 57
         plan = save_mod.plan_save(engine, request, shared=True)
-    writer = save_mod.SharedFileWriter(sim.me)
+    writer = writer_of(sim.me, request)
     files = plan.files
     writer.prepare("sim", files)
     mine = []
     for file in files:
         writer.assemble(engine, file)
         if writer.writes(file, sim.me):
-            mine.append((file, file.items_of(sim.me), file.pieces_held(sim.me)))
+            mine.append((file, written_ranges(writer, file, sim.me), file.pieces_held(sim.me)))
+    mine.append(writer)
     return plan, mine
+
+
+def writer_of(rank: int, request):
+    """The strategy `save.choose_writer` takes for a folder every rank sees (the aggregating writer since issue 58,
+    in place before it)."""
+    try:
+        from hf_unified_ckpt.checkpoint.aggregating import AggregatingWriter
+    except ImportError:
+        return save_mod.SharedFileWriter(rank)
+    return AggregatingWriter(rank, request.options.aggregation)
+
+
+def written_ranges(writer, file, rank: int) -> list[tuple[int, int]]:
+    """(offset, length) of the ranges `rank` writes of `file`: its cells where the file is aggregated, else its
+    header (on the header rank) and its items."""
+    plan = getattr(writer, "plans", {}).get(file.name)
+    if plan is not None:
+        return [(a, b - a) for a, b in plan.cells_of(rank)]
+    head = len(file.header_bytes)
+    return ([(0, head)] if rank == file.header_rank else []) + \
+        sorted((head + i.start, i.end - i.start) for i in file.items_of(rank) if i.end > i.start)
 
 
 def records_of(mine: list, rank: int, rng: random.Random) -> list:
@@ -546,11 +577,8 @@ def records_of(mine: list, rank: int, rng: random.Random) -> list:
     from hf_unified_ckpt.checkpoint.files import RangeRecord
 
     out = []
-    for file, items, _ in mine:
-        head = len(file.header_bytes)
-        if rank == file.header_rank:
-            out.append(RangeRecord(file.name, 0, head, rng.getrandbits(32)))
-        out += [RangeRecord(file.name, head + i.start, i.end - i.start, rng.getrandbits(32)) for i in items]
+    for file, ranges, _ in mine[:-1]:
+        out += [RangeRecord(file.name, offset, length, rng.getrandbits(32)) for offset, length in ranges]
     return out + small_records(rank)
 
 
@@ -562,7 +590,8 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
     world = World(model)
     holder: dict = {}
     sim = SimDist(model.world, rank, world, peer_functions(), reducers(model),
-                  messages(lambda: holder["files"], model.world, rank))
+                  messages(lambda: holder["files"], model.world, rank,
+                           lambda: getattr(holder.get("writer"), "plans", {})))
     rule_plan._CACHE.clear()  # a first save
     saved = sim.install()
     try:
@@ -587,7 +616,7 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
             del sim.log[mark + len(plan_log):]
         if repeat > 1:
             plan, mine = again
-        holder["files"] = plan.files
+        holder["files"], holder["writer"] = plan.files, mine[-1]
         started = save_mod.Started(request, staging, plan, save_mod.SharedFileWriter(rank), [], None)
         records = records_of(mine, rank, random.Random(rank))
         sim.excluded, mark = 0.0, len(sim.log)
@@ -641,11 +670,8 @@ def write_calls(mine: list, rank: int) -> dict | None:
     saved = direct.pwrite_all
     direct.pwrite_all = lambda fd, data, offset: calls.append((offset, len(data)))
     try:
-        for file, items, _ in mine:
+        for file, ranges, _ in mine[:-1]:
             runs = direct._Runs(-1, Pool())
-            head = len(file.header_bytes)
-            ranges = ([(0, head)] if rank == file.header_rank else []) + \
-                sorted((head + i.start, i.end - i.start) for i in items)
             for offset, length in ranges:
                 runs.add(offset, _Bytes(length))
             runs.close_run()
@@ -655,42 +681,51 @@ def write_calls(mine: list, rank: int) -> dict | None:
     if not total:
         return None
     return {"big_fraction": sum(n for _, n in calls if n >= 8 * MiB) / total,
-            "unaligned": sum(1 for o, n in calls if o % 4096 or n % 4096)}
+            "unaligned": sum(1 for o, n in calls if o % 4096 or n % 4096),
+            "unaligned_per_file": max(collections.Counter(f for f, _, _ in _file_calls(mine, calls)).values(),
+                                      default=0)}
 
 
-def writers_max(files: list) -> int:
-    """The most ranks writing one file (its header rank and the holders of its pieces), from the plan's closed
-    forms (a union of rank ranges) or its listed pieces."""
-    best = 1
-    for file in files:
-        spans = [(file.header_rank, file.header_rank + 1)]
-        for *_, pieces in file.layout:
-            if pieces is None:
-                continue
-            holders = pieces.holders() if hasattr(pieces, "holders") else sorted({r for r, _, c in pieces if c})
-            if isinstance(holders, range):
-                spans.append((holders.start, holders.stop))
-            else:
-                spans += [(r, r + 1) for r in holders]
-        total, end = 0, -1
-        for a, b in sorted(spans):
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        best = max(best, total)
-    return best
+def _file_calls(mine: list, calls: list) -> list:
+    """The unaligned calls by file (the files' data ranges do not overlap in `calls`' order: walked file by file)."""
+    out, i = [], 0
+    for file, ranges, _ in mine[:-1]:
+        end = max((o + n for o, n in ranges), default=0)
+        while i < len(calls) and calls[i][0] < end:
+            if calls[i][0] % 4096 or calls[i][1] % 4096:
+                out.append((file.name, *calls[i]))
+            i += 1
+    return out
 
 
-def s3_ratio(files: list, max_files: int) -> tuple[float, int]:
+def writers_max(files: list, writer) -> int:
+    """The most ranks writing one file: its aggregators where it is aggregated, else its header rank and the
+    holders of its pieces (from the plan's closed forms or its listed pieces)."""
+    from hf_unified_ckpt.format.aggregation import writers_of
+
+    plans = getattr(writer, "plans", {})
+    return max((len(set(plans[f.name].aggregators)) if f.name in plans else writers_of(f) for f in files),
+               default=1)
+
+
+def s3_ratio(files: list, max_files: int, writer) -> tuple[float, int]:
     """A bucket save's hand-overs: per rank, bytes received from other ranks over bytes uploaded, the largest, over
-    at most `max_files` files spread over the checkpoint."""
+    at most `max_files` files spread over the checkpoint: parts of aggregators where the multipart writer
+    aggregates the file, else its holders' runs (`format.parts.plan_parts`)."""
     from hf_unified_ckpt.format.parts import file_runs, plan_parts
     from hf_unified_ckpt.store.s3 import MIN_PART_SIZE, PART_SIZE
 
     step = max(1, len(files) // max_files)
     received, uploaded, used = {}, {}, 0
-    for file in files[::step][:max_files]:
+    for index, file in enumerate(files[::step][:max_files]):
         try:
+            agg = bucket_plan(file, writer, index, MIN_PART_SIZE, PART_SIZE)
+            if agg is not None:
+                for r in set(agg.aggregators):
+                    uploaded[r] = uploaded.get(r, 0) + sum(b - a for a, b in agg.cells_of(r))
+                    received[r] = received.get(r, 0) + sum(h.end - h.start for h in agg.received_by(r))
+                used += 1
+                continue
             parts = plan_parts(file_runs(file), MIN_PART_SIZE, PART_SIZE)
         except LookupError:  # a rank-local piece (the residual's ties): a bucket save takes the census
             continue
@@ -701,6 +736,18 @@ def s3_ratio(files: list, max_files: int) -> tuple[float, int]:
             received[h.receiver] = received.get(h.receiver, 0) + h.end - h.start
     ratio = max((received.get(r, 0) / up for r, up in uploaded.items() if up), default=0.0)
     return ratio, used
+
+
+def bucket_plan(file, writer, index: int, min_part: int, part_size: int):
+    """The aggregated part plan the multipart writer takes for `file` (None: the holders upload their runs)."""
+    try:
+        from hf_unified_ckpt.format.aggregation import aggregate, wants_aggregation
+    except ImportError:
+        return None
+    layout = getattr(writer, "layout", None)
+    if layout is None or not wants_aggregation(file, layout, writer.options.mode):
+        return None
+    return aggregate(file, layout, index, min_range=min_part, cell_bytes=part_size)
 
 
 def received(log: list) -> int:
@@ -714,10 +761,10 @@ def run_row(row: Row, args, folder: Path) -> dict:
     sample = sorted({0, row.ranks // 2, row.ranks - 1})
     runs = {r: simulate_rank(model, r, row.variant, folder, repeat=args.repeat) for r in sample}
     mem = simulate_rank(model, row.ranks - 1, row.variant, folder, memory=True)["peak"] if args.memory else 0
-    files = runs[0]["plan"].files
+    files, writer = runs[0]["plan"].files, runs[0]["mine"][-1]
     others = [r for r in sample if r] or [0]
     writes = [w for r, run in runs.items() if (w := write_calls(run["mine"], r)) is not None]
-    ratio, s3_files = s3_ratio(files, args.s3_files)
+    ratio, s3_files = s3_ratio(files, args.s3_files, writer)
     collectives = {}
     for r in others[-1:]:
         for kind, caller, b in runs[r]["log"]:
@@ -730,9 +777,11 @@ def run_row(row: Row, args, folder: Path) -> dict:
         "received_per_rank_bytes": max(received(runs[r]["log"]) for r in others),
         "rank0_received_bytes": received(runs[0]["log"]),
         "rank0_s": round(runs[0]["conclude_s"], 4),
-        "files": len(files), "writers_per_file_max": writers_max(files),
+        "files": len(files), "writers_per_file_max": writers_max(files, writer),
+        "aggregated_files": len(getattr(writer, "plans", {})),
         "write_bytes_ge_8mib_fraction": round(min((w["big_fraction"] for w in writes), default=0.0), 4),
         "unaligned_calls": max((w["unaligned"] for w in writes), default=0),
+        "unaligned_calls_per_file_max": max((w["unaligned_per_file"] for w in writes), default=0),
         "s3_received_over_uploaded": round(ratio, 4), "s3_files_sampled": s3_files,
         "collectives_last_rank": collectives,
         "cached_save_collectives": sorted({f"{k}:{c}" for k, c, _ in runs[others[-1]]["cached_log"]}),

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, is_dataclass
 
 from transformers import TrainingArguments
 
-from .options import (CONFIG_WORDS, DEFAULT_GRACE_PERIOD, DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_SHARD_SIZE,
+from .options import (CONFIG_WORDS, DEFAULT_AGGREGATE_BUFFER, DEFAULT_AGGREGATE_RANGE, DEFAULT_AGGREGATORS,
+                      DEFAULT_GRACE_PERIOD, DEFAULT_LEASE_TIMEOUT, DEFAULT_MAX_SHARD_SIZE,
                       DEFAULT_MEMORY_DIR, DEFAULT_MEMORY_KEEP, DEFAULT_OUTPUT_LEASE_TIMEOUT, DEFAULT_OUTPUT_LEASE_WAIT,
                       DEFAULT_PERSIST_EVERY, PREEMPTION_SIGNALS, UnifiedCheckpointOptions, parse_flash, parse_lease,
                       parse_options, parse_preemption)
@@ -104,6 +105,22 @@ class UnifiedCheckpointFields:
         metadata={"help": "Seconds train() waits for another live job's lease on the checkpoints' folder to end "
                           "(a requeued job's predecessor) before it refuses to start, naming that job; 0: at once."},
     )
+    unified_checkpoint_aggregate_range: str = field(
+        default=DEFAULT_AGGREGATE_RANGE,
+        metadata={"help": "On a folder every rank sees, a file the ranks hold in pieces (ZeRO-3, FSDP2) with more "
+                          "writers than unified_checkpoint_aggregators is written by a few aggregator ranks, each about "
+                          "this many bytes of it in large aligned writes (e.g. '256MiB', a multiple of a Lustre or "
+                          "GPFS stripe); the words 'aggregate' / 'in_place' force it on / off."},
+    )
+    unified_checkpoint_aggregators: int = field(
+        default=DEFAULT_AGGREGATORS,
+        metadata={"help": "The most ranks that write one file; a file with more writers in place is aggregated."},
+    )
+    unified_checkpoint_aggregate_buffer: str = field(
+        default=DEFAULT_AGGREGATE_BUFFER,
+        metadata={"help": "An aggregator's extra host memory: it receives and writes cells of half of it, one while "
+                          "the other is written."},
+    )
 
     save_on_preemption: bool = field(
         default=True,
@@ -145,6 +162,9 @@ class UnifiedCheckpointFields:
             async_executor=self.unified_checkpoint_async_executor,
             direct_io=self.unified_checkpoint_direct_io,
             lease=parse_lease(self.unified_checkpoint_lease_timeout, self.unified_checkpoint_lease_wait),
+            aggregate_range=self.unified_checkpoint_aggregate_range,
+            aggregators=self.unified_checkpoint_aggregators,
+            aggregate_buffer=self.unified_checkpoint_aggregate_buffer,
         )
 
     @property
@@ -206,6 +226,7 @@ UnifiedCheckpointArguments.__doc__ = (
     "unified_checkpoint_max_shard_size, unified_checkpoint_storage, unified_checkpoint_memory_dir, "
     "unified_checkpoint_persist_every, unified_checkpoint_memory_keep, unified_checkpoint_memory_lease, "
     "unified_checkpoint_async_executor, unified_checkpoint_direct_io, unified_checkpoint_lease_timeout, "
-    "unified_checkpoint_lease_wait, save_on_preemption, preemption_signals, "
+    "unified_checkpoint_lease_wait, unified_checkpoint_aggregate_range, unified_checkpoint_aggregators, "
+    "unified_checkpoint_aggregate_buffer, save_on_preemption, preemption_signals, "
     "preemption_grace_period, slurm_requeue)."
 )

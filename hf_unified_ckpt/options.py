@@ -27,6 +27,12 @@ CONFIG_WORDS: dict[str, str] = {
     "flash": "save into node-local memory (unified_checkpoint_memory_dir, /dev/shm by default) at memory speed, "
              "snapshot as async_save does; a persister process that outlives the trainer makes every "
              "unified_checkpoint_persist_every-th save durable; resume picks the newest checkpoint across tiers",
+    "aggregate": "on a folder every rank sees, write every file the ranks hold in pieces through a few aggregator "
+                 "ranks (large aligned ranges, point-to-point transfers) instead of each rank writing its pieces in "
+                 "place; by default only files with more writers than unified_checkpoint_aggregators, or small "
+                 "pieces from several machines, are aggregated",
+    "in_place": "never aggregate: every rank writes its pieces in place (a filesystem that serves many small "
+                "writers well)",
     "trust_pickles": "resume from a legacy DeepSpeed or FSDP folder you trust even where its pickles name classes "
                      "beyond tensors, plain values and the known DeepSpeed/DCP ones (unpickled whole, as DeepSpeed "
                      "and torch.distributed.checkpoint do: runs any code they hold)",
@@ -46,6 +52,9 @@ DEFAULT_MEMORY_KEEP = 2
 DEFAULT_LEASE_TIMEOUT = 600.0
 DEFAULT_OUTPUT_LEASE_TIMEOUT = 60.0
 DEFAULT_OUTPUT_LEASE_WAIT = 120.0
+DEFAULT_AGGREGATE_RANGE = "256MiB"
+DEFAULT_AGGREGATORS = 8
+DEFAULT_AGGREGATE_BUFFER = "512MiB"
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -149,6 +158,49 @@ def parse_lease(timeout: float = DEFAULT_OUTPUT_LEASE_TIMEOUT, wait: float = DEF
     return LeaseOptions(float(timeout), float(wait))
 
 
+@dataclass(frozen=True)
+class AggregationOptions:
+    """How a save writes files the ranks hold in pieces on a folder every rank sees (`format/aggregation.py`,
+    `checkpoint/aggregating.py`).
+
+    Attributes:
+        mode: "auto" (aggregate a file with more writers than `per_file`, or written in small pieces by several
+            machines), "always" (the word `aggregate`) or "never" (the word `in_place`).
+        range_bytes: about how many bytes of a file one aggregator writes (`unified_checkpoint_aggregate_range`).
+        per_file: at most this many aggregators per file (`unified_checkpoint_aggregators`).
+        buffer_bytes: an aggregator's extra host memory (`unified_checkpoint_aggregate_buffer`): it receives and
+            writes cells of half of it, one while the other is written.
+    """
+
+    mode: str = "auto"
+    range_bytes: int = 256 * 2**20
+    per_file: int = DEFAULT_AGGREGATORS
+    buffer_bytes: int = 512 * 2**20
+
+    @property
+    def cell_bytes(self) -> int:
+        return self.buffer_bytes // 2
+
+
+def parse_aggregation(words: set[str], range_bytes: str | int = DEFAULT_AGGREGATE_RANGE,
+                      per_file: int = DEFAULT_AGGREGATORS,
+                      buffer_bytes: str | int = DEFAULT_AGGREGATE_BUFFER) -> AggregationOptions:
+    """The aggregation words and fields parsed and checked."""
+    if {"aggregate", "in_place"} <= words:
+        raise ValueError("unified_checkpoint_config: 'aggregate' (always write through aggregators) and 'in_place' "
+                         "(never) contradict each other; keep one of them, or neither for the automatic choice.")
+    ranges = parse_size(range_bytes, "unified_checkpoint_aggregate_range")
+    buffer = parse_size(buffer_bytes, "unified_checkpoint_aggregate_buffer")
+    if int(per_file) != per_file or per_file < 1:
+        raise ValueError(f"unified_checkpoint_aggregators={per_file!r}: expected a whole number >= 1 (the most "
+                         "ranks that write one file).")
+    if buffer < 2 * 4096:
+        raise ValueError(f"unified_checkpoint_aggregate_buffer={buffer_bytes!r}: expected at least 8KiB (two cells "
+                         "of one 4 KiB block), e.g. '512MiB'.")
+    mode = "always" if "aggregate" in words else "never" if "in_place" in words else "auto"
+    return AggregationOptions(mode, ranges, int(per_file), buffer)
+
+
 def parse_signals(value: str | list[str] | tuple) -> tuple[int, ...]:
     """"SIGTERM,SIGUSR1" (names with or without SIG, or numbers; spaces or commas) into signal numbers."""
     import signal
@@ -212,6 +264,7 @@ class UnifiedCheckpointOptions:
         trust_pickles: a legacy folder resumed from is unpickled whole (`trust_pickles`), not with `weights_only`
             and an allow-list (`store/pickles.py`).
         lease: the lease `train()` takes on the checkpoints' folder, one job per output_dir (`LeaseOptions`).
+        aggregation: which files a few aggregator ranks write for all (`AggregationOptions`).
     """
 
     enabled: bool = False
@@ -232,6 +285,7 @@ class UnifiedCheckpointOptions:
     direct_io: bool = True
     trust_pickles: bool = False
     lease: LeaseOptions = LeaseOptions()
+    aggregation: AggregationOptions = AggregationOptions()
     #: Set on the options of one save only (`lineage.options_for_save`): the stage asked for, when the lineage guard
     #: wrote this save at O0, and the step of the lineage's latest restore from a compressed checkpoint.
     quant_stage_requested: str | None = None
@@ -277,8 +331,8 @@ def parse_storage(value: str | None) -> str | None:
     return value
 
 
-def parse_size(value: str | int) -> int:
-    """Parse "5GB", "500MiB", "1000" or an int into bytes."""
+def parse_size(value: str | int, what: str = "unified_checkpoint_max_shard_size") -> int:
+    """Parse "5GB", "500MiB", "1000" or an int into bytes (`what`: the option, named in errors)."""
     if isinstance(value, int):
         size = value
     else:
@@ -286,12 +340,12 @@ def parse_size(value: str | int) -> int:
         unit = match.group(2).upper() if match else None
         if not match or unit not in _SIZE_UNITS:
             raise ValueError(
-                f"unified_checkpoint_max_shard_size={value!r} is not a size; expected a number of bytes "
+                f"{what}={value!r} is not a size; expected a number of bytes "
                 f"or a number with a unit ({', '.join(u for u in _SIZE_UNITS if u)}), e.g. '5GB' or '512MiB'."
             )
         size = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if size <= 0:
-        raise ValueError(f"unified_checkpoint_max_shard_size must be positive, got {value!r}.")
+        raise ValueError(f"{what} must be positive, got {value!r}.")
     return size
 
 
@@ -324,6 +378,9 @@ def parse_options(
     async_executor: str = "thread",
     direct_io: bool = True,
     lease: LeaseOptions | None = None,
+    aggregate_range: str | int = DEFAULT_AGGREGATE_RANGE,
+    aggregators: int = DEFAULT_AGGREGATORS,
+    aggregate_buffer: str | int = DEFAULT_AGGREGATE_BUFFER,
 ) -> UnifiedCheckpointOptions:
     """Parse the raw argument values into `UnifiedCheckpointOptions`.
 
@@ -386,6 +443,7 @@ def parse_options(
         direct_io=bool(direct_io),
         trust_pickles="trust_pickles" in chosen,
         lease=lease if lease is not None else LeaseOptions(),
+        aggregation=parse_aggregation(chosen, aggregate_range, aggregators, aggregate_buffer),
     )
     validate_supported(options, words)
     return options

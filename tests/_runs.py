@@ -539,6 +539,13 @@ def run_spec(run: dict, world_size: int) -> dict:
     if run.get("break_rule"):  # an engine whose pieces are not its declared rule's (shifted by one element)
         with broken_rule():
             return run_spec({k: v for k, v in run.items() if k != "break_rule"}, world_size)
+    if run.get("record_aggregation"):  # per save, the files aggregated, this rank's cells and its buffers' peak
+        with record_aggregation() as saves:
+            result = run_spec({k: v for k, v in run.items() if k != "record_aggregation"}, world_size)
+        from hf_unified_ckpt import dist
+
+        torch.save(saves, f"{run['result']}.aggregation.rank{dist.rank()}")
+        return result
     if run.get("record_pieces"):  # which tensors each save writes in place, piece by piece (no assembling)
         with record_pieces() as pieces:
             return {**run_spec({k: v for k, v in run.items() if k != "record_pieces"}, world_size), "pieces": pieces}
@@ -989,6 +996,34 @@ def record_pieces():
         yield recorded
     finally:
         save.plan_save = original
+
+
+@contextlib.contextmanager
+def record_aggregation():
+    """Record, per save of this rank: the files its write strategy aggregated, the cells it wrote, the bytes it
+    received from other ranks and sent, and the peak of its cell buffers (`AggregatingWriter.peak_buffer_bytes`)."""
+    from hf_unified_ckpt.checkpoint import aggregating
+
+    original, saves = aggregating.AggregatingWriter.write, []
+
+    def write(self, folder, file, tensors):
+        if not saves or saves[-1]["writer"] != id(self):
+            saves.append({"writer": id(self), "files": sorted(self.plans), "cells": [], "received": 0, "sent": 0,
+                          "peak": 0, "buffer": self.options.buffer_bytes})
+        plan = self.plans.get(file.name)
+        if plan is not None:
+            saves[-1]["cells"] += [(file.name, a, b) for a, b in plan.cells_of(self.rank)]
+            saves[-1]["received"] += sum(h.end - h.start for h in plan.received_by(self.rank))
+            saves[-1]["sent"] += sum(h.end - h.start for h in plan.sent_by(self.rank))
+        out = original(self, folder, file, tensors)
+        saves[-1]["peak"] = self.peak_buffer_bytes
+        return out
+
+    aggregating.AggregatingWriter.write = write
+    try:
+        yield saves
+    finally:
+        aggregating.AggregatingWriter.write = original
 
 
 #: The functions of `hf_unified_ckpt.dist` a save communicates through, counted by `record_plans`.

@@ -57,6 +57,7 @@ from .files import FileRecord, RangeRecord, combine_ranges, put_file
 from ..store import STAGING_SUFFIX, as_ref, join, name_of, parent_of, store_for
 from .manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from .safetensors_io import index_name, write_index
+from .aggregating import AggregatingWriter
 from .multipart import MultipartWriter
 from .writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
@@ -286,10 +287,14 @@ def begin(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, 
 
 
 def choose_writer(staging: Staging, request: SaveRequest) -> StorageWriter:
-    """The write strategy of a save, from what its folder's store can do (`Staging.multipart`, `Staging.in_place`):
-    parts of multipart uploads, pieces written in place, or whole files."""
+    """The write strategy of a save, from what its folder's store can do (`Staging.multipart`, `Staging.in_place`)
+    and the options: parts of multipart uploads; pieces written in place, or through a few aggregators per file
+    (`unified_checkpoint_aggregate*`; never into the memory tier, whose files one machine's ranks place directly);
+    or whole files."""
     if staging.multipart:
         return MultipartWriter(dist.rank())
+    if staging.in_place and request.spare is None and request.options.aggregation.mode != "never":
+        return AggregatingWriter(dist.rank(), request.options.aggregation, request.direct_io)
     if staging.in_place:
         return SharedFileWriter(dist.rank(), request.direct_io, request.spare)
     return WholeFileWriter(request.direct_io)

@@ -202,12 +202,17 @@ class SharedFileWriter(LocalWrites):
             if self.spare is not None and file.writes_alone(self.rank):
                 take_spare(self.spare, ref, file.size)
             records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
+        self.sync(ref)
+        return records
+
+    def sync(self, ref: str) -> None:
+        """Make file `ref` durable: now, or within `syncing`, in the background while the next file is written
+        (the block's end waits for it)."""
         store = store_for(ref)
         if self._pool is None:
             store.sync(ref)
-        else:  # the disk flushes this file while the next one is written; `syncing` waits for it
+        else:
             self._fsyncs.append(self._pool.submit(store.sync, ref))
-        return records
 
     @contextlib.contextmanager
     def syncing(self) -> Iterator[None]:

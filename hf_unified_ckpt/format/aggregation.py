@@ -1,0 +1,245 @@
+"""Aggregation plans: which few ranks write (or upload) which large aligned ranges of a shared file. Pure.
+
+Under ZeRO-3 and FSDP2 every rank holds a piece of every tensor; written in place, a file has N writers, each
+writing 1/N of each tensor at unaligned offsets (the N-1 strided pattern parallel filesystems serve worst). An
+aggregated file is cut into at most `per_file` ranges of about `range_bytes`, each aligned to `align` bytes (4 KiB,
+or the filesystem's block size), each owned by one aggregator rank: the first range by the file's header rank (which
+holds the header and the tensors written whole), the others spread over the machines. Each range is cut into cells
+(windows of at most `cell_bytes`): an aggregator receives and writes one cell at a time, so its extra memory is
+bounded. Every rank sends the bytes it holds of each cell to the cell's aggregator (`sent_by`); an aggregator
+receives, per cell, the bytes it does not hold from their holders (`received_by`). Both sides cut the same way, so
+the messages between two ranks match one to one, in offset order.
+
+Each rank's answers cost O(its own pieces + the pieces within its cells), not O(ranks x tensors): the pieces are
+closed forms (`planning.Strided` and what codecs make of it) answered by binary search. A file whose pieces only
+their own rank knows (`planning.OwnOnly`: the residual master weights' ties) cannot be aggregated (`can_aggregate`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import cached_property
+
+from .parts import MAX_PARTS, HandOver, Part
+from .planning import FilePlan, OwnOnly, piece_of
+
+#: Ranges start at multiples of this many bytes at least (direct I/O's block; a filesystem's block or stripe size
+#: where it is larger and readable: `AggregationLayout.align`).
+ALIGN = 4096
+#: Below this many bytes per piece (on average), a file written in place by several machines is aggregated.
+SMALL_PIECE = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class AggregationLayout:
+    """What every rank agrees on before planning the ranges of any file: the world, how its ranks sit on machines
+    (`local_world` ranks per machine, in rank order), the filesystem's alignment, and the options' sizes."""
+
+    world: int
+    local_world: int
+    align: int
+    range_bytes: int
+    per_file: int
+    cell_bytes: int
+
+    @property
+    def machines(self) -> int:
+        return max(1, self.world // self.local_world) if self.world % self.local_world == 0 else self.world
+
+    def spread(self, index: int) -> int:
+        """The `index`-th aggregator of a save (counted over the files in plan order), machine by machine first:
+        machine 0's first rank, machine 1's first rank, ..., then each machine's second rank, and so on."""
+        machines = self.machines
+        local = self.world // machines
+        index %= self.world
+        return (index % machines) * local + (index // machines) % local
+
+
+@dataclass(frozen=True)
+class AggregatedFile:
+    """One file's ranges and cells (see the module docstring): `bounds` cut [0, file.size) into ranges,
+    `aggregators[i]` owns range i, and each range is cut into cells of at most `cell` bytes."""
+
+    file: FilePlan
+    bounds: tuple[int, ...]
+    aggregators: tuple[int, ...]
+    cell: int
+    align: int = ALIGN
+
+    @cached_property
+    def cells(self) -> tuple[tuple[int, int, int], ...]:
+        """(start, end, aggregator) of every cell, in offset order: each range cut into as few cells of at most
+        `cell` bytes as it needs, all but its last of one aligned length (the last takes the rest: at least as
+        long), so no cell is much under half of `cell` unless its range is."""
+        out = []
+        for (a, b), owner in zip(zip(self.bounds, self.bounds[1:]), self.aggregators):
+            count = -(-(b - a) // self.cell)
+            step = max(self.align, (b - a) // count // self.align * self.align)
+            cuts = [a + i * step for i in range(count)] + [b]
+            out += [(x, y, owner) for x, y in zip(cuts, cuts[1:]) if y > x]
+        return tuple(out)
+
+    @cached_property
+    def _starts(self) -> list[int]:
+        return [c[0] for c in self.cells]
+
+    @cached_property
+    def _runs(self) -> list[tuple[int, int, int, int, object]]:
+        """The file's layout as (first byte, end byte in the file, element size, stored name, pieces or None: held
+        whole by the header rank), in offset order, after the header."""
+        head = len(self.file.header_bytes)
+        return sorted((head + start, head + end, size, name, pieces)
+                      for name, start, end, size, pieces in self.file.layout if end > start)
+
+    def aggregates(self, rank: int) -> bool:
+        return rank in self.aggregators
+
+    def cells_of(self, rank: int) -> list[tuple[int, int]]:
+        """The cells `rank` aggregates, in offset order."""
+        return [(a, b) for a, b, owner in self.cells if owner == rank]
+
+    def sent_by(self, rank: int) -> list[HandOver]:
+        """The bytes `rank` holds of cells another rank aggregates, cut at the cells, in offset order."""
+        out = []
+        for start, end in self._held(rank):
+            i = bisect.bisect_right(self._starts, start) - 1
+            while start < end:
+                a, b, owner = self.cells[i]
+                stop = min(end, b)
+                if owner != rank:
+                    out.append(HandOver(start, stop, rank, owner))
+                start, i = stop, i + 1
+        return out
+
+    def received_by(self, rank: int) -> list[HandOver]:
+        """The bytes of `rank`'s cells that other ranks hold, cut at the cells, in offset order."""
+        return [h for a, b in self.cells_of(rank) for h in self.holders(a, b) if h.sender != rank]
+
+    def holders(self, start: int, end: int) -> list[HandOver]:
+        """Who holds bytes [start, end) of the file (receiver: the cell's aggregator), in offset order: the header
+        and the tensors written whole by the header rank, each piece by its holder."""
+        owner = self.cells[bisect.bisect_right(self._starts, start) - 1][2]
+        header_rank, head = self.file.header_rank, len(self.file.header_bytes)
+        out = [HandOver(start, min(end, head), header_rank, owner)] if start < head else []
+        runs = self._runs
+        i = max(0, bisect.bisect_right(runs, (start,)) - 1)
+        for first, last, size, _, pieces in runs[i:]:
+            if first >= end:
+                break
+            if last <= start:
+                continue
+            lo, hi = max(start, first), min(end, last)
+            if pieces is None:
+                out.append(HandOver(lo, hi, header_rank, owner))
+                continue
+            for rank, a, n in pieces_between(pieces, (lo - first) // size, -(-(hi - first) // size)):
+                out.append(HandOver(max(lo, first + a * size), min(hi, first + (a + n) * size), rank, owner))
+        return out
+
+    def _held(self, rank: int) -> list[tuple[int, int]]:
+        """The byte ranges `rank` holds of the file (its header and write items), in offset order."""
+        head = len(self.file.header_bytes)
+        held = [(0, head)] if rank == self.file.header_rank else []
+        held += sorted((head + i.start, head + i.end) for i in self.file.items_of(rank) if i.end > i.start)
+        return held
+
+    @cached_property
+    def parts(self) -> tuple[Part, ...]:
+        """The parts of a multipart upload of this file: each cell one part, uploaded by its aggregator."""
+        return tuple(Part(i + 1, a, b, owner) for i, (a, b, owner) in enumerate(self.cells))
+
+    def uploaded_by(self, rank: int) -> list[Part]:
+        return [p for p in self.parts if p.uploader == rank]
+
+
+def pieces_between(pieces, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(rank, first element, count) of the non-empty pieces overlapping elements [lo, hi), in element order: a
+    binary search over the holders of a closed form (`Strided`, `Mapped`), or over a listed tuple."""
+    if isinstance(pieces, tuple):
+        firsts = [first for _, first, _ in pieces]
+        i = max(0, bisect.bisect_right(firsts, lo) - 1)
+        return [(r, a, n) for r, a, n in pieces[i:] if a < hi and a + n > lo and n]
+    holders = pieces.holders()
+    left, right = 0, len(holders)
+    while left < right:  # the first holder whose piece ends after `lo`
+        mid = (left + right) // 2
+        first, count = piece_of(pieces, holders[mid])
+        if first + count <= lo:
+            left = mid + 1
+        else:
+            right = mid
+    out = []
+    for rank in holders[left:]:
+        first, count = piece_of(pieces, rank)
+        if first >= hi:
+            break
+        if count:
+            out.append((rank, first, count))
+    return out
+
+
+def can_aggregate(file: FilePlan) -> bool:
+    """Whether every rank can tell who holds each byte of `file` (no piece known to its own rank only)."""
+    return not any(isinstance(p, OwnOnly) for *_, p in file.layout)
+
+
+def writers_of(file: FilePlan) -> int:
+    """How many ranks write `file` in place: its header rank and the holders of its pieces (a union of rank
+    ranges for closed forms). O(tensors of the file)."""
+    spans = [(file.header_rank, file.header_rank + 1)]
+    for *_, pieces in file.layout:
+        if pieces is None:
+            continue
+        holders = pieces.holders() if hasattr(pieces, "holders") else sorted({r for r, _, n in pieces if n})
+        if isinstance(holders, range):
+            spans.append((holders.start, holders.stop))
+        else:
+            spans += [(r, r + 1) for r in holders]
+    total, end = 0, -1
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def mean_piece_bytes(file: FilePlan) -> float:
+    """The file's bytes written in pieces over its number of pieces (inf: none)."""
+    count = total = 0
+    for _, start, end, _, pieces in file.layout:
+        if pieces is not None:
+            count += len(pieces)
+            total += end - start
+    return total / count if count else float("inf")
+
+
+def wants_aggregation(file: FilePlan, layout: AggregationLayout, mode: str) -> bool:
+    """Whether `file` is aggregated: `mode` "always" / "never", or "auto": it has pieces every rank can place and
+    more than `layout.per_file` writers, or several machines write it in pieces of under `SMALL_PIECE` bytes."""
+    if mode == "never" or not file.pieces or not can_aggregate(file):
+        return False
+    if mode == "always":
+        return True
+    writers = writers_of(file)
+    return writers > layout.per_file or (writers > 1 and layout.machines > 1 and mean_piece_bytes(file) < SMALL_PIECE)
+
+
+def aggregate(file: FilePlan, layout: AggregationLayout, first_index: int, min_range: int = 1,
+              cell_bytes: int | None = None) -> AggregatedFile:
+    """The ranges of `file`: as many as `layout.range_bytes` asks, at most `layout.per_file`, each at least
+    `min_range` bytes (an object store's smallest part), starting at multiples of `layout.align`; the first range's
+    aggregator is the header rank, the others `layout.spread(first_index + 1), ...`. Cells of at most `cell_bytes`
+    (default `layout.cell_bytes`; an object store's part size for uploads), aligned too."""
+    size, align = file.size, layout.align
+    count = max(1, min(layout.per_file, -(-size // layout.range_bytes), size // max(min_range, 1) or 1))
+    step = -(-(-(-size // count)) // align) * align
+    bounds = tuple(sorted({*range(0, size, step), size}))
+    owners = [file.header_rank] + [layout.spread(first_index + i) for i in range(1, len(bounds) - 1)]
+    cell = max(align, (cell_bytes or layout.cell_bytes) // align * align)
+    if min_range > 1:  # parts: a cell cut from a longer range is over half of `cell`, so at least the smallest part
+        cell = max(cell, 2 * (-(-min_range // align) + 1) * align)
+        if sum(-(-(b - a) // cell) for a, b in zip(bounds, bounds[1:])) > MAX_PARTS:
+            raise ValueError(f"{file.name}: {size} bytes in cells of {cell} need more than {MAX_PARTS} parts; raise "
+                             "unified_checkpoint_aggregate_buffer or lower unified_checkpoint_max_shard_size.")
+    return AggregatedFile(file, bounds, tuple(owners), cell, align)
