@@ -531,10 +531,38 @@ class World:
         return engine
 
 
-def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, list]:
+@dataclasses.dataclass
+class Walk:
+    """One rank's walk of a save's files (`plan_once`): the files it writes (with the pieces it holds of each) and the
+    write strategy; `ranges()` what it writes of each, made once after the planning is timed (the write thread's
+    work)."""
+
+    rank: int
+    files: list
+    writer: object
+    _ranges: list | None = None
+
+    def ranges(self) -> list:
+        """(file, its (offset, length) ranges this rank writes), file by file."""
+        if self._ranges is None:
+            self._ranges = [(file, written_ranges(self.writer, file, self.rank)) for file, _ in self.files]
+        return self._ranges
+
+
+def forget_plans() -> None:
+    """Forget the plans kept from save to save (the shard plan's, the aggregation's): the next is a first save."""
+    rule_plan._CACHE.clear()
+    try:
+        from hf_unified_ckpt.checkpoint import aggregating
+    except ImportError:
+        return
+    aggregating._PLANS.clear()
+
+
+def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, Walk]:
     """One rank's planning on the training thread, as `save.begin` does it (the staging folder aside): the plan,
     the writer's prepare (which files are aggregated, their ranges), and the walk of the files (what it assembles,
-    which it writes, the byte ranges it writes: its cells of an aggregated file, else its header and items)."""
+    which it writes, the pieces it holds)."""
     try:
         plan = save_mod.plan_save(engine, request, shared=True, rank_local=True)
     except TypeError:  # the code before issue 57
@@ -546,9 +574,8 @@ def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, list]:
     for file in files:
         writer.assemble(engine, file)
         if writer.writes(file, sim.me):
-            mine.append((file, written_ranges(writer, file, sim.me), file.pieces_held(sim.me)))
-    mine.append(writer)
-    return plan, mine
+            mine.append((file, file.pieces_held(sim.me)))
+    return plan, Walk(sim.me, mine, writer)
 
 
 def writer_of(rank: int, request):
@@ -577,7 +604,7 @@ def records_of(mine: list, rank: int, rng: random.Random) -> list:
     from hf_unified_ckpt.checkpoint.files import RangeRecord
 
     out = []
-    for file, ranges, _ in mine[:-1]:
+    for file, ranges in mine.ranges():
         out += [RangeRecord(file.name, offset, length, rng.getrandbits(32)) for offset, length in ranges]
     return out + small_records(rank)
 
@@ -592,7 +619,7 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
     sim = SimDist(model.world, rank, world, peer_functions(), reducers(model),
                   messages(lambda: holder["files"], model.world, rank,
                            lambda: getattr(holder.get("writer"), "plans", {})))
-    rule_plan._CACHE.clear()  # a first save
+    forget_plans()  # a first save
     saved = sim.install()
     try:
         request = request_of(variant, str(folder / f"checkpoint-{model.world}-{rank}"))
@@ -609,14 +636,14 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
             tracemalloc.stop()
         plan_log = sim.log[mark:]
         for _ in range(repeat - 1):  # the least of `repeat` first saves (this machine's CPU is shared)
-            rule_plan._CACHE.clear()
+            forget_plans()
             sim.excluded, t0 = 0.0, time.process_time()
             again = plan_once(sim, SimEngine(model, rank), request)
             first = min(first, time.process_time() - t0 - sim.excluded)
             del sim.log[mark + len(plan_log):]
         if repeat > 1:
             plan, mine = again
-        holder["files"], holder["writer"] = plan.files, mine[-1]
+        holder["files"], holder["writer"] = plan.files, mine.writer
         started = save_mod.Started(request, staging, plan, save_mod.SharedFileWriter(rank), [], None)
         records = records_of(mine, rank, random.Random(rank))
         sim.excluded, mark = 0.0, len(sim.log)
@@ -654,48 +681,37 @@ class _Bytes:
         return _Bytes(len(range(*index.indices(self.n))))
 
 
-def write_calls(mine: list, rank: int) -> dict | None:
+def write_calls(mine: Walk, rank: int) -> dict | None:
     """Drive the direct writer's run cutting (`store.direct._Runs`) with this rank's ranges, file by file: the
-    bytes in direct calls of at least 8 MiB, and the calls not 4 KiB-aligned (None: the rank writes nothing)."""
+    bytes in direct calls of at least 8 MiB, and the calls not 4 KiB-aligned (offset or length), in all and in the
+    file with most (None: the rank writes nothing)."""
     from hf_unified_ckpt.store import direct
 
-    calls = []
+    calls, current = [], [None]
 
     class Pool:
         chunk = direct.CHUNK
 
         def submit(self, offset, length, pieces):
-            calls.append((offset, length))
+            calls.append((current[0], offset, length))
 
     saved = direct.pwrite_all
-    direct.pwrite_all = lambda fd, data, offset: calls.append((offset, len(data)))
+    direct.pwrite_all = lambda fd, data, offset: calls.append((current[0], offset, len(data)))
     try:
-        for file, ranges, _ in mine[:-1]:
+        for file, ranges in mine.ranges():
+            current[0] = file.name
             runs = direct._Runs(-1, Pool())
             for offset, length in ranges:
                 runs.add(offset, _Bytes(length))
             runs.close_run()
     finally:
         direct.pwrite_all = saved
-    total = sum(n for _, n in calls)
+    total = sum(n for _, _, n in calls)
     if not total:
         return None
-    return {"big_fraction": sum(n for _, n in calls if n >= 8 * MiB) / total,
-            "unaligned": sum(1 for o, n in calls if o % 4096 or n % 4096),
-            "unaligned_per_file": max(collections.Counter(f for f, _, _ in _file_calls(mine, calls)).values(),
-                                      default=0)}
-
-
-def _file_calls(mine: list, calls: list) -> list:
-    """The unaligned calls by file (the files' data ranges do not overlap in `calls`' order: walked file by file)."""
-    out, i = [], 0
-    for file, ranges, _ in mine[:-1]:
-        end = max((o + n for o, n in ranges), default=0)
-        while i < len(calls) and calls[i][0] < end:
-            if calls[i][0] % 4096 or calls[i][1] % 4096:
-                out.append((file.name, *calls[i]))
-            i += 1
-    return out
+    unaligned = collections.Counter(f for f, o, n in calls if o % 4096 or n % 4096)
+    return {"big_fraction": sum(n for _, _, n in calls if n >= 8 * MiB) / total,
+            "unaligned": sum(unaligned.values()), "unaligned_per_file": max(unaligned.values(), default=0)}
 
 
 def writers_max(files: list, writer) -> int:
@@ -761,7 +777,7 @@ def run_row(row: Row, args, folder: Path) -> dict:
     sample = sorted({0, row.ranks // 2, row.ranks - 1})
     runs = {r: simulate_rank(model, r, row.variant, folder, repeat=args.repeat) for r in sample}
     mem = simulate_rank(model, row.ranks - 1, row.variant, folder, memory=True)["peak"] if args.memory else 0
-    files, writer = runs[0]["plan"].files, runs[0]["mine"][-1]
+    files, writer = runs[0]["plan"].files, runs[0]["mine"].writer
     others = [r for r in sample if r] or [0]
     writes = [w for r, run in runs.items() if (w := write_calls(run["mine"], r)) is not None]
     ratio, s3_files = s3_ratio(files, args.s3_files, writer)

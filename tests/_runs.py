@@ -1001,10 +1001,20 @@ def record_pieces():
 @contextlib.contextmanager
 def record_aggregation():
     """Record, per save of this rank: the files its write strategy aggregated, the cells it wrote, the bytes it
-    received from other ranks and sent, and the peak of its cell buffers (`AggregatingWriter.peak_buffer_bytes`)."""
+    received from other ranks and sent, the peak of its cell buffers (`AggregatingWriter.peak_buffer_bytes`), and how
+    many sharded tensors the engines assembled whole so far (DeepSpeed's `_assemble`, FSDP's `_full_on`)."""
     from hf_unified_ckpt.checkpoint import aggregating
+    from hf_unified_ckpt.engines import deepspeed, fsdp
 
     original, saves = aggregating.AggregatingWriter.write, []
+    assembled = {"count": 0}  # sharded tensors the engines assembled whole (their own collectives)
+    assemble, full_on = deepspeed.DeepSpeedEngine._assemble, fsdp._full_on
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            assembled["count"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
 
     def write(self, folder, file, tensors):
         if not saves or saves[-1]["writer"] != id(self):
@@ -1016,14 +1026,16 @@ def record_aggregation():
             saves[-1]["received"] += sum(h.end - h.start for h in plan.received_by(self.rank))
             saves[-1]["sent"] += sum(h.end - h.start for h in plan.sent_by(self.rank))
         out = original(self, folder, file, tensors)
-        saves[-1]["peak"] = self.peak_buffer_bytes
+        saves[-1]["peak"], saves[-1]["assembled"] = self.peak_buffer_bytes, assembled["count"]
         return out
 
     aggregating.AggregatingWriter.write = write
+    deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = counted(assemble), counted(full_on)
     try:
         yield saves
     finally:
         aggregating.AggregatingWriter.write = original
+        deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = assemble, full_on
 
 
 #: The functions of `hf_unified_ckpt.dist` a save communicates through, counted by `record_plans`.

@@ -50,7 +50,8 @@ def two_machines(tmp_path_factory):
              "result": str(work / "baseline.pt")},
             {"output_dir": str(out[k]), "zero": 2, "overrides": {"save_steps": 2, "save_total_limit": 2,
                                                                   "unified_checkpoint_config": "async_save ema",
-                                                                  **SHARDS}},
+                                                                  **SHARDS},
+             "record_aggregation": True, "result": str(work / "saving.pt")},
             {"output_dir": str(out[k]), "zero": 2, "resume": str(out[k] / "checkpoint-4"),  # EMA read across machines
              "overrides": {"save_strategy": "no", "unified_checkpoint_config": "ema"},
              "result": str(work / "resumed.pt")},
@@ -74,6 +75,22 @@ def test_each_machine_writes_its_share_and_every_folder_is_committed(two_machine
             assert not list(f.glob(".writer-*"))
     assert (out[1] / "checkpoint-6" / "rng_state_1.pth").is_file()
     assert not (out[0] / "checkpoint-6" / "rng_state_1.pth").exists()  # each rank's RNG stays on its machine
+
+
+def test_each_file_is_written_by_one_rank_from_the_pieces_the_others_send_it(two_machines):
+    """Machine-local folders: a file's one writer receives the other ranks' pieces of it point-to-point (issue 58),
+    no sharded tensor is assembled through the engine's collectives, and nobody receives bytes it does not write."""
+    work, out, _ = two_machines
+    saves = [torch.load(work / f"saving.pt.aggregation.rank{r}", weights_only=False) for r in range(2)]
+    assert [len(rank) for rank in saves] == [3, 3]  # the saves at steps 2, 4 and 6
+    for rank in saves:
+        for save in rank:
+            assert save["files"] and save["assembled"] == 0
+            assert 0 < save["received"] <= sum(b - a for _, a, b in save["cells"])
+            assert {name for name, _, _ in save["cells"]} <= set(save["files"])
+    mine = [{name for s in rank for name, _, _ in s["cells"]} for rank in saves]
+    assert mine[0] and mine[1] and not mine[0] & mine[1]
+    assert mine[0] <= _shards(out[0] / "checkpoint-6") and mine[1] <= _shards(out[1] / "checkpoint-6")
 
 
 def test_rotation_runs_in_every_machine_folder(two_machines):

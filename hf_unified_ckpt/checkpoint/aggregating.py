@@ -70,12 +70,15 @@ class AggregatingWriter(LocalWrites):
         aggregated and how (the same on every rank), and make the `aggregate` gloo group where any is. Collective:
         all ranks must call it."""
         self.layout = layout = agreed_layout(folder, self.options)
+        known = _PLANS.setdefault((layout, self.options.mode), {})
         index = 0
         for tag, file in enumerate(files):
-            if wants_aggregation(file, layout, self.options.mode):
-                self.plans[file.name] = plan = aggregate(file, layout, index)
-                self.tags[file.name] = tag
+            plan = _plan(known, file, layout, self.options.mode, index)
+            if plan is not None:
+                self.plans[file.name], self.tags[file.name] = plan, tag
                 index += len(plan.aggregators)
+        if len(_PLANS) > 4:  # the layouts of earlier saves (another world or options): forgotten
+            _PLANS.clear()
         if self.plans:
             dist.gloo_group(GROUP)
             logger.debug("%d of %d files aggregated (%s)", len(self.plans), len(files), layout)
@@ -141,6 +144,22 @@ class AggregatingWriter(LocalWrites):
         if failure is not None:
             raise failure
         return [RangeRecord(name, offset, length, crc) for offset, length, crc in records]
+
+
+#: Aggregation plans kept from save to save (an engine following a partition rule reuses its file plans: `rule_plan`):
+#: per (layout, mode), per file name, (the file's layout tuple, its index among the aggregators, the plan or None).
+_PLANS: dict[tuple, dict[str, tuple]] = {}
+
+
+def _plan(known: dict, file: FilePlan, layout: AggregationLayout, mode: str, index: int) -> AggregatedFile | None:
+    """`file`'s aggregation plan (None: written in place), reused where an earlier save planned the same file layout
+    at the same aggregator index (the result is the same either way: a pure function of these)."""
+    entry = known.get(file.name)
+    if entry is not None and entry[0] is file.layout and entry[1] == index:
+        return entry[2]
+    plan = aggregate(file, layout, index) if wants_aggregation(file, layout, mode) else None
+    known[file.name] = (file.layout, index, plan)
+    return plan
 
 
 def agreed_layout(folder: str, options: AggregationOptions) -> AggregationLayout:

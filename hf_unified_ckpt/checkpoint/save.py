@@ -277,7 +277,8 @@ def begin(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, 
     `Started.files` is walked, which must then happen on this thread), and the job with `small_files`.
     Collective: all ranks must call it."""
     staging = open_staging(as_ref(request.final_dir))
-    plan = plan_save(engine, request, shared=staging.in_place, rank_local=not staging.multipart)
+    gathered = sends_pieces(staging, request)
+    plan = plan_save(engine, request, shared=staging.in_place or gathered, rank_local=not (staging.multipart or gathered))
     writer = choose_writer(staging, request)
     raise_if_failed([writer.prepare(staging.path, plan.files)], staging, writer)
     show = request.show_progress and dist.rank() == 0
@@ -290,14 +291,25 @@ def choose_writer(staging: Staging, request: SaveRequest) -> StorageWriter:
     """The write strategy of a save, from what its folder's store can do (`Staging.multipart`, `Staging.in_place`)
     and the options: parts of multipart uploads; pieces written in place, or through a few aggregators per file
     (`unified_checkpoint_aggregate*`; never into the memory tier, whose files one machine's ranks place directly);
-    or whole files."""
+    into machine-local folders, each file by its one writer from the pieces the ranks send it; or whole files."""
     if staging.multipart:
         return MultipartWriter(dist.rank())
     if staging.in_place and request.spare is None and request.options.aggregation.mode != "never":
         return AggregatingWriter(dist.rank(), request.options.aggregation, request.direct_io)
     if staging.in_place:
         return SharedFileWriter(dist.rank(), request.direct_io, request.spare)
+    if sends_pieces(staging, request):  # each file's one writer receives its pieces: one aggregator per file
+        whole = dataclasses.replace(request.options.aggregation, mode="always", per_file=1)
+        return AggregatingWriter(dist.rank(), whole, request.direct_io)
     return WholeFileWriter(request.direct_io)
+
+
+def sends_pieces(staging: Staging, request: SaveRequest) -> bool:
+    """Whether the ranks send their pieces of each file point-to-point to the one rank that writes it into its
+    machine's folder (machine-local folders of a store that writes at offsets; not the memory tier, whose files are
+    placed whole), instead of the engines assembling every sharded tensor there. The plan then holds every rank's
+    pieces (a census: the sender and the writer are different ranks)."""
+    return not staging.shared and request.spare is None and store_for(staging.path).capabilities.positional_writes
 
 
 @dataclass(frozen=True)
