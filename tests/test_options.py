@@ -57,6 +57,24 @@ def test_master_weight_words():
         enabled=True, remove_master_weight=True, master_weight_compatible=True)
 
 
+def test_aggregation_words_and_sizes():
+    from hf_unified_ckpt.options import AggregationOptions
+
+    assert parse_options(True, "").aggregation == AggregationOptions("auto", 256 * 2**20, 8, 512 * 2**20)
+    opts = parse_options(True, "aggregate", aggregate_range="64MiB", aggregators=4, aggregate_buffer="32MiB")
+    assert opts.aggregation == AggregationOptions("always", 64 * 2**20, 4, 32 * 2**20)
+    assert opts.aggregation.cell_bytes == 16 * 2**20
+    assert parse_options(True, "in_place").aggregation.mode == "never"
+    with pytest.raises(ValueError, match="'aggregate'.*'in_place'.*contradict"):
+        parse_options(True, "aggregate in_place")
+    with pytest.raises(ValueError, match="unified_checkpoint_aggregate_range='big' is not a size"):
+        parse_options(True, "", aggregate_range="big")
+    with pytest.raises(ValueError, match="unified_checkpoint_aggregators=0"):
+        parse_options(True, "", aggregators=0)
+    with pytest.raises(ValueError, match="unified_checkpoint_aggregate_buffer='4KiB'.*at least 8KiB"):
+        parse_options(True, "", aggregate_buffer="4KiB")
+
+
 def test_quant_stage_validation():
     with pytest.raises(ValueError, match="O3"):
         parse_options(True, "", ckpt_quant_stage="O3")
