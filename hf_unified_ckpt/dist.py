@@ -163,6 +163,19 @@ def recv_bytes(src: int, group=None) -> bytes:
     return data.numpy().tobytes()
 
 
+def isend(tensor, dst: int, group=None, tag: int = 0):
+    """Post a non-blocking send of `tensor` (CPU, contiguous) to rank `dst`; the request to `wait()` on (`tensor` must
+    live until then). Point-to-point: `dst` posts a receive of as many bytes with the same tag (gloo matches the
+    messages of one pair of ranks and one tag in the order they were posted)."""
+    return _torch_dist().isend(tensor, dst, group=group if group is not None else cpu_group(), tag=tag)
+
+
+def irecv(tensor, src: int, group=None, tag: int = 0):
+    """Post a non-blocking receive into `tensor` (CPU, contiguous) from rank `src` (`isend`'s); the request to
+    `wait()` on. Point-to-point."""
+    return _torch_dist().irecv(tensor, src, group=group if group is not None else cpu_group(), tag=tag)
+
+
 def exchange_tensors(sends: dict, receives: dict, group=None) -> dict:
     """Send `sends[rank]` (a 1-D CPU tensor) to each rank and receive from each rank in `receives` a tensor of the
     (numel, dtype) given there, all in flight together. Point-to-point: every pair's sender and receiver call it

@@ -536,6 +536,16 @@ def run_spec(run: dict, world_size: int) -> dict:
             result = run_spec({k: v for k, v in run.items() if k != "record_plans"}, world_size)
         torch.save(saves, f"{run['result']}.rank{dist.rank()}")  # every rank's, for the bench's counts
         return {**result, "saves": saves}
+    if run.get("record_hand_overs"):  # per file, the hand-over bytes this rank received and those the plan gives it
+        from hf_unified_ckpt import dist
+
+        with record_hand_overs() as files:
+            result = run_spec({k: v for k, v in run.items() if k != "record_hand_overs"}, world_size)
+        torch.save(files, f"{run['result']}.rank{dist.rank()}")
+        return result
+    if run.get("unreadable_bytes") is not None:  # this rank cannot produce its bytes of any file of a bucket save
+        with unreadable_bytes(run["unreadable_bytes"]):
+            return run_spec({k: v for k, v in run.items() if k != "unreadable_bytes"}, world_size)
     if run.get("break_rule"):  # an engine whose pieces are not its declared rule's (shifted by one element)
         with broken_rule():
             return run_spec({k: v for k, v in run.items() if k != "break_rule"}, world_size)
@@ -1160,6 +1170,70 @@ def broken_rule():
         yield
     finally:
         DeepSpeedEngine._strided = original
+
+
+@contextlib.contextmanager
+def record_hand_overs():
+    """Per file of every bucket save (`MultipartWriter.write`), [the bytes of other ranks this rank received on the
+    hand-overs' gloo group, the bytes its plan hands over to it]: received point to point (`dist.irecv`) or by an
+    all-gather of every rank's hand-overs (the others' bytes counted)."""
+    from hf_unified_ckpt import dist
+    from hf_unified_ckpt.checkpoint import multipart
+    from hf_unified_ckpt.store import join
+
+    originals = multipart.MultipartWriter.write, getattr(dist, "irecv", None), dist.all_gather_object
+    files, current = {}, [None]
+
+    def write(self, folder, file, tensors):
+        plan = self.part_plan(file, join(folder, file.name))
+        current[0] = files[file.name] = [0, sum(h.end - h.start for h in plan.hand_overs if h.receiver == self.rank)]
+        try:
+            return originals[0](self, folder, file, tensors)
+        finally:
+            current[0] = None
+
+    def irecv(tensor, src, *args, **kwargs):
+        if current[0] is not None:
+            current[0][0] += tensor.nbytes
+        return originals[1](tensor, src, *args, **kwargs)
+
+    def all_gather_object(obj, group=None):
+        out = originals[2](obj, group=group)
+        if current[0] is not None and group is dist.gloo_group(multipart.GROUP):
+            current[0][0] += sum(len(data) for r, sent in enumerate(out) if r != dist.rank() and sent
+                                 for data in sent.values())
+        return out
+
+    multipart.MultipartWriter.write, dist.all_gather_object = write, all_gather_object
+    if originals[1] is not None:
+        dist.irecv = irecv
+    try:
+        yield files
+    finally:
+        multipart.MultipartWriter.write, dist.all_gather_object = originals[0], originals[2]
+        if originals[1] is not None:
+            dist.irecv = originals[1]
+
+
+@contextlib.contextmanager
+def unreadable_bytes(rank: int):
+    """On rank `rank`, a bucket save cannot produce its bytes of any file (as a failed device-to-host copy): the
+    ranks it hands bytes over to must not wait for them, and the save must fail on every rank."""
+    from hf_unified_ckpt import dist
+    from hf_unified_ckpt.checkpoint import multipart
+
+    original = multipart.rank_ranges
+
+    def failing(file, r, tensors):
+        if r == rank == dist.rank():
+            raise OSError(f"injected: rank {rank} could not read its bytes of {file.name}")
+        return original(file, r, tensors)
+
+    multipart.rank_ranges = failing
+    try:
+        yield
+    finally:
+        multipart.rank_ranges = original
 
 
 @contextlib.contextmanager

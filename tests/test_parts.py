@@ -27,6 +27,10 @@ def _check(runs, plan, min_part, part_size):
         assert all(h.receiver == part.uploader and h.end <= part.end for h in handed)
         assert sum(h.end - h.start for h in handed) == foreign
     assert all(held(h.sender, h.start, h.end) == h.end - h.start and h.sender != h.receiver for h in plan.hand_overs)
+    # what a rank's hand-over transfers ask of the plan: its sends and its receives, each in offset order
+    for rank in {r.rank for r in runs}:
+        for mine, side in ((plan.sent_by(rank), "sender"), (plan.received_by(rank), "receiver")):
+            assert mine == sorted((h for h in plan.hand_overs if getattr(h, side) == rank), key=lambda h: h.start)
 
 
 def test_big_runs_are_uploaded_by_their_own_rank_in_parts_of_about_part_size():

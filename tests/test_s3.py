@@ -453,6 +453,73 @@ def test_tied_model_files_below_a_part_go_up_whole(runs):
         assert all(torch.equal(reader.get(k), state[k]) for k in reader.keys())
 
 
+# ---- 3 ranks: hand-overs point to point, a rank that cannot send its bytes ---------------------------------------
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory, s3_session_bucket):
+    """One launch of 3 ranks, tiny GPT-2 under ZeRO-3, one step and one save each: every file is below a part, so
+    each is uploaded by the rank holding most of it and the other two hand their bytes over. "counted" records per
+    rank and file the bytes received against the plan's; in "unreadable" rank 1 cannot produce its bytes (every rank
+    must see the save fail: `_runs._refused` checks the error on each)."""
+    import uuid
+
+    bucket = join(s3_session_bucket, f"three-{uuid.uuid4().hex[:8]}")
+    tmp = tmp_path_factory.mktemp("s3-three")
+    once = {"max_steps": 1, "save_steps": 1}
+    counted = {**_spec(tmp, bucket, "z3", "counted", overrides=once), "model": "gpt2", "record_hand_overs": True}
+    unreadable = {**_spec(tmp, bucket, "z3", "unreadable", overrides=once), "model": "gpt2", "unreadable_bytes": 1,
+                  "expect_error": "nothing was committed"}
+    torchrun(3, [counted, unreadable], tmp, timeout=600)  # a rank waiting for bytes that never come fails it
+    return tmp, bucket
+
+
+@pytest.mark.dist
+def test_each_rank_receives_only_the_hand_overs_of_its_own_parts(three_ranks):
+    """Each rank receives exactly the bytes the plan hands over to it (those within the parts it uploads), none of
+    the hand-overs between other ranks (an all-gather gave every rank all of them); the files hold the trained
+    weights."""
+    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+
+    tmp, bucket = three_ranks
+    ranks = [torch.load(tmp / f"counted.pt.rank{r}", weights_only=False) for r in range(3)]
+    assert ranks[0] and all(files.keys() == ranks[0].keys() for files in ranks)
+    for rank, files in enumerate(ranks):
+        assert all(received == planned for received, planned in files.values()), (rank, files)
+    # in every tensor file one rank receives the other two ranks' bytes, and the two others receive nothing
+    tensor_files = [name for name in ranks[0] if name.endswith(".safetensors")]
+    assert tensor_files and all(sorted(bool(files[name][1]) for files in ranks) == [False, False, True]
+                                for name in tensor_files)
+    folder = join(bucket, "counted", "checkpoint-1")
+    manifest = json.loads(read_bytes(join(folder, MANIFEST_NAME)))
+    assert manifest["saved_by"]["upload"]["hand_over_bytes"] == sum(p for files in ranks for _, p in files.values())
+    state = torch.load(tmp / "counted.pt", weights_only=False)["state"]
+    with ComponentReader(folder, "model") as reader:
+        assert all(torch.equal(reader.get(k), state[k]) for k in reader.keys())
+
+
+@pytest.mark.dist
+def test_a_rank_that_cannot_send_its_bytes_fails_the_save_on_every_rank(three_ranks):
+    """Rank 1 cannot produce its bytes: it still sends as many (zeros) to the ranks waiting for them, so nobody
+    hangs; the save fails on every rank (each checked its error in the launch) naming rank 1's failure and only it
+    (the receivers did not fail over the missing bytes), and nothing is committed or left uploading."""
+    import re
+
+    from conftest import record_fault
+    from hf_unified_ckpt.checkpoint.layout import newest_complete
+
+    name = "a rank's hand-over bytes unreadable (bucket, 3 ranks)"
+    record_fault(name, survived=False)
+    tmp, bucket = three_ranks
+    result = torch.load(tmp / "unreadable.pt", weights_only=False)
+    error = result["error"]
+    assert "injected: rank 1 could not read its bytes" in error and result["global_step"] == 1
+    assert {int(r) for r in re.findall(r"^rank (\d+): ", error, re.M)} == {1}, error
+    prefix = join(bucket, "unreadable")
+    assert newest_complete(prefix) is None
+    assert store_for(prefix).abort_uploads(prefix) == []
+    record_fault(name, survived=True)
+
+
 def test_the_clients_event_loop_thread_ends_with_the_run(s3_bucket, tmp_path):
     """A run saving into the bucket uses an S3 client on an event loop of the store's own (a thread named
     hf_unified_ckpt-s3, not fsspec's shared loop); it ends when train() returns, and the next use starts a new one."""

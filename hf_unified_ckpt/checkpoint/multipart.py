@@ -5,14 +5,17 @@ The strategy's steps (`writer.StorageWriter`): `prepare` (training thread): rank
 (`begin_uploads`: its IDs are sent to all ranks, and uploads that a crashed save left under the run are aborted
 first). Each file's part plan (`format.parts`) is the
 same on every rank: a rank holding a run of at least the store's smallest part uploads it itself; smaller runs are
-sent to the neighbour that uploads them (`_exchange`: one all-gather per file that has hand-overs, on a gloo group
-of its own, so it never meets training's collectives). Each rank reports one `PartRecord` per part it uploaded
+handed over to the rank that uploads the part they join, point to point (`hand_overs`: each rank sends exactly its
+hand-overs, to their uploaders only, and receives only those within its own parts, on a gloo group of its own, so
+it never meets training's collectives). Each rank reports one `PartRecord` per part it uploaded
 (offset, length, CRC-32, part number, tag); `finish`: rank 0 completes every upload from them before it puts the
 manifest (`finish_uploads`) and records the parts in it (`uploaded`); `abort`: a failed save aborts them.
 
-Memory: a part's bytes are gathered into one buffer once a sending slot is free, and at most
-`store.uploads.UPLOAD_CONCURRENCY` parts exist at once: the extra host memory per rank is bounded by that many parts
-and the HTTP stack's copies of them (measured: 222-255 MiB at 4 x 16 MiB, `bench/bench_s3.py`).
+Memory: a part's buffer is made once a sending slot is free (its own bytes copied in, the hand-overs received
+straight into it), and at most `store.uploads.UPLOAD_CONCURRENCY` parts exist at once: the extra host memory per
+rank is bounded by that many parts and the HTTP stack's copies of them (measured: 222-255 MiB at 4 x 16 MiB,
+`bench/bench_s3.py`). What a rank sends is views of the bytes it holds (a copy only of a hand-over that spans
+several of its ranges, each below the smallest part), kept until its sends are done.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..format.planning import FilePlan
 from ..store import MultipartUploads, join, multipart_of, store_for
 from ..store.uploads import PartUploads
 from .files import RangeRecord, crc32_combine
+from .hand_overs import Incoming, Sends, copy_held
 from .reports import guarded
 from .writer import SharedFileWriter, rank_ranges
 
@@ -52,19 +56,23 @@ class PartRecord(RangeRecord):
 
 class MultipartWriter(SharedFileWriter):
     """See the module docstring. Every rank takes part in every file (`writes` is always True): the hand-overs
-    are collectives, in plan order. A failure on this rank is raised only after this file's exchange, so the other
-    ranks never wait for it; `PersistJob.run` goes on with the exchanges of the remaining files after a failure."""
+    are point to point, file by file in plan order. A failure on this rank is raised only after this file's
+    transfers, so the other ranks never wait for it; `PersistJob.run` goes on with the remaining files after a
+    failure."""
 
     collective_write = True
 
     def __init__(self, rank: int, uploads: Mapping[str, str] | None = None):
         super().__init__(rank)
         self.uploads = dict(uploads or {})
+        #: File name -> its index in the save: the tag of its hand-overs.
+        self.tags: dict[str, int] = {}
 
     def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         """Begin one upload per file (rank 0, the IDs sent to all) and make the gloo group of the hand-overs here,
         on the training thread. Collective: all ranks must call it."""
         dist.gloo_group(GROUP)
+        self.tags = {f.name: i for i, f in enumerate(files)}
         status = guarded(lambda: begin_uploads(folder, files)) if dist.rank() == 0 else (True, None)
         status = dist.broadcast_object(status)
         if status[0]:
@@ -88,24 +96,41 @@ class MultipartWriter(SharedFileWriter):
         return plan_parts(file_runs(file), capabilities.min_part_size, capabilities.part_size)
 
     def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[PartRecord]:
-        """Upload this rank's parts of `file` (after sending and receiving its hand-overs: a collective on the
-        `multipart` gloo group when the plan has any)."""
+        """Upload this rank's parts of `file`, after posting the sends of the bytes it hands over; each part's
+        hand-overs are received into it when it is built (`hand_overs`, point to point on the `multipart` gloo
+        group). Every rank calls it for every file, in plan order. A failure to produce this rank's bytes is raised
+        once its sends and receives are done (zeros sent in their place), so no other rank waits for them."""
         ref = join(folder, file.name)
         plan = self.part_plan(file, ref)
-        failure, held = None, []
+        group, tag = dist.gloo_group(GROUP), self.tags.get(file.name, 0)
+        failure, held = None, None
         try:
-            held = list(rank_ranges(file, self.rank, file.encoded(tensors, self.rank)))
-        except Exception as e:  # raised after the exchange, which the other ranks wait for
+            held = sorted(rank_ranges(file, self.rank, file.encoded(tensors, self.rank)), key=lambda r: r[0])
+        except Exception as e:  # raised once the transfers the other ranks wait for are done
             failure = e
-        received = self._exchange(file, plan, held if failure is None else None)
-        if failure is not None:
-            raise failure
-        pieces = sorted(held + received, key=lambda r: r[0])
+        sends = Sends(plan.sent_by(self.rank), held, group, tag, file.name)
+        incoming = Incoming(plan.received_by(self.rank), group, tag, file.name)
+        failure = failure or sends.failure
+        try:
+            records = self._upload(ref, file, plan, held, incoming) if failure is None else []
+        finally:
+            incoming.drain()  # nothing left unless this rank stopped early
+            unsent = sends.wait()  # the send buffers live until here
+        if failure is not None or unsent is not None:
+            raise failure or unsent
+        return records
+
+    def _upload(self, ref: str, file: FilePlan, plan: PartPlan, held, incoming: Incoming) -> list[PartRecord]:
+        """Build and upload this rank's parts, each from the bytes it holds and those received into it."""
         uploads, records = PartUploads(multipart_store(ref)), []
         try:
             for part in plan.uploaded_by(self.rank):
-                uploads.slot()  # before the part's bytes are gathered: at most `concurrency` parts exist
-                data = _gather(pieces, part.start, part.end, ref)
+                uploads.slot()  # before the part's bytes exist: at most `concurrency` parts at once
+                data = bytearray(part.end - part.start)
+                if copy_held(data, part.start, held) + incoming.into(data, part.start, part.end) != len(data):
+                    raise RuntimeError(f"{ref}: bytes [{part.start}, {part.end}) of part {part.number} are neither "
+                                       "held by this rank nor handed over to it; the part plan and the engine's "
+                                       "shards disagree.")
                 records.append(_part_record(file.name, part, data, self.rank))
                 uploads.submit(ref, self.uploads[file.name], part.number, data)
                 del data
@@ -113,24 +138,6 @@ class MultipartWriter(SharedFileWriter):
         finally:
             uploads.close()
         return [dataclasses.replace(r, etag=tags[r.part]) for r in records]
-
-    def _exchange(self, file: FilePlan, plan: PartPlan, held: list | None) -> list[tuple[int, memoryview]]:
-        """Send the ranges this rank hands over and receive those handed to it (nothing when the plan has no
-        hand-over: the same decision on every rank). `held` None: this rank failed; it sends nothing, and a
-        receiver of its bytes raises. Collective on the `multipart` gloo group when there are hand-overs."""
-        if not plan.hand_overs:
-            return []
-        sent = {}
-        if held is not None:
-            pieces = sorted(held, key=lambda r: r[0])
-            sent = {(h.start, h.end): _gather(pieces, h.start, h.end, file.name) for h in plan.sent_by(self.rank)}
-        everyone = dist.all_gather_object(sent, group=dist.gloo_group(GROUP))
-        mine = [h for h in plan.hand_overs if h.receiver == self.rank]
-        try:
-            return [(h.start, memoryview(everyone[h.sender][(h.start, h.end)])) for h in mine]
-        except KeyError:
-            raise RuntimeError(f"{file.name}: a rank that hands bytes to rank {self.rank} failed before sending "
-                               "them") from None
 
 
 def multipart_store(ref: str) -> MultipartUploads:
@@ -149,24 +156,6 @@ def _part_record(name: str, part, data: bytes, rank: int) -> PartRecord:
         blocks.append((offset, length, piece))
         crc = crc32_combine(crc, piece, length)
     return PartRecord(name, part.start, len(data), crc, part.number, rank=rank, blocks=tuple(blocks))
-
-
-def _gather(pieces: list[tuple[int, memoryview]], start: int, end: int, what: str) -> bytearray:
-    """Bytes `[start, end)` of a file from `pieces` ((offset, bytes), offset order, covering them)."""
-    out, at = bytearray(), start
-    for offset, data in pieces:
-        stop = offset + len(data)
-        if stop <= at or offset >= end:
-            continue
-        if offset > at:
-            break
-        take = data[at - offset:min(end, stop) - offset]
-        out += take
-        at += len(take)
-        if at == end:
-            return out
-    raise RuntimeError(f"{what}: bytes [{at}, {end}) of a part are not held by this rank; the part plan and the "
-                       "engine's shards disagree.")
 
 
 def begin_uploads(staging: str, files: list[FilePlan]) -> dict[str, str]:

@@ -42,7 +42,7 @@ class PersistJob:
         (assembling it, in the synchronous save), then the small files on this thread while the last tensors are
         written (their fsyncs wait on the disk's journal alongside the tensors' writeback, not after it); return
         every record, the small files' last. Durable on return. Every file is handed to the writer even after a
-        failure (a multipart writer's exchanges are collectives the other ranks wait for); the first failure is
+        failure (a multipart writer's hand-overs are transfers the other ranks wait for); the first failure is
         raised once every write and fsync has ended. Collective only where `writer.collective_write`."""
         with self.writer.syncing(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_unified_ckpt-write") as pool:
             futures = [pool.submit(self.writer.write, self.folder, file, tensors) for file, tensors in self.files]

@@ -63,6 +63,9 @@ class HandOver:
 
 @dataclass(frozen=True)
 class PartPlan:
+    """A file's parts and hand-overs, both in offset order. A multipart save asks it only `uploaded_by`, `sent_by`
+    and `received_by` of its own rank."""
+
     parts: tuple[Part, ...]
     hand_overs: tuple[HandOver, ...]
 
@@ -74,7 +77,12 @@ class PartPlan:
         return [p for p in self.parts if p.uploader == rank]
 
     def sent_by(self, rank: int) -> list[HandOver]:
+        """The hand-overs `rank` sends, in offset order."""
         return [h for h in self.hand_overs if h.sender == rank]
+
+    def received_by(self, rank: int) -> list[HandOver]:
+        """The hand-overs `rank` receives (the other ranks' bytes within the parts it uploads), in offset order."""
+        return [h for h in self.hand_overs if h.receiver == rank]
 
 
 def merged_runs(runs: list[Run]) -> list[Run]:

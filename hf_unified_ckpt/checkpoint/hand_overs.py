@@ -1,0 +1,162 @@
+"""Hand-overs of a multipart save, point to point: the bytes a rank holds within a part another rank uploads
+(`format.parts.HandOver`), sent by their holder to that uploader and to nobody else.
+
+A plan is asked only `sent_by(rank)` and `received_by(rank)` (offset order each). A sender posts non-blocking sends
+of its hand-overs (`Sends`: views of the bytes it holds, a copy only where one spans several of its ranges) before it
+uploads its own parts and waits for them before its write returns; an uploader receives the hand-overs of each of
+its parts straight into the part's buffer when the part is built (`Incoming.into`), so the extra host memory stays
+that of the parts in flight. The messages of one pair of ranks go in offset order on both sides, on the multipart
+gloo group, tagged with the file's index in the save: gloo matches a send to a receive by the pair of ranks and the
+tag (its slot), in the order they were posted.
+
+Faults: a sender that failed to produce its bytes still sends as many (zeros) and raises after its sends; a
+receiver that stops early receives and drops the rest (`Incoming.drain`): nobody waits for a message that never
+comes, and the save fails on every rank through `save.conclude`. A dead peer fails the transfers pending with it
+(its connections close), naming its rank; a peer that stops answering fails them after the group's timeout (torch's
+default for gloo groups, 30 minutes).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from .. import dist
+from ..format.parts import HandOver
+
+#: (offset in the file, bytes): the ranges a rank holds of a file, in offset order.
+Held = Sequence[tuple[int, memoryview]]
+
+
+class Sends:
+    """The non-blocking sends of one rank's hand-overs of one file, posted in offset order at construction: the
+    bytes of `held`, or zeros where `held` is None (this rank failed) or does not hold them (`failure` says why)."""
+
+    def __init__(self, hand_overs: list[HandOver], held: Held | None, group, tag: int, what: str):
+        self.what = what
+        self.failure: BaseException | None = None
+        self._posted: list[tuple[HandOver, torch.Tensor, object]] = []
+        zeros = None
+        for h in sorted(hand_overs, key=lambda h: h.start):
+            data = None
+            if held is not None and self.failure is None:
+                try:
+                    data = _tensor(held_bytes(held, h.start, h.end, what))
+                except Exception as e:  # noqa: BLE001 - raised by the writer once its transfers are done
+                    self.failure = e
+            if data is None:
+                if zeros is None:
+                    zeros = torch.zeros(max(o.end - o.start for o in hand_overs), dtype=torch.uint8)
+                data = zeros[:h.end - h.start]
+            self._posted.append((h, data, dist.isend(data, h.receiver, group=group, tag=tag)))
+
+    def wait(self) -> BaseException | None:
+        """Wait for every send (its buffer is released then); the first that failed, naming its receiver, or None."""
+        first = None
+        for h, _, request in self._posted:
+            try:
+                request.wait()
+            except Exception as e:  # noqa: BLE001 - every send is waited for before the buffers go
+                first = first or _transfer_error(self.what, h, "sending", "to", h.receiver, e)
+        self._posted.clear()
+        return first
+
+
+class Incoming:
+    """The hand-overs one rank receives of one file (offset order), received part by part (`into`); what is left
+    when the rank stops early is received and dropped (`drain`)."""
+
+    def __init__(self, hand_overs: list[HandOver], group, tag: int, what: str):
+        self._left = deque(sorted(hand_overs, key=lambda h: h.start))
+        self._group, self._tag, self.what = group, tag, what
+        self._posted: list[tuple[HandOver, object]] = []
+        self.received = 0
+
+    def into(self, buffer: bytearray, start: int, end: int) -> int:
+        """Receive the hand-overs within bytes `[start, end)` of the file straight into `buffer` (those bytes), all
+        posted at once; the bytes received."""
+        got = 0
+        while self._left and self._left[0].start < end:
+            h = self._left.popleft()
+            if h.start < start or h.end > end:
+                self._left.appendleft(h)  # drained with the rest
+                raise RuntimeError(f"{self.what}: bytes [{h.start}, {h.end}) handed over from rank {h.sender} lie "
+                                   f"across the part [{start}, {end}); the plan's parts and hand-overs disagree.")
+            view = torch.frombuffer(buffer, dtype=torch.uint8, count=h.end - h.start, offset=h.start - start)
+            self._posted.append((h, dist.irecv(view, h.sender, group=self._group, tag=self._tag)))
+            got += h.end - h.start
+        while self._posted:
+            h, request = self._posted[0]
+            try:
+                request.wait()
+            except Exception as e:
+                raise _transfer_error(self.what, h, "receiving", "from", h.sender, e) from e
+            self._posted.pop(0)
+        self.received += got
+        return got
+
+    def drain(self) -> None:
+        """Wait for the receives already posted and receive what is left into a scratch buffer, dropping it, so that
+        no sender waits for this rank; transfers that fail are skipped (and the rest from that peer). Nothing to do
+        once every part was received."""
+        dead = set()
+        for h, request in self._posted:
+            try:
+                request.wait()
+            except Exception:  # noqa: BLE001 - this rank is failing already
+                dead.add(h.sender)
+        self._posted.clear()
+        scratch = None
+        while self._left:
+            h = self._left.popleft()
+            if h.sender in dead:
+                continue
+            if scratch is None:
+                scratch = torch.empty(max(o.end - o.start for o in [h, *self._left]), dtype=torch.uint8)
+            try:
+                dist.irecv(scratch[:h.end - h.start], h.sender, group=self._group, tag=self._tag).wait()
+            except Exception:  # noqa: BLE001 - this rank is failing already
+                dead.add(h.sender)
+
+
+def held_bytes(held: Held, start: int, end: int, what: str) -> memoryview | bytearray:
+    """Bytes `[start, end)` of the file from `held`: a view where one range holds them all, else a copy."""
+    i = max(0, bisect_right(held, start, key=lambda r: r[0]) - 1)
+    if i < len(held):
+        offset, data = held[i]
+        if offset <= start and end <= offset + len(data):
+            return data[start - offset:end - offset]
+    out = bytearray(end - start)
+    if copy_held(out, start, held) != end - start:
+        raise RuntimeError(f"{what}: bytes [{start}, {end}) are not all held by this rank; the part plan and the "
+                           "engine's shards disagree.")
+    return out
+
+
+def copy_held(buffer: bytearray, start: int, held: Held) -> int:
+    """Copy what `held` holds of bytes `[start, start + len(buffer))` of the file into `buffer`; the bytes copied."""
+    end, copied = start + len(buffer), 0
+    for offset, data in held[max(0, bisect_right(held, start, key=lambda r: r[0]) - 1):]:
+        if offset >= end:
+            break
+        a, b = max(start, offset), min(end, offset + len(data))
+        if a < b:
+            buffer[a - start:b - start] = data[a - offset:b - offset]
+            copied += b - a
+    return copied
+
+
+def _tensor(data: memoryview | bytearray) -> torch.Tensor:
+    """A uint8 tensor over `data` (no copy; a copy of a read-only view, e.g. the header's bytes: torch tensors
+    over read-only memory are not supported)."""
+    if isinstance(data, memoryview) and data.readonly:
+        data = bytearray(data)
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def _transfer_error(what: str, h: HandOver, doing: str, way: str, peer: int, e: BaseException) -> RuntimeError:
+    return RuntimeError(f"{what}: {doing} bytes [{h.start}, {h.end}) {way} rank {peer} failed (that rank failed, "
+                        f"died or stopped answering): {type(e).__name__}: {e}")
