@@ -1186,7 +1186,7 @@ def record_hand_overs():
 
     def write(self, folder, file, tensors):
         plan = self.part_plan(file, join(folder, file.name))
-        current[0] = files[file.name] = [0, sum(h.end - h.start for h in plan.hand_overs if h.receiver == self.rank)]
+        current[0] = files[file.name] = [0, sum(h.end - h.start for h in plan.received_by(self.rank))]
         try:
             return originals[0](self, folder, file, tensors)
         finally:

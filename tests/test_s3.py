@@ -469,7 +469,12 @@ def three_ranks(tmp_path_factory, s3_session_bucket):
     counted = {**_spec(tmp, bucket, "z3", "counted", overrides=once), "model": "gpt2", "record_hand_overs": True}
     unreadable = {**_spec(tmp, bucket, "z3", "unreadable", overrides=once), "model": "gpt2", "unreadable_bytes": 1,
                   "expect_error": "nothing was committed"}
-    torchrun(3, [counted, unreadable], tmp, timeout=600)  # a rank waiting for bytes that never come fails it
+    # the golden pair: Llama files of 28-56 MB, uploaded by their holders' runs, and by aggregators (ranges of 5-7 MiB
+    # over the three ranks, crossing the ZeRO-3 pieces; one part per cell)
+    golden = [_spec(tmp, bucket, "z3", tag, overrides={**once, **extra}, record_hand_overs=True)
+              for tag, extra in (("by-holders", {}), ("aggregated", {"unified_checkpoint_config": "aggregate",
+                                                                     "unified_checkpoint_aggregate_range": "8KiB"}))]
+    torchrun(3, [counted, unreadable, *golden], tmp, timeout=600)  # a rank waiting for bytes that never come fails it
     return tmp, bucket
 
 
@@ -495,6 +500,31 @@ def test_each_rank_receives_only_the_hand_overs_of_its_own_parts(three_ranks):
     state = torch.load(tmp / "counted.pt", weights_only=False)["state"]
     with ComponentReader(folder, "model") as reader:
         assert all(torch.equal(reader.get(k), state[k]) for k in reader.keys())
+
+
+@pytest.mark.dist
+def test_files_uploaded_by_aggregators_are_byte_identical_to_files_uploaded_by_their_holders(three_ranks):
+    """Issue 58: with `aggregate`, each file's ranges (at least the 5 MiB smallest part) are uploaded by their
+    aggregators, one part per cell, from the bytes the holders send them point to point; the objects are the same
+    bytes, each aggregator received at most what it uploaded, and the ranks that aggregate nothing received nothing."""
+    tmp, bucket = three_ranks
+    folders = {tag: join(bucket, tag, "checkpoint-1") for tag in ("by-holders", "aggregated")}
+    names = [n for n, size in listing(folders["by-holders"]).items() if n.endswith(".safetensors")]
+    assert names and all(read_bytes(join(folders["aggregated"], n)) == read_bytes(join(folders["by-holders"], n))
+                         for n in names)
+    manifest = json.loads(read_bytes(join(folders["aggregated"], MANIFEST_NAME)))
+    uploaders = {n: {part[3] for part in entry["parts"]} for n, entry in manifest["files"].items() if "parts" in entry}
+    assert len(set().union(*uploaders.values())) == 3 and max(len(u) for u in uploaders.values()) > 1
+    assert all(min(p[1] for p in e["parts"][:-1]) >= 5 * MIB for e in manifest["files"].values()
+               if len(e.get("parts", [])) > 1)
+    ranks = [torch.load(tmp / f"aggregated.pt.rank{r}", weights_only=False) for r in range(3)]
+    uploaded = [sum(p[1] for e in manifest["files"].values() for p in e.get("parts", []) if p[3] == r)
+                for r in range(3)]
+    for rank, files in enumerate(ranks):
+        received = sum(got for got, planned in files.values())
+        assert all(got == planned for got, planned in files.values())
+        assert received <= uploaded[rank], (rank, received, uploaded)  # nobody receives bytes it does not upload
+    assert sum(sum(got for got, _ in files.values()) for files in ranks) == manifest["saved_by"]["upload"]["hand_over_bytes"] > 0
 
 
 @pytest.mark.dist

@@ -28,10 +28,13 @@ from dataclasses import dataclass
 
 from .. import dist
 from ..format.checksum import crc32
+from ..format.aggregation import AggregatedFile, aggregate, wants_aggregation
 from ..format.parts import VERIFY_BLOCK, PartPlan, block_pieces, file_runs, plan_parts
 from ..format.planning import FilePlan
 from ..store import MultipartUploads, join, multipart_of, store_for
 from ..store.uploads import PartUploads
+from ..options import AggregationOptions
+from .aggregating import agreed_layout
 from .files import RangeRecord, crc32_combine
 from .hand_overs import Incoming, Sends, copy_held
 from .reports import guarded
@@ -62,17 +65,22 @@ class MultipartWriter(SharedFileWriter):
 
     collective_write = True
 
-    def __init__(self, rank: int, uploads: Mapping[str, str] | None = None):
+    def __init__(self, rank: int, uploads: Mapping[str, str] | None = None,
+                 aggregation: AggregationOptions | None = None):
         super().__init__(rank)
         self.uploads = dict(uploads or {})
+        self.aggregation = aggregation or AggregationOptions(mode="never")
         #: File name -> its index in the save: the tag of its hand-overs.
         self.tags: dict[str, int] = {}
+        #: The files uploaded by aggregators, one part per cell (`format.aggregation`), by name.
+        self.aggregated: dict[str, AggregatedFile] = {}
 
     def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         """Begin one upload per file (rank 0, the IDs sent to all) and make the gloo group of the hand-overs here,
         on the training thread. Collective: all ranks must call it."""
         dist.gloo_group(GROUP)
         self.tags = {f.name: i for i, f in enumerate(files)}
+        self.aggregated = aggregated_uploads(folder, files, self.aggregation)
         status = guarded(lambda: begin_uploads(folder, files)) if dist.rank() == 0 else (True, None)
         status = dist.broadcast_object(status)
         if status[0]:
@@ -82,7 +90,7 @@ class MultipartWriter(SharedFileWriter):
     def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
         """Rank 0: complete every upload from the parts the ranks reported; what the manifest records of them."""
         finish_uploads(folder, self.uploads, records)
-        return uploaded(files, records, store_for(folder).capabilities)
+        return uploaded(files, records, store_for(folder).capabilities, self.aggregated)
 
     def abort(self, folder: str) -> None:
         """Abort the unfinished uploads under `folder`."""
@@ -91,7 +99,10 @@ class MultipartWriter(SharedFileWriter):
     def writes(self, file: FilePlan, rank: int) -> bool:
         return True
 
-    def part_plan(self, file: FilePlan, ref: str) -> PartPlan:
+    def part_plan(self, file: FilePlan, ref: str) -> PartPlan | AggregatedFile:
+        """`file`'s parts and hand-overs: its aggregators' cells where it is aggregated, else its holders' runs."""
+        if file.name in self.aggregated:
+            return self.aggregated[file.name]
         capabilities = store_for(ref).capabilities
         return plan_parts(file_runs(file), capabilities.min_part_size, capabilities.part_size)
 
@@ -182,7 +193,24 @@ def finish_uploads(staging: str, uploads: Mapping[str, str], records: list) -> N
         list(pool.map(lambda name: store.finish_upload(join(staging, name), uploads[name], parts[name]), uploads))
 
 
-def uploaded(files: list[FilePlan], records: list, capabilities) -> dict:
+def aggregated_uploads(folder: str, files: list[FilePlan], options: AggregationOptions) -> dict[str, AggregatedFile]:
+    """The files that aggregators upload (`format.aggregation.wants_aggregation`: more uploaders than
+    `options.per_file`, or the word `aggregate`), each range in cells of the store's part size, none under its
+    smallest part but a file's last. Collective where any aggregation may be taken (one all-reduce)."""
+    if options.mode == "never":
+        return {}
+    capabilities = store_for(folder).capabilities
+    layout, out, index = agreed_layout(folder, options), {}, 0
+    for file in files:
+        if wants_aggregation(file, layout, options.mode):
+            out[file.name] = plan = aggregate(file, layout, index, min_range=capabilities.min_part_size,
+                                              cell_bytes=capabilities.part_size)
+            index += len(plan.aggregators)
+    return out
+
+
+def uploaded(files: list[FilePlan], records: list, capabilities,
+             aggregated: Mapping[str, AggregatedFile] | None = None) -> dict:
     """What the manifest records of the ranks' uploads: per file, its parts in order as [offset, length, CRC-32
     (hex), uploading rank] and a CRC-32 per `VERIFY_BLOCK` bytes (`blocks`: a reader checks each range it fetches
     against them), and in `saved_by.upload` the part sizes and the bytes that crossed ranks (from the plan: the
@@ -198,6 +226,8 @@ def uploaded(files: list[FilePlan], records: list, capabilities) -> dict:
     for name, table in blocks.items():
         entries[name]["blocks"] = {"size": VERIFY_BLOCK, "crc32": [f"{table[i]:08x}" for i in sorted(table)]}
     min_part, part_size = capabilities.min_part_size, capabilities.part_size
-    crossed = sum(plan_parts(file_runs(f), min_part, part_size).hand_over_bytes for f in files)
+    aggregated = aggregated or {}
+    crossed = sum(aggregated[f.name].hand_over_bytes if f.name in aggregated else
+                  plan_parts(file_runs(f), min_part, part_size).hand_over_bytes for f in files)
     return {"files": entries,
             "saved_by": {"upload": {"min_part_size": min_part, "part_size": part_size, "hand_over_bytes": crossed}}}

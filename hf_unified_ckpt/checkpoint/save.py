@@ -293,7 +293,7 @@ def choose_writer(staging: Staging, request: SaveRequest) -> StorageWriter:
     (`unified_checkpoint_aggregate*`; never into the memory tier, whose files one machine's ranks place directly);
     into machine-local folders, each file by its one writer from the pieces the ranks send it; or whole files."""
     if staging.multipart:
-        return MultipartWriter(dist.rank())
+        return MultipartWriter(dist.rank(), aggregation=request.options.aggregation)
     if staging.in_place and request.spare is None and request.options.aggregation.mode != "never":
         return AggregatingWriter(dist.rank(), request.options.aggregation, request.direct_io)
     if staging.in_place:

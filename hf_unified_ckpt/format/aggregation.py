@@ -152,6 +152,11 @@ class AggregatedFile:
     def uploaded_by(self, rank: int) -> list[Part]:
         return [p for p in self.parts if p.uploader == rank]
 
+    @property
+    def hand_over_bytes(self) -> int:
+        """The bytes that cross ranks: what the aggregators receive."""
+        return sum(h.end - h.start for rank in set(self.aggregators) for h in self.received_by(rank))
+
 
 def pieces_between(pieces, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(rank, first element, count) of the non-empty pieces overlapping elements [lo, hi), in element order: a
