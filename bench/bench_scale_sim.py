@@ -72,7 +72,7 @@ from hf_unified_ckpt.checkpoint import rule_plan, save as save_mod  # noqa: E402
 from hf_unified_ckpt.engines.base import Fragment  # noqa: E402
 from hf_unified_ckpt.format.components import MASTER, MODEL, OPTIMIZER, saved_by  # noqa: E402
 from hf_unified_ckpt.format.names import optimizer_key, split_optimizer_key  # noqa: E402
-from hf_unified_ckpt.format.planning import Strided, TensorSpec  # noqa: E402
+from hf_unified_ckpt.format.planning import OwnOnly, Strided, TensorSpec  # noqa: E402
 from hf_unified_ckpt.options import UnifiedCheckpointOptions  # noqa: E402
 
 MiB = 2**20
@@ -83,6 +83,7 @@ MODELS = {  # Llama-3 / 3.1 public configs
 }
 ENGINES = ("zero12", "zero3", "fsdp2", "ddp", "mics")
 STATES = ("exp_avg", "exp_avg_sq")
+_MASTER = (torch.linspace(-1, 1, 8), torch.linspace(-1, 1, 8).to(torch.bfloat16))
 
 
 def llama_params(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -242,9 +243,8 @@ class SimEngine:
         census counts ties; their number does not change the payload's shape)."""
         for name, frag in self.fragments(MASTER.name).items():
             n = min(frag.values.numel(), 8)
-            if n:
-                hp = torch.linspace(-1, 1, n)
-                yield name, hp, hp.to(torch.bfloat16)
+            if n:  # views of shared elements, as the real adapters' are views of the engine's flat partitions
+                yield name, _MASTER[0][:n], _MASTER[1][:n]
 
     def exchange(self, component: str, names, owner: int) -> None:
         self.exchanged += sum(1 for n in names if self._sharded(component, n))
@@ -409,11 +409,17 @@ def peer_functions() -> dict:
 
 def reducers(model: SimModel) -> dict:
     """All-reduces whose result is not what this rank contributes: the residual census' sums (no rank fails the
-    bf16 check, none holds ties in the simulation; a tensor is held where the rule gives it elements)."""
+    bf16 check; a tensor is held where the rule gives it elements; its ties, about one value in 2^17 as in trained
+    weights, change from save to save as they do in training, so a later save's stored shapes differ from the
+    cached plan's, as they would. The simulated rank's own elements hold none)."""
+    saves = [0]
+
     def residual(values, op, local):
         names = local["names"]
+        saves[0] += 1
         held = [int(bool(model.numel[n]) and (model.engine == "ddp" or n in model.rule)) for n in names]
-        return [0] * len(names) + held + [0] * len(names)
+        ties = [(model.numel[n] >> 17) + (saves[0] + i) % 3 if h else 0 for i, (n, h) in enumerate(zip(names, held))]
+        return [0] * len(names) + held + ties
     return {"residual_census": residual}
 
 
@@ -433,6 +439,8 @@ def subtree_rows(files: list, lo: int, hi: int, rng: random.Random) -> list:
                 if lo <= file.header_rank < hi:
                     rows.append((index, head + start, head + end, rng.getrandbits(32)))
                 continue
+            if isinstance(pieces, OwnOnly):  # the residual's ties: each rank knows its own; modelled spread evenly
+                pieces = spread(pieces.holders(), (end - start) // itemsize)
             if not hasattr(pieces, "holders"):  # listed pieces (the census)
                 rows += [(index, head + start + f * itemsize, head + start + (f + c) * itemsize, rng.getrandbits(32))
                          for r, f, c in pieces if lo <= r < hi and c]
@@ -446,6 +454,12 @@ def subtree_rows(files: list, lo: int, hi: int, rng: random.Random) -> list:
             if b > a:
                 rows.append((index, a, b, rng.getrandbits(32)))
     return merged(sorted(rows))
+
+
+def spread(holders: range, numel: int) -> Strided:
+    """`numel` elements split as evenly as a `Strided` splits them over the ranks `holders`."""
+    size = max(1, -(-numel // max(1, len(holders))))
+    return Strided(numel, size, holders.start * size) if len(holders) else Strided(0, 1)
 
 
 def small_records(rank: int) -> list:
