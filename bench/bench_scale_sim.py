@@ -27,7 +27,13 @@ What it reports per row (`--json`: one JSON line per row):
 - `plan_s`, `plan_cached_s`: CPU seconds of one rank's planning on the training thread (plan_save and the walk of
   the file plans the save does: the writer's prepare, which files it writes, its items and pieces), first save and
   a second save with the same engine; the time the simulation spends making other ranks' payloads is excluded
-  (unpickling what a rank receives is included). Rank 0 and the last rank are run; the larger is reported.
+  (unpickling what a rank receives is included). Rank 0 and the last rank are run; the larger is reported. Each
+  timed plan starts after a `gc.collect()`, with the objects of the imported modules frozen (`gc.freeze`): the
+  garbage collections a plan triggers walk what the process allocated since, not torch's ~170,000 objects (a full
+  collection of those costs 0.1-0.3 s here, whenever the allocations of anything trigger one).
+- `ties_data_s` (rows with residual master weights): the residual census's pass over the rank's real master
+  elements, estimated (`ties_data_s()`); `plan_cached_s` has the census' work per fragment, the simulated
+  fragments holding 8 elements each. The ties the census sums change from save to save, as in training.
 - `plan_peak_mib`: tracemalloc's peak during the first save's planning on rank N-1 (a separate run).
 - `received_per_rank_bytes`: all the save's collectives, one save, the largest over the ranks simulated other
   than rank 0; `rank0_received_bytes`, `rank0_s` (rank 0's extra work after the writes: records combined, manifest
@@ -72,7 +78,7 @@ from hf_unified_ckpt.checkpoint import rule_plan, save as save_mod  # noqa: E402
 from hf_unified_ckpt.engines.base import Fragment  # noqa: E402
 from hf_unified_ckpt.format.components import MASTER, MODEL, OPTIMIZER, saved_by  # noqa: E402
 from hf_unified_ckpt.format.names import optimizer_key, split_optimizer_key  # noqa: E402
-from hf_unified_ckpt.format.planning import OwnOnly, Strided, TensorSpec  # noqa: E402
+from hf_unified_ckpt.format.planning import Mapped, OwnOnly, Strided, TensorSpec  # noqa: E402
 from hf_unified_ckpt.options import UnifiedCheckpointOptions  # noqa: E402
 
 MiB = 2**20
@@ -425,7 +431,8 @@ def reducers(model: SimModel) -> dict:
 
 def subtree_rows(files: list, lo: int, hi: int, rng: random.Random) -> list:
     """The rows ranks [lo, hi) send up `record_tree`'s tree: their ranges of every file, joined where they meet
-    (CRCs made up). From the closed-form pieces: a subtree's piece of a tensor is one range."""
+    (CRCs made up). From the closed-form pieces: a subtree's piece of a tensor is one range (of an O1/O2 codec's codes
+    and scales: those of the blocks that start among the subtree's elements)."""
     from hf_unified_ckpt.checkpoint.record_tree import merged
     from hf_unified_ckpt.format.planning import piece_of
 
@@ -448,9 +455,12 @@ def subtree_rows(files: list, lo: int, hi: int, rng: random.Random) -> list:
             ranks = range(max(lo, pieces.holders().start), min(hi, pieces.holders().stop))
             if not len(ranks):
                 continue
-            first = piece_of(pieces, ranks[0])[0]
-            last = piece_of(pieces, ranks[-1])
-            a, b = head + start + first * itemsize, head + start + (last[0] + last[1]) * itemsize
+            base = pieces.base if isinstance(pieces, Mapped) else pieces  # a codec's: blocks starting in the range
+            first = piece_of(base, ranks[0])[0]
+            last = piece_of(base, ranks[-1])
+            first, count = (pieces.fn if isinstance(pieces, Mapped) else lambda f, c: (f, c))(
+                first, last[0] + last[1] - first)
+            a, b = head + start + first * itemsize, head + start + (first + count) * itemsize
             if b > a:
                 rows.append((index, a, b, rng.getrandbits(32)))
     return merged(sorted(rows))
@@ -595,6 +605,7 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
         plan_log = sim.log[mark:]
         for _ in range(repeat - 1):  # the least of `repeat` first saves (this machine's CPU is shared)
             rule_plan._CACHE.clear()
+            gc.collect()
             sim.excluded, t0 = 0.0, time.process_time()
             again = plan_once(sim, SimEngine(model, rank), request)
             first = min(first, time.process_time() - t0 - sim.excluded)
@@ -614,6 +625,7 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
         first_save = list(sim.log)
         cached = math.inf
         for _ in range(repeat):
+            gc.collect()
             sim.excluded, t0 = 0.0, time.process_time()
             plan_once(sim, SimEngine(model, rank), request)  # an adapter per save, as the Trainer makes them
             cached = min(cached, time.process_time() - t0 - sim.excluded)
@@ -751,7 +763,39 @@ def run_row(row: Row, args, folder: Path) -> dict:
         "collectives_last_rank": collectives,
         "cached_save_collectives": sorted({f"{k}:{c}" for k, c, _ in runs[others[-1]]["cached_log"]}),
         "assembled_tensors": runs[others[-1]]["exchanged"], "sampled_ranks": sample,
+        **({"ties_data_s": round(max(ties_data_s(model, r) for r in sample), 4)} if row.variant == "residual" else {}),
     }
+
+
+def ties_data_s(model: SimModel, rank: int, sample: int = 2**22) -> float:
+    """The data pass of the residual census over rank `rank`'s real master elements (the simulated fragments hold 8
+    elements each, so `plan_cached_s` has the per-fragment work but not this): `count_ties_many` timed (one intra-op
+    thread, the least of 3) over random elements cut like the rank's fragments up to `sample` elements, scaled to
+    all of them. It shrinks as 1/N (the rank's share of the parameters), like the writes of the rank's bytes."""
+    from hf_unified_ckpt.format.codecs import count_ties_many
+
+    sizes = [model.piece(n, rank)[1] if n in model.rule else model.numel[n] for n, _ in model.params]
+    total, cut, left = sum(sizes), [], sample
+    for n in sizes:
+        if n and left:
+            cut.append(min(n, left))
+            left -= cut[-1]
+    x = torch.randn(sum(cut))
+    low, at, fragments = x.to(torch.bfloat16), 0, []
+    for i, n in enumerate(cut):
+        fragments.append((i, x[at:at + n], low[at:at + n]))
+        at += n
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = math.inf
+        for _ in range(3):
+            t0 = time.process_time()
+            count_ties_many(fragments)
+            best = min(best, time.process_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best * total / max(1, sum(cut))
 
 
 def entries_of(row: Row) -> int:
@@ -783,6 +827,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="plan timings: the least of this many")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    gc.collect()
+    gc.freeze()  # the imported modules' objects (~170,000: torch's), as tests/_runs.freeze_imports does; see the doc
     rows = []
     for model in args.model.split(","):
         for engine in args.engines.split(","):
