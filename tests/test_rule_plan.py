@@ -168,3 +168,27 @@ def test_halos_from_many_ranks_are_one_halo_per_tensor_in_element_order():
     assert got[("optimizer", "a")][0][0] == 10 and got[("optimizer", "b")][0][0] == 20
     assert [x for _, part in got[("optimizer", "c")] for x in part] == [900, 901, 1000, 1001]
     assert [x for _, part in got[("optimizer", "d")] for x in part] == [902, 903, 1002, 1003]
+
+
+def test_a_later_residual_save_with_as_many_ties_keeps_the_headers_and_lays_out_this_saves_ties():
+    """A cached plan's residual files at a later save whose tensors have as many ties (`FilePlan.with_pieces`): the
+    same headers, and this rank's items, writes and pieces those of files planned afresh for its new offsets."""
+    from hf_unified_ckpt.format.codecs import ResidualCodec
+    from hf_unified_ckpt.format.planning import Strided, TensorSpec, file_plans, plan_component, stored_pieces
+
+    specs = [TensorSpec(f"w{i}", (13, 7 + i), torch.float32) for i in range(5)]
+    pieces = {s.name: Strided(13 * s.shape[1], 20) for s in specs}
+
+    def planned(offset: int, mine: int):
+        codec = ResidualCodec({s.name: 9 for s in specs}, by_rank={s.name: {2: mine} for s in specs})
+        codec.own_offset = {s.name: (2, offset) for s in specs}
+        return plan_component("master", specs, 4, 400, codec=codec)
+
+    cached, later = file_plans(planned(1, 3), pieces), planned(4, 2)
+    kept = [f.with_pieces(later.codec, stored_pieces(later, pieces)) for f in cached]
+    fresh = file_plans(later, pieces)
+    assert len(fresh) == 5
+    for f, k, c in zip(fresh, kept, cached):
+        assert k.header_bytes == f.header_bytes == c.header_bytes
+        assert k.items_of(2) == f.items_of(2) != c.items_of(2)
+        assert (k.writes(2), k.pieces_held(2), k.codec) == (f.writes(2), f.pieces_held(2), later.codec)
