@@ -47,7 +47,9 @@ What it reports per row (`--json`: one JSON line per row):
 
 Where a row's simulation would hold too much (the census of today's code is N x T tuples on every rank), rows
 above `--max-entries` peer entries are skipped and said; the growth exponents (log ratio of a figure from the
-smallest to the largest of the rows at 512 and 16,384 ranks) are printed at the end.
+smallest to the largest of the rows at 512 and 16,384 ranks) are printed at the end, with the file count's and the
+first plan's per file (the file count grows with N: `target_shard_size` gives every writer a file, down to files of
+64 MiB that never split a tensor, so it is bounded by T and reached at a few thousand ranks).
 
 This differs from `bench_scaling.py`, which launches real ranks (2-4 here) and times real saves: this one runs no
 I/O and no real collective; it measures the save's metadata work and traffic where launches cannot go.
@@ -854,7 +856,9 @@ def main() -> None:
             for variant in args.variants.split(","):
                 group = [r for r in rows if (r["model"], r["engine"], r["variant"]) == (model, engine, variant)]
                 exps = {k: exponent(group, k) for k in ("plan_s", "plan_peak_mib", "received_per_rank_bytes",
-                                                         "rank0_received_bytes", "rank0_s")}
+                                                         "rank0_received_bytes", "rank0_s", "files")}
+                if exps["plan_s"] is not None and exps["files"] is not None:  # the first plan's work per file
+                    exps["plan_s_per_file"] = round(exps["plan_s"] - exps["files"], 3)
                 if any(v is not None for v in exps.values()):
                     print(json.dumps({"exponents_512_to_16384": exps, "model": model, "engine": engine,
                                       "variant": variant}), flush=True)
