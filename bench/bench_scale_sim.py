@@ -27,7 +27,13 @@ What it reports per row (`--json`: one JSON line per row):
 - `plan_s`, `plan_cached_s`: CPU seconds of one rank's planning on the training thread (plan_save and the walk of
   the file plans the save does: the writer's prepare, which files it writes, its items and pieces), first save and
   a second save with the same engine; the time the simulation spends making other ranks' payloads is excluded
-  (unpickling what a rank receives is included). Rank 0 and the last rank are run; the larger is reported.
+  (unpickling what a rank receives is included). Rank 0 and the last rank are run; the larger is reported. Each
+  timed plan starts after a `gc.collect()`, with the objects of the imported modules frozen (`gc.freeze`): the
+  garbage collections a plan triggers walk what the process allocated since, not torch's ~170,000 objects (a full
+  collection of those costs 0.1-0.3 s here, whenever the allocations of anything trigger one).
+- `ties_data_s` (rows with residual master weights): the residual census's pass over the rank's real master
+  elements, estimated (`ties_data_s()`); `plan_cached_s` has the census' work per fragment, the simulated
+  fragments holding 8 elements each. The ties the census sums change from save to save, as in training.
 - `plan_peak_mib`: tracemalloc's peak during the first save's planning on rank N-1 (a separate run).
 - `received_per_rank_bytes`: all the save's collectives, one save, the largest over the ranks simulated other
   than rank 0; `rank0_received_bytes`, `rank0_s` (rank 0's extra work after the writes: records combined, manifest
@@ -41,7 +47,9 @@ What it reports per row (`--json`: one JSON line per row):
 
 Where a row's simulation would hold too much (the census of today's code is N x T tuples on every rank), rows
 above `--max-entries` peer entries are skipped and said; the growth exponents (log ratio of a figure from the
-smallest to the largest of the rows at 512 and 16,384 ranks) are printed at the end.
+smallest to the largest of the rows at 512 and 16,384 ranks) are printed at the end, with the file count's and the
+first plan's per file (the file count grows with N: `target_shard_size` gives every writer a file, down to files of
+64 MiB that never split a tensor, so it is bounded by T and reached at a few thousand ranks).
 
 This differs from `bench_scaling.py`, which launches real ranks (2-4 here) and times real saves: this one runs no
 I/O and no real collective; it measures the save's metadata work and traffic where launches cannot go.
@@ -73,7 +81,7 @@ from hf_unified_ckpt.checkpoint import rule_plan, save as save_mod  # noqa: E402
 from hf_unified_ckpt.engines.base import Fragment  # noqa: E402
 from hf_unified_ckpt.format.components import MASTER, MODEL, OPTIMIZER, saved_by  # noqa: E402
 from hf_unified_ckpt.format.names import optimizer_key, split_optimizer_key  # noqa: E402
-from hf_unified_ckpt.format.planning import Strided, TensorSpec  # noqa: E402
+from hf_unified_ckpt.format.planning import Mapped, OwnOnly, Strided, TensorSpec  # noqa: E402
 from hf_unified_ckpt.options import UnifiedCheckpointOptions  # noqa: E402
 
 MiB = 2**20
@@ -86,6 +94,7 @@ ENGINES = ("zero12", "zero3", "fsdp2", "ddp", "mics")
 STATES = ("exp_avg", "exp_avg_sq")
 #: Ranks per machine (8 GPUs), and the filesystem's block every rank agrees on (`aggregating.agreed_layout`).
 LOCAL_WORLD = 8
+_MASTER = (torch.linspace(-1, 1, 8), torch.linspace(-1, 1, 8).to(torch.bfloat16))
 
 
 def llama_params(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -245,9 +254,8 @@ class SimEngine:
         census counts ties; their number does not change the payload's shape)."""
         for name, frag in self.fragments(MASTER.name).items():
             n = min(frag.values.numel(), 8)
-            if n:
-                hp = torch.linspace(-1, 1, n)
-                yield name, hp, hp.to(torch.bfloat16)
+            if n:  # views of shared elements, as the real adapters' are views of the engine's flat partitions
+                yield name, _MASTER[0][:n], _MASTER[1][:n]
 
     def exchange(self, component: str, names, owner: int) -> None:
         self.exchanged += sum(1 for n in names if self._sharded(component, n))
@@ -412,19 +420,26 @@ def peer_functions() -> dict:
 
 def reducers(model: SimModel) -> dict:
     """All-reduces whose result is not what this rank contributes: the residual census' sums (no rank fails the
-    bf16 check, none holds ties in the simulation; a tensor is held where the rule gives it elements)."""
+    bf16 check; a tensor is held where the rule gives it elements; its ties, about one value in 2^17 as in trained
+    weights, change from save to save as they do in training, so a later save's stored shapes differ from the
+    cached plan's, as they would. The simulated rank's own elements hold none)."""
+    saves = [0]
+
     def residual(values, op, local):
         names = local["names"]
+        saves[0] += 1
         held = [int(bool(model.numel[n]) and (model.engine == "ddp" or n in model.rule)) for n in names]
-        return [0] * len(names) + held + [0] * len(names)
+        ties = [(model.numel[n] >> 17) + (saves[0] + i) % 3 if h else 0 for i, (n, h) in enumerate(zip(names, held))]
+        return [0] * len(names) + held + ties
     return {"residual_census": residual,
             "agreed_layout": lambda values, op, local: [LOCAL_WORLD, -LOCAL_WORLD, 4096]}
 
 
 def subtree_rows(files: list, lo: int, hi: int, rng: random.Random, plans: dict | None = None) -> list:
     """The rows ranks [lo, hi) send up `record_tree`'s tree: their ranges of every file, joined where they meet
-    (CRCs made up). From the closed-form pieces: a subtree's piece of a tensor is one range; of a file aggregated
-    (`plans`: the aggregating writer's), the cells of its aggregators among them."""
+    (CRCs made up). From the closed-form pieces: a subtree's piece of a tensor is one range (of an O1/O2 codec's codes
+    and scales: those of the blocks that start among the subtree's elements); of a file aggregated (`plans`: the
+    aggregating writer's), the cells of its aggregators among them."""
     from hf_unified_ckpt.checkpoint.record_tree import merged
     from hf_unified_ckpt.format.planning import piece_of
 
@@ -441,6 +456,8 @@ def subtree_rows(files: list, lo: int, hi: int, rng: random.Random, plans: dict 
                 if lo <= file.header_rank < hi:
                     rows.append((index, head + start, head + end, rng.getrandbits(32)))
                 continue
+            if isinstance(pieces, OwnOnly):  # the residual's ties: each rank knows its own; modelled spread evenly
+                pieces = spread(pieces.holders(), (end - start) // itemsize)
             if not hasattr(pieces, "holders"):  # listed pieces (the census)
                 rows += [(index, head + start + f * itemsize, head + start + (f + c) * itemsize, rng.getrandbits(32))
                          for r, f, c in pieces if lo <= r < hi and c]
@@ -448,12 +465,21 @@ def subtree_rows(files: list, lo: int, hi: int, rng: random.Random, plans: dict 
             ranks = range(max(lo, pieces.holders().start), min(hi, pieces.holders().stop))
             if not len(ranks):
                 continue
-            first = piece_of(pieces, ranks[0])[0]
-            last = piece_of(pieces, ranks[-1])
-            a, b = head + start + first * itemsize, head + start + (last[0] + last[1]) * itemsize
+            base = pieces.base if isinstance(pieces, Mapped) else pieces  # a codec's: blocks starting in the range
+            first = piece_of(base, ranks[0])[0]
+            last = piece_of(base, ranks[-1])
+            first, count = (pieces.fn if isinstance(pieces, Mapped) else lambda f, c: (f, c))(
+                first, last[0] + last[1] - first)
+            a, b = head + start + first * itemsize, head + start + (first + count) * itemsize
             if b > a:
                 rows.append((index, a, b, rng.getrandbits(32)))
     return merged(sorted(rows))
+
+
+def spread(holders: range, numel: int) -> Strided:
+    """`numel` elements split as evenly as a `Strided` splits them over the ranks `holders`."""
+    size = max(1, -(-numel // max(1, len(holders))))
+    return Strided(numel, size, holders.start * size) if len(holders) else Strided(0, 1)
 
 
 def small_records(rank: int) -> list:
@@ -637,6 +663,7 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
         plan_log = sim.log[mark:]
         for _ in range(repeat - 1):  # the least of `repeat` first saves (this machine's CPU is shared)
             forget_plans()
+            gc.collect()
             sim.excluded, t0 = 0.0, time.process_time()
             again = plan_once(sim, SimEngine(model, rank), request)
             first = min(first, time.process_time() - t0 - sim.excluded)
@@ -656,6 +683,7 @@ def simulate_rank(model: SimModel, rank: int, variant: str, folder: Path, memory
         first_save = list(sim.log)
         cached = math.inf
         for _ in range(repeat):
+            gc.collect()
             sim.excluded, t0 = 0.0, time.process_time()
             plan_once(sim, SimEngine(model, rank), request)  # an adapter per save, as the Trainer makes them
             cached = min(cached, time.process_time() - t0 - sim.excluded)
@@ -802,7 +830,39 @@ def run_row(row: Row, args, folder: Path) -> dict:
         "collectives_last_rank": collectives,
         "cached_save_collectives": sorted({f"{k}:{c}" for k, c, _ in runs[others[-1]]["cached_log"]}),
         "assembled_tensors": runs[others[-1]]["exchanged"], "sampled_ranks": sample,
+        **({"ties_data_s": round(max(ties_data_s(model, r) for r in sample), 4)} if row.variant == "residual" else {}),
     }
+
+
+def ties_data_s(model: SimModel, rank: int, sample: int = 2**22) -> float:
+    """The data pass of the residual census over rank `rank`'s real master elements (the simulated fragments hold 8
+    elements each, so `plan_cached_s` has the per-fragment work but not this): `count_ties_many` timed (one intra-op
+    thread, the least of 3) over random elements cut like the rank's fragments up to `sample` elements, scaled to
+    all of them. It shrinks as 1/N (the rank's share of the parameters), like the writes of the rank's bytes."""
+    from hf_unified_ckpt.format.codecs import count_ties_many
+
+    sizes = [model.piece(n, rank)[1] if n in model.rule else model.numel[n] for n, _ in model.params]
+    total, cut, left = sum(sizes), [], sample
+    for n in sizes:
+        if n and left:
+            cut.append(min(n, left))
+            left -= cut[-1]
+    x = torch.randn(sum(cut))
+    low, at, fragments = x.to(torch.bfloat16), 0, []
+    for i, n in enumerate(cut):
+        fragments.append((i, x[at:at + n], low[at:at + n]))
+        at += n
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = math.inf
+        for _ in range(3):
+            t0 = time.process_time()
+            count_ties_many(fragments)
+            best = min(best, time.process_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best * total / max(1, sum(cut))
 
 
 def entries_of(row: Row) -> int:
@@ -834,6 +894,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="plan timings: the least of this many")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    gc.collect()
+    gc.freeze()  # the imported modules' objects (~170,000: torch's), as tests/_runs.freeze_imports does; see the doc
     rows = []
     for model in args.model.split(","):
         for engine in args.engines.split(","):
@@ -859,7 +921,9 @@ def main() -> None:
             for variant in args.variants.split(","):
                 group = [r for r in rows if (r["model"], r["engine"], r["variant"]) == (model, engine, variant)]
                 exps = {k: exponent(group, k) for k in ("plan_s", "plan_peak_mib", "received_per_rank_bytes",
-                                                         "rank0_received_bytes", "rank0_s")}
+                                                         "rank0_received_bytes", "rank0_s", "files")}
+                if exps["plan_s"] is not None and exps["files"] is not None:  # the first plan's work per file
+                    exps["plan_s_per_file"] = round(exps["plan_s"] - exps["files"], 3)
                 if any(v is not None for v in exps.values()):
                     print(json.dumps({"exponents_512_to_16384": exps, "model": model, "engine": engine,
                                       "variant": variant}), flush=True)

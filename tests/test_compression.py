@@ -149,6 +149,34 @@ def test_the_residual_rebuilds_every_fp32_value_exactly():
         residual_of(payload)
 
 
+def test_the_ties_of_many_fragments_are_counted_in_shared_windows():
+    """`count_ties_many` (the residual census of a rank's fragments: a 405B ZeRO-3 rank at 16,384 ranks holds 1,137)
+    lays small fragments end to end in one window and a large one over several: each fragment gets its own ties
+    (as many as `residual_of` lists), including ties at fragment, mask-word and window edges, and None where its
+    weights are not its master's rounding, round to a NaN, or are not bf16 of its length; the others are unaffected."""
+    from hf_unified_ckpt.format.codecs import count_ties_many
+
+    g = torch.Generator().manual_seed(57)
+    sizes = [0, 1, 7, 9, 1000, CHUNK - 3, 5, CHUNK + 5, 2 * CHUNK + 1, 3, 16, 40_000]
+    fragments, expected = [], {}
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, generator=g)
+        for at in {0, n - 1, 7, 8, CHUNK - 1, CHUNK} & set(range(n)):
+            x[at] = 1.00390625  # a tie rounded down: at fragment edges, 64-bit mask words' edges, window edges
+        fragments.append((f"t{i}", x, x.to(torch.bfloat16)))
+        expected[f"t{i}"] = residual_of(x)[1].numel()
+    assert sum(expected.values()) > len(sizes)
+    wrong, nan = torch.randn(300, generator=g), torch.randn(50, generator=g)
+    low = wrong.to(torch.bfloat16)
+    low[299] = low[299] * 2
+    nan.view(torch.int32)[3] = 0x7F812345
+    fragments[3:3] = [("wrong", wrong, low), ("nan", nan, nan.to(torch.bfloat16)),
+                      ("fp32 weights", nan, nan), ("short", wrong, wrong[:-1].to(torch.bfloat16))]
+    expected.update({"wrong": None, "nan": None, "fp32 weights": None, "short": None})
+    assert count_ties_many(fragments) == expected
+    assert count_ties_many([]) == {}
+
+
 def _write_as_ranks(folder, component: str, tensors: dict, pieces: dict | None, codec, max_shard_size: int):
     """Plan `tensors` (3 writers) through `codec` and write every file the way the ranks do: each rank its pieces
     of `pieces` (logical name -> ((rank, first element, count), ...)) in place, encoded piece by piece, and the

@@ -21,11 +21,12 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+import marshal
 
 import torch
 
 from .. import dist
-from ..format.codecs import ResidualCodec, count_ties
+from ..format.codecs import ResidualCodec, count_ties_many
 from ..format.planning import ComponentPlan, Strided
 
 logger = logging.getLogger(__name__)
@@ -82,11 +83,11 @@ def digest_of(engine, components, request, shared: bool, rules: dict | None) -> 
     h.update(repr((dist.world_size(), getattr(engine, "engine", type(engine).__name__), shared,
                    request.include_optimizer, options.quant_stage, options.residual_master_weight,
                    options.max_shard_size)).encode())
-    for c in components:
+    for c in components:  # marshal's version 2: the bytes of the values alone (no back-references)
         h.update(repr((c.name, c.file_stem, str(c.role))).encode())
-        h.update(repr([(s.name, tuple(s.shape), str(s.dtype)) for s in engine.specs(c.name)]).encode())
+        h.update(marshal.dumps([(s.name, tuple(s.shape), str(s.dtype)) for s in engine.specs(c.name)], 2))
         if rules is not None:
-            h.update(repr(sorted((n, s.numel, s.size, s.shift) for n, s in rules[c.name].items())).encode())
+            h.update(marshal.dumps(sorted((n, s.numel, s.size, s.shift) for n, s in rules[c.name].items()), 2))
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -218,7 +219,7 @@ def residual_census(engine, names: list[str], group=None) -> ResidualCodec:
     an exclusive scan over the ranks (ties are laid out rank after rank: the rule's element order). Collective: all
     ranks must call it."""
     fragments = getattr(engine, "master_fragments", None)
-    local = {name: count_ties(hp, lp) for name, hp, lp in (fragments() if fragments else [])}
+    local = count_ties_many(fragments() if fragments else [])
     failed = [int(n in local and local[n] is None) for n in names]
     present = [int(n in local) for n in names]
     ties = [local.get(n) or 0 for n in names]

@@ -50,7 +50,8 @@ from ..options import UnifiedCheckpointOptions
 from . import record_tree, rule_plan
 from .persist import PersistJob, write_small_files
 from .reports import Failure, guarded, out_of_space
-from ..format.planning import ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component, tiling
+from ..format.planning import (ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component,
+                               stored_pieces, tiling)
 from .commit import (WRITER_MARK, commit, join_staging, mark_writer, new_tag, prepare_staging, remove_stale,
                      remove_writer_marks, sees_writer, staging_dir)
 from .files import FileRecord, RangeRecord, combine_ranges, put_file
@@ -130,9 +131,10 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False,
     return plan
 
 
-def _component_plan(c: Component, engine: EngineAdapter, request: SaveRequest, rule) -> ComponentPlan:
-    """One component's shard plan with its index metadata (collective where its codec takes a census)."""
-    codec = encoder_for(c, engine, request.options, rule)
+def _component_plan(c: Component, engine: EngineAdapter, request: SaveRequest, rule, codec=False) -> ComponentPlan:
+    """One component's shard plan with its index metadata (collective where its codec takes a census, unless the
+    `codec` is given)."""
+    codec = encoder_for(c, engine, request.options, rule) if codec is False else codec
     plan = plan_component(c.name, engine.specs(c.name), dist.world_size(), request.options.max_shard_size,
                           file_stem=c.file_stem, owners=engine.preferred_owners(c.name), codec=codec)
     return dataclasses.replace(plan, index_metadata=_index_metadata(c, engine, codec))
@@ -142,10 +144,10 @@ def _residual_plan(c: Component, cached: ComponentPlan, engine: EngineAdapter, r
                    rule) -> ComponentPlan:
     """The residual master weights' plan at a later save: its census taken again (the ties follow the data); the
     cached files and owners kept where every tensor has as many ties as when they were planned (the stored shapes
-    are the same), else planned again. Collective (the census)."""
+    are the same), else planned again from this census. Collective (the census)."""
     codec = encoder_for(c, engine, request.options, rule)
     if codec.census != cached.codec.census:
-        return _component_plan(c, engine, request, rule)
+        return _component_plan(c, engine, request, rule, codec)
     stored = {s.name: codec.stored_specs(s) for s in cached.specs.values()}
     return dataclasses.replace(cached, codec=codec, stored=stored, index_metadata=_index_metadata(c, engine, codec))
 
@@ -174,10 +176,22 @@ def _reused(cached: SavePlan, engine: EngineAdapter, request: SaveRequest, compo
     rule_plan.exchange_halos(engine, {n: p for n, p in plans.items() if n not in fresh}, pieces)
     for name, cplan in plans.items():
         if name in fresh:
-            files += file_plans(cplan, pieces.get(name))
+            files += _residual_files(cplan, cached, pieces.get(name))
         else:
             files += [f if f.codec is None else f.with_codec(cplan.codec) for f in cached.files if f.component == name]
     return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, planned=tuple(files))
+
+
+def _residual_files(cplan: ComponentPlan, cached: SavePlan, pieces) -> list[FilePlan]:
+    """The residual component's files at a later save: where its plan kept the cached files (as many ties per
+    tensor), the cached files with this save's ties laid out (headers kept), else made again."""
+    if cplan.files is not cached.components[cplan.component].files:
+        return file_plans(cplan, pieces)
+    stored = stored_pieces(cplan, pieces or {})
+    old = [f for f in cached.files if f.component == cplan.component]
+    if any(n not in stored for f in old for n in f.pieces):
+        return file_plans(cplan, pieces)
+    return [f.with_pieces(cplan.codec, stored) for f in old]
 
 
 def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:

@@ -366,6 +366,10 @@ class WriteItem:
     rank: int
 
 
+#: What `FilePlan.with_codec` keeps of a file's worked-out answers (the layout is the same).
+_KEPT = ("_memo", "whole_names")
+
+
 @dataclass(frozen=True)
 class FilePlan:
     """One file of the checkpoint, fixed before any byte is written: its component, its safetensors header
@@ -394,9 +398,19 @@ class FilePlan:
             return tensors
         return {n: t for name, tensor in tensors.items() for n, t in self.codec.encode(name, tensor).items()}
 
+    def _mine(self, kind: str, rank: int, work):
+        """`work(rank)`, worked out once per file plan and rank (a rank asks for its own: a plan reused by later
+        saves answers from it; `with_codec` keeps it)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (kind, rank)
+        if key not in memo:
+            memo[key] = work(rank)
+        return memo[key]
+
     def pieces_held(self, rank: int) -> list[str]:
         """The logical tensors of which `rank` holds a non-empty piece written in place."""
-        return [n for n in self.tensor_names if n in self.held and piece_of(self.held[n], rank)[1]]
+        return list(self._mine("held", rank, lambda r: tuple(
+            n for n in self.tensor_names if n in self.held and piece_of(self.held[n], r)[1])))
 
     def first_held(self, name: str, rank: int) -> tuple[int, int]:
         """(first element, count) of `rank`'s piece of logical tensor `name` (written in place)."""
@@ -416,13 +430,16 @@ class FilePlan:
             out.update(self.stored_tensors({n: _on_host(tensors[n]) for n in self.whole_names}))
         return out
 
-    @property
+    @functools.cached_property
     def whole_names(self) -> tuple[str, ...]:
         """Logical tensors the header rank writes whole (assembled there first where they are sharded)."""
         return tuple(n for n in self.tensor_names if n not in self.held)
 
     def items_of(self, rank: int) -> list[WriteItem]:
-        """`rank`'s write items, in the component plan's order: O(tensors of the file)."""
+        """`rank`'s write items, in the component plan's order: O(tensors of the file), once per rank."""
+        return list(self._mine("items", rank, self._items_of))
+
+    def _items_of(self, rank: int) -> tuple[WriteItem, ...]:
         out = []
         for name, start, end, itemsize, pieces in self.layout:
             if pieces is None:
@@ -432,11 +449,12 @@ class FilePlan:
             first, count = piece_of(pieces, rank)
             if count:
                 out.append(WriteItem(name, start + first * itemsize, start + (first + count) * itemsize, rank))
-        return out
+        return tuple(out)
 
     def writes(self, rank: int) -> bool:
         """Whether `rank` writes any byte of this file (its header, or a piece)."""
-        return rank == self.header_rank or any(piece_of(p, rank)[1] for *_, p in self.layout if p is not None)
+        return rank == self.header_rank or self._mine("writes", rank, lambda r: any(
+            piece_of(p, r)[1] for *_, p in self.layout if p is not None))
 
     def writes_alone(self, rank: int) -> bool:
         """Whether `rank` writes every byte of this file (no other rank writes any)."""
@@ -447,6 +465,16 @@ class FilePlan:
     def with_codec(self, codec: Encoder) -> "FilePlan":
         """This file with another codec object of the same plan (a later save's halos), its header kept."""
         out = dataclasses.replace(self, codec=codec)
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if k in _KEPT})
+        out.__dict__["header_bytes"] = self.header_bytes
+        return out
+
+    def with_pieces(self, codec: Encoder, stored: dict[str, Pieces]) -> "FilePlan":
+        """This file with another codec object and its stored tensors' pieces taken from `stored` (a later save of
+        the same stored shapes: the residual's ties, laid out anew), its header kept."""
+        layout = tuple((n, a, b, size, stored[n] if p is not None else None) for n, a, b, size, p in self.layout)
+        out = dataclasses.replace(self, codec=codec, layout=layout,
+                                  pieces={n: stored[n] for n in self.pieces})
         out.__dict__["header_bytes"] = self.header_bytes
         return out
 
