@@ -69,21 +69,37 @@ def cpu_group():
     return None if "gloo" in backend or backend == "mpi" else gloo_group("cpu tensors")
 
 
-def new_gloo_group():
+def new_gloo_group(timeout=None):
     """A second group over all ranks, for collectives of a background thread (never interleaved with the
-    training thread's collectives on the default group). Collective: all ranks must call it."""
-    return _torch_dist().new_group(backend="gloo") if is_distributed() else None
+    training thread's collectives on the default group); `timeout` (a timedelta) where given, else torch's default
+    for a new group (30 minutes, whatever the default group's). Collective: all ranks must call it."""
+    return _torch_dist().new_group(backend="gloo", timeout=timeout) if is_distributed() else None
+
+
+def default_timeout():
+    """The default group's timeout (the job's: the Trainer's `ddp_timeout`, or its launcher's), as a timedelta;
+    None where torch does not say (a new group then gets torch's default). Local."""
+    if not is_distributed():
+        return None
+    group = _torch_dist().distributed_c10d._get_default_group()
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 _GROUPS: dict[tuple, object] = {}
 
 
-def gloo_group(purpose: str):
+def gloo_group(purpose: str, timeout=None):
     """A gloo group over all ranks for one `purpose` (a background thread's collectives, or the file service's
-    messages), created once per process group and reused. Collective on first call: all ranks must call it."""
+    messages), created once per process group and reused; `timeout` as `new_gloo_group`'s, at its creation.
+    Collective on first call: all ranks must call it."""
     key = (_torch_dist().group.WORLD if is_distributed() else None, purpose)
     if key not in _GROUPS:
-        _GROUPS[key] = new_gloo_group()
+        _GROUPS[key] = new_gloo_group(timeout)
     return _GROUPS[key]
 
 

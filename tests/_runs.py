@@ -556,6 +556,8 @@ def run_spec(run: dict, world_size: int) -> dict:
 
         torch.save(saves, f"{run['result']}.aggregation.rank{dist.rank()}")
         return result
+    if run.get("aggregation_fault"):  # [fault, rank, step]: a fault in an aggregated save; each rank's outcome
+        return _with_aggregation_fault(run, world_size)
     if run.get("record_pieces"):  # which tensors each save writes in place, piece by piece (no assembling)
         with record_pieces() as pieces:
             return {**run_spec({k: v for k, v in run.items() if k != "record_pieces"}, world_size), "pieces": pieces}
@@ -1046,6 +1048,128 @@ def record_aggregation():
     finally:
         aggregating.AggregatingWriter.write = original
         deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = assemble, full_on
+
+
+def _with_aggregation_fault(run: dict, world_size: int) -> dict:
+    """`run` with `aggregation_fault` (and "default_timeout": the default group's timeout, seconds, where the group
+    exists already); every rank saves what it saw to `<result>.fault.rank<r>`: the file the fault hit, the
+    timeouts of the default and `aggregate` groups, when this rank's `train()` raised (time.time()) and what, and for
+    kills the SIGTERM the launcher sent it (recorded and ignored: a survivor must fail on its own; the launcher's
+    SIGKILL follows 5 s later)."""
+    import signal
+
+    from hf_unified_ckpt import dist
+
+    fault, rank, step = run["aggregation_fault"]
+    if run.get("default_timeout") and dist.is_distributed():  # as init_process_group(timeout=...) sets it
+        import datetime
+
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d._set_pg_timeout(datetime.timedelta(seconds=run["default_timeout"]))
+    seen = {"fault": fault, "rank": rank, "sigterm": None, "error": None, "failed_at": None}
+    out = f"{run['result']}.fault.rank"
+
+    def keep():
+        torch.save(seen, f"{out}{dist.rank()}")
+
+    if fault.startswith("kill"):
+        signal.signal(signal.SIGTERM, lambda *_: seen.update(sigterm=time.time()))
+    rest = {k: v for k, v in run.items() if k not in ("aggregation_fault", "default_timeout")}
+    try:
+        with aggregation_fault(fault, rank, step, seen, keep):
+            result = run_spec(rest, world_size)
+    except Exception as e:  # noqa: BLE001 - what each rank raised is what the tests check
+        seen.update(error=f"{type(e).__name__}: {e}", failed_at=time.time())
+        keep()
+        if fault.startswith("kill"):
+            raise
+        return {"error": seen["error"]}
+    keep()
+    return result
+
+
+@contextlib.contextmanager
+def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda: None):
+    """A fault on rank `rank` in the aggregated save of `step` (`AggregatingWriter`), into the first file it
+    aggregates (it writes cells of it) or, for "kill_sender" and "encode", the first it sends pieces of:
+    "kill_aggregator" dies as under kill -9 once its first cell of that file is written ("died" in `seen`: when,
+    saved by `keep` first);
+    "kill_sender" dies before it sends any piece of a file it does not aggregate; "enospc": its cell writes into
+    that file fail with ENOSPC (`LocalStore.write_at`; "fired": when first); "slow": every cell write of that save sleeps 0.1 s
+    ("slow_until": when the last ended); "encode": encoding its pieces of that file raises ("fired"). On rank 0, "committed":
+    when the save's folder was committed (`save.commit`)."""
+    import errno
+
+    import hf_unified_ckpt.checkpoint.save as save_module
+    from hf_unified_ckpt import dist
+    from hf_unified_ckpt.checkpoint import aggregating
+    from hf_unified_ckpt.format.planning import FilePlan
+    from hf_unified_ckpt.store.local import LocalStore
+
+    originals = aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit
+    armed = {}  # the file the fault hits, once chosen
+
+    def write(self, folder, file, tensors):
+        plan = self.plans.get(file.name)
+        if plan is not None and "timeouts" not in seen:  # the default group's and the `aggregate` group's, seconds
+            seen["timeouts"] = [_timeout_s(g) for g in (dist.cpu_group(), dist.gloo_group(aggregating.GROUP))]
+        if dist.rank() == rank and f".checkpoint-{step}." in str(folder) and plan is not None and not armed:
+            sends = bool(plan.sent_by(rank))
+            if fault in ("kill_aggregator", "enospc", "slow") and plan.aggregates(rank) or (
+                    fault == "encode" and sends) or (fault == "kill_sender" and sends and not plan.aggregates(rank)):
+                armed.update(name=file.name, folder=str(folder))
+                seen["file"] = file.name
+                if fault == "kill_sender":
+                    _die(seen, keep)
+        return originals[0](self, folder, file, tensors)
+
+    def write_at(self, ref, *args, **kwargs):
+        hit = armed and str(ref).startswith(armed["folder"]) and (fault == "slow" or str(ref).endswith(armed["name"]))
+        if hit and fault == "enospc":
+            seen.setdefault("fired", time.time())
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ref))
+        if hit and fault == "slow":
+            time.sleep(0.1)
+        written = originals[1](self, ref, *args, **kwargs)
+        if hit and fault == "slow":
+            seen["slow_until"], seen["slow_writes"] = time.time(), seen.get("slow_writes", 0) + 1
+        if hit and fault == "kill_aggregator":
+            _die(seen, keep)
+        return written
+
+    def encoded(self, tensors, r):
+        if fault == "encode" and armed and self.name == armed["name"] and r == rank:
+            seen.setdefault("fired", time.time())
+            raise RuntimeError(f"injected: encoding {self.name} failed on rank {r}")
+        return originals[2](self, tensors, r)
+
+    def commit(staging, final):
+        originals[3](staging, final)
+        if f"checkpoint-{step}" in str(final):
+            seen["committed"] = time.time()
+
+    aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit = (
+        write, write_at, encoded, commit)
+    try:
+        yield
+    finally:
+        aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit = originals
+
+
+def _timeout_s(group) -> float:
+    """A gloo group's timeout (None: the default group), seconds."""
+    import torch.distributed.distributed_c10d as c10d
+
+    group = group if group is not None else c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _die(seen: dict, keep) -> None:
+    """Record when, then die as under kill -9 (no clean-up)."""
+    seen["died"] = time.time()
+    keep()
+    os._exit(9)
 
 
 #: The functions of `hf_unified_ckpt.dist` a save communicates through, counted by `record_plans`.

@@ -16,10 +16,13 @@ file, in `write` (in plan order, on every rank: `collective_write`):
   records are combined into one per file on the way to rank 0 (`record_tree`).
 
 Each byte crosses the network at most once, and a rank receives only bytes it writes. A rank that failed to produce
-its pieces still sends the planned number of bytes (zeros), so no aggregator waits for it, and raises after the
-exchange; an aggregator whose write failed receives its remaining cells before it raises: the save then fails on
-every rank (`save.conclude`) and nothing is committed. A dead peer fails the transfers with it (gloo reports the
-closed connection; a peer that hangs, after the group's timeout, torch's default of 30 minutes), named in the error.
+its pieces still sends the planned number of bytes (zeros), so no aggregator waits for it, and still receives the
+cells it aggregates (writing none), then raises; an aggregator whose write failed receives its remaining cells before
+it raises: the save then fails on every rank (`save.conclude`) and nothing is committed. A dead peer fails the
+transfers with it at once (gloo reports the closed connection), named in the error; the other transfers are still
+completed, so no live rank waits for one that gave up. A peer that hangs fails them after the `aggregate` group's
+timeout: the default group's (the job's `init_process_group(timeout=...)`, where the Trainer passes its `ddp_timeout`
+on GPUs), not torch's 30 minutes for a new group.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ class AggregatingWriter(LocalWrites):
 
     def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         """Agree on the layout (ranks per machine, the folder's block size: one all-reduce), plan which files are
-        aggregated and how (the same on every rank), and make the `aggregate` gloo group where any is. Collective:
-        all ranks must call it."""
+        aggregated and how (the same on every rank), and make the `aggregate` gloo group where any is (with the
+        default group's timeout). Collective: all ranks must call it."""
         self.layout = layout = agreed_layout(folder, self.options)
         known = _PLANS.setdefault((layout, self.options.mode), {})
         index = 0
@@ -79,8 +82,8 @@ class AggregatingWriter(LocalWrites):
                 index += len(plan.aggregators)
         if len(_PLANS) > 4:  # the layouts of earlier saves (another world or options): forgotten
             _PLANS.clear()
-        if self.plans:
-            dist.gloo_group(GROUP)
+        if self.plans:  # a peer that hangs fails the transfers after the job's own collective timeout
+            dist.gloo_group(GROUP, timeout=dist.default_timeout())
             logger.debug("%d of %d files aggregated (%s)", len(self.plans), len(files), layout)
         return True, None
 
@@ -113,7 +116,8 @@ class AggregatingWriter(LocalWrites):
             failure = e
         sends = [_send(h, held if failure is None else None, group, tag) for h in plan.sent_by(self.rank)]
         try:
-            records = self._aggregate(ref, plan, held, group, tag) if plan.aggregates(self.rank) else []
+            records = self._aggregate(ref, plan, None if failure else held, group, tag) if plan.aggregates(
+                self.rank) else []
         finally:
             _wait_all(sends, file.name)
         if failure is not None:
@@ -122,10 +126,11 @@ class AggregatingWriter(LocalWrites):
             self.in_place.sync(ref)
         return records
 
-    def _aggregate(self, ref: str, plan: AggregatedFile, held: list, group, tag: int) -> list[RangeRecord]:
+    def _aggregate(self, ref: str, plan: AggregatedFile, held: list | None, group, tag: int) -> list[RangeRecord]:
         """Receive and write this rank's cells of `plan`, two cell buffers in turn (one written while the next is
-        received). Every cell is received even after a write failed (its senders wait for it); the first failure is
-        raised at the end."""
+        received). Every cell is received even after a write or a transfer failed (its live senders wait for it);
+        the first failure is raised at the end. `held` None: this rank could not produce its pieces (its caller
+        raises that): the cells are received, nothing is written."""
         cells = plan.cells_of(self.rank)
         longest = max(b - a for a, b in cells)
         buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(min(2, len(cells)))]
@@ -135,9 +140,9 @@ class AggregatingWriter(LocalWrites):
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregate") as pool:
             for i, (a, b) in enumerate(cells):
                 cell = buffers[i % 2][:b - a]
-                _receive(cell, a, plan.holders(a, b), held, self.rank, group, tag, name)
-                failure = failure or _result(pending, records)
-                pending = None if failure else pool.submit(
+                lost = _receive(cell, a, plan.holders(a, b), held, self.rank, group, tag, name)
+                failure = failure or _result(pending, records) or lost
+                pending = None if failure or held is None else pool.submit(
                     store.write_at, ref, [(a, memoryview(cell.numpy()))], size if a == 0 else None,
                     direct_io=self.direct_io)
             failure = failure or _result(pending, records)
@@ -204,36 +209,56 @@ def _slice(held: list, start: int, end: int) -> torch.Tensor:
 
 
 def _send(h: HandOver, held: list | None, group, tag: int):
-    """Post the send of `h` (zeros where this rank failed to produce its bytes: its receiver must not wait)."""
+    """Post the send of `h` (zeros where this rank failed to produce its bytes: its receiver must not wait); (h, its
+    work or the error of posting it (a dead receiver), the bytes)."""
     data = _slice(held, h.start, h.end) if held is not None else torch.zeros(h.end - h.start, dtype=torch.uint8)
-    return h, torch.distributed.isend(data, h.receiver, group=group, tag=tag), data
+    try:
+        return h, torch.distributed.isend(data, h.receiver, group=group, tag=tag), data
+    except Exception as e:
+        return h, e, data
 
 
-def _receive(cell: torch.Tensor, at: int, parts: list[HandOver], held: list, rank: int, group, tag: int,
-             name: str) -> None:
-    """Fill `cell` (bytes from offset `at`) from this rank's own ranges and from the holders of the rest."""
+def _receive(cell: torch.Tensor, at: int, parts: list[HandOver], held: list | None, rank: int, group, tag: int,
+             name: str) -> Exception | None:
+    """Fill `cell` (bytes from offset `at`) from this rank's own ranges (zeros: `held` None) and from the holders
+    of the rest; every
+    transfer is waited for, and the first that failed (its sender died) is returned, naming the sender."""
     waits = []
     for h in parts:
         target = cell[h.start - at:h.end - at]
         if h.sender == rank:
-            target.copy_(_slice(held, h.start, h.end))
-        else:
-            waits.append((h, torch.distributed.irecv(target, h.sender, group=group, tag=tag)))
-    for h, work in waits:
+            target.copy_(_slice(held, h.start, h.end)) if held is not None else target.zero_()
+            continue
         try:
-            work.wait()
-        except Exception as e:
-            raise RuntimeError(f"{name}: receiving bytes [{h.start}, {h.end}) from rank {h.sender} failed (that rank "
-                               f"died or its connection broke): {e}") from e
+            waits.append((h, torch.distributed.irecv(target, h.sender, group=group, tag=tag)))
+        except Exception as e:  # posting to a connection known to be closed raises at once
+            waits.append((h, e))
+    return _wait_each(waits, lambda h: f"{name}: receiving bytes [{h.start}, {h.end}) from rank {h.sender}")
 
 
 def _wait_all(sends: list, name: str) -> None:
-    for h, work, _ in sends:
+    """Wait for every send (the live receivers take theirs even where one failed); raise the first failure, naming
+    its receiver."""
+    failure = _wait_each([(h, work) for h, work, _ in sends],
+                         lambda h: f"{name}: sending bytes [{h.start}, {h.end}) to rank {h.receiver}")
+    if failure is not None:
+        raise failure
+
+
+def _wait_each(transfers: list, what) -> Exception | None:
+    """Wait for every (hand-over, work or the error of posting it); the first failure, as a `RuntimeError` that
+    names the peer (`what(hand-over)`), chained to gloo's."""
+    failure = None
+    for h, work in transfers:
         try:
+            if isinstance(work, Exception):
+                raise work
             work.wait()
         except Exception as e:
-            raise RuntimeError(f"{name}: sending bytes [{h.start}, {h.end}) to rank {h.receiver} failed (that rank "
-                               f"died or its connection broke): {e}") from e
+            if failure is None:
+                failure = RuntimeError(f"{what(h)} failed (that rank died or its connection broke): {e}")
+                failure.__cause__ = e
+    return failure
 
 
 def _result(pending: Future | None, records: list) -> Exception | None:

@@ -456,9 +456,19 @@ def conclude(started: Started, outcome: tuple[bool, object], group=None) -> list
     ranges the ranks wrote reach rank 0 as one record per file (`record_tree`), their other records one message
     per rank.
 
+    A rank that died during the save (or whose connection broke) fails that all-reduce on every other rank; nobody
+    can have committed then, and each survivor returns its own outcome (whose failure names the dead rank where its
+    transfers with it failed: `AggregatingWriter`) with the collective's error.
+
     Collective (on `group`): all its ranks must call it."""
     group = group if group is not None else dist.cpu_group()  # object collectives never staged in GPU memory
-    if dist.all_reduce_ints([int(not outcome[0])], "sum", group=group)[0]:
+    try:
+        failed = dist.all_reduce_ints([int(not outcome[0])], "sum", group=group)[0]
+    except Exception as e:  # a peer is gone: without its status no rank has the sum, so none goes on to commit
+        lost = Failure.said(f"the ranks could not agree on the save's outcome: a rank died or its connection broke "
+                            f"({type(e).__name__}: {e})")
+        return [outcome, (False, lost)]
+    if failed:
         return dist.all_gather_object(outcome, group=group)
     gathered = record_tree.reduce_records(outcome[1], started.plan.files, group=group)
     status = None
