@@ -107,7 +107,8 @@ class AggregatingWriter(LocalWrites):
         plan = self.plans.get(file.name)
         if plan is None:
             return self.in_place.write(folder, file, tensors) if file.writes(self.rank) else []
-        ref, group, tag = join(folder, file.name), dist.gloo_group(GROUP), self.tags[file.name]
+        group = dist.gloo_group(GROUP, timeout=dist.default_timeout())  # made in `prepare`, or here in a writer process
+        ref, tag = join(folder, file.name), self.tags[file.name]
         failure, held = None, []
         try:
             held = [(offset, _as_bytes(data)) for offset, data in

@@ -78,7 +78,7 @@ class MultipartWriter(SharedFileWriter):
     def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         """Begin one upload per file (rank 0, the IDs sent to all) and make the gloo group of the hand-overs here,
         on the training thread. Collective: all ranks must call it."""
-        dist.gloo_group(GROUP)
+        dist.gloo_group(GROUP, timeout=dist.default_timeout())  # a peer that hangs fails the hand-overs in time
         self.tags = {f.name: i for i, f in enumerate(files)}
         self.aggregated = aggregated_uploads(folder, files, self.aggregation)
         status = guarded(lambda: begin_uploads(folder, files)) if dist.rank() == 0 else (True, None)
@@ -113,7 +113,7 @@ class MultipartWriter(SharedFileWriter):
         once its sends and receives are done (zeros sent in their place), so no other rank waits for them."""
         ref = join(folder, file.name)
         plan = self.part_plan(file, ref)
-        group, tag = dist.gloo_group(GROUP), self.tags.get(file.name, 0)
+        group, tag = dist.gloo_group(GROUP, timeout=dist.default_timeout()), self.tags.get(file.name, 0)
         failure, held = None, None
         try:
             held = sorted(rank_ranges(file, self.rank, file.encoded(tensors, self.rank)), key=lambda r: r[0])
