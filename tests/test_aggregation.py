@@ -124,3 +124,23 @@ def test_auto_aggregates_files_with_more_writers_than_allowed_or_small_pieces_fr
     assert not wants_aggregation(few, AggregationLayout(4, 4, 4096, 2**28, 8, 2**28), "auto")  # one machine
     assert wants_aggregation(few, AggregationLayout(4, 2, 4096, 2**28, 8, 2**28), "auto")  # two: 256 KiB pieces
     assert wants_aggregation(few, AggregationLayout(4, 4, 4096, 2**28, 8, 2**28), "always")
+
+
+@pytest.mark.parametrize("world", [3, 64, 4096])
+def test_bucket_cells_are_parts_of_at_least_the_smallest_part_but_the_last(world):
+    """For an object store every cell is one part: none under the store's smallest part (5 MiB) but the file's
+    last, none over the part size asked unless a range needs it to keep its parts large enough, parts numbered in
+    offset order; the transfers still tile each cell."""
+    layout = AggregationLayout(world, 8 if world % 8 == 0 else 1, 4096, 2**28, 8, 2**28)
+    mib = 2**20
+    for file in _plan(world, [(4096, 1537), (10, 4099), (7,), (1000, 2000)]):
+        agg = aggregate(file, layout, 0, min_range=5 * mib, cell_bytes=16 * mib)
+        parts = agg.parts
+        assert [p.number for p in parts] == list(range(1, len(parts) + 1))
+        assert all(p.end - p.start >= 5 * mib for p in parts[:-1]) and parts[-1].end == file.size
+        assert all(p.end - p.start <= 2 * 16 * mib for p in parts)
+        for p in parts[:3]:
+            held = sum(h.end - h.start for h in agg.holders(p.start, p.end))
+            assert held == p.end - p.start
+        assert agg.hand_over_bytes == sum(h.end - h.start for r in range(world) for h in agg.sent_by(r)) \
+            if world <= 64 else agg.hand_over_bytes > 0
