@@ -138,13 +138,13 @@ def held_bytes(held: Held, start: int, end: int, what: str) -> memoryview | byte
 
 def copy_held(buffer: bytearray, start: int, held: Held) -> int:
     """Copy what `held` holds of bytes `[start, start + len(buffer))` of the file into `buffer`; the bytes copied."""
-    end, copied = start + len(buffer), 0
+    end, copied, target = start + len(buffer), 0, memoryview(buffer)  # a view's slice assignment is one memcpy
     for offset, data in held[max(0, bisect_right(held, start, key=lambda r: r[0]) - 1):]:
         if offset >= end:
             break
         a, b = max(start, offset), min(end, offset + len(data))
         if a < b:
-            buffer[a - start:b - start] = data[a - offset:b - offset]
+            target[a - start:b - start] = data[a - offset:b - offset]
             copied += b - a
     return copied
 
