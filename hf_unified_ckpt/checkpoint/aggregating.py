@@ -37,11 +37,11 @@ import torch
 
 from .. import dist
 from ..format.aggregation import ALIGN, AggregatedFile, AggregationLayout, aggregate, wants_aggregation
-from ..format.parts import HandOver
 from ..format.planning import FilePlan
 from ..options import AggregationOptions
 from ..store import join, scheme_of
 from .files import RangeRecord
+from .hand_overs import Incoming, Sends, copy_held
 from .writer import LocalWrites, SharedFileWriter, in_place_store, rank_ranges
 
 logger = logging.getLogger(__name__)
@@ -109,43 +109,49 @@ class AggregatingWriter(LocalWrites):
             return self.in_place.write(folder, file, tensors) if file.writes(self.rank) else []
         group = dist.gloo_group(GROUP, timeout=dist.default_timeout())  # made in `prepare`, or here in a writer process
         ref, tag = join(folder, file.name), self.tags[file.name]
-        failure, held = None, []
+        failure, held = None, None
         try:
-            held = [(offset, _as_bytes(data)) for offset, data in
-                    rank_ranges(file, self.rank, file.encoded(tensors, self.rank))]
+            held = sorted(rank_ranges(file, self.rank, file.encoded(tensors, self.rank)), key=lambda r: r[0])
         except Exception as e:  # raised after the exchange: the aggregators wait for these bytes
             failure = e
-        sends = [_send(h, held if failure is None else None, group, tag) for h in plan.sent_by(self.rank)]
+        sends = Sends(plan.sent_by(self.rank), held, group, tag, file.name)  # zeros where `held` is None
+        failure = failure or sends.failure
+        incoming = Incoming(plan.received_by(self.rank), group, tag, file.name)
         try:
-            records = self._aggregate(ref, plan, None if failure else held, group, tag) if plan.aggregates(
+            records = self._aggregate(ref, plan, None if failure else held, incoming) if plan.aggregates(
                 self.rank) else []
         finally:
-            _wait_all(sends, file.name)
-        if failure is not None:
-            raise failure
+            incoming.drain()  # what a failed transfer left: received and dropped, so no live sender waits
+            unsent = sends.wait()  # the send buffers live until here
+        if failure is not None or unsent is not None:
+            raise failure or unsent
         if records:
             self.in_place.sync(ref)
         return records
 
-    def _aggregate(self, ref: str, plan: AggregatedFile, held: list | None, group, tag: int) -> list[RangeRecord]:
+    def _aggregate(self, ref: str, plan: AggregatedFile, held, incoming: Incoming) -> list[RangeRecord]:
         """Receive and write this rank's cells of `plan`, two cell buffers in turn (one written while the next is
-        received). Every cell is received even after a write or a transfer failed (its live senders wait for it);
-        the first failure is raised at the end. `held` None: this rank could not produce its pieces (its caller
-        raises that): the cells are received, nothing is written."""
+        received): each filled from this rank's own bytes (`held`) and the hand-overs of the others (`incoming`).
+        Every cell is received even after a write failed (its senders wait for it), the first failure raised at the
+        end; a failed transfer is raised at once (the caller drains the rest). `held` None: this rank could not
+        produce its bytes (its caller raises that): the cells are received, nothing is written."""
         cells = plan.cells_of(self.rank)
         longest = max(b - a for a, b in cells)
-        buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(min(2, len(cells)))]
+        buffers = [bytearray(longest) for _ in range(min(2, len(cells)))]
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, longest * len(buffers))
         store, name, size = in_place_store(ref), plan.file.name, plan.file.size
         records, failure, pending = [], None, None
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregate") as pool:
             for i, (a, b) in enumerate(cells):
-                cell = buffers[i % 2][:b - a]
-                lost = _receive(cell, a, plan.holders(a, b), held, self.rank, group, tag, name)
-                failure = failure or _result(pending, records) or lost
+                cell = memoryview(buffers[i % 2])[:b - a]
+                own = copy_held(cell, a, held) if held is not None else None
+                got = incoming.into(cell, a, b)
+                if own is not None and own + got != b - a:
+                    raise RuntimeError(f"{name}: bytes [{a}, {b}) are neither held by rank {self.rank} nor sent to "
+                                       "it; the aggregation plan and the engine's shards disagree.")
+                failure = failure or _result(pending, records)
                 pending = None if failure or held is None else pool.submit(
-                    store.write_at, ref, [(a, memoryview(cell.numpy()))], size if a == 0 else None,
-                    direct_io=self.direct_io)
+                    store.write_at, ref, [(a, cell)], size if a == 0 else None, direct_io=self.direct_io)
             failure = failure or _result(pending, records)
         if failure is not None:
             raise failure
@@ -189,77 +195,6 @@ def block_size(folder: str) -> int:
     except OSError:
         return ALIGN
     return size if ALIGN <= size <= MAX_ALIGN and size & (size - 1) == 0 else ALIGN
-
-
-def _as_bytes(data: memoryview) -> torch.Tensor:
-    """A flat uint8 tensor over `data` (a tensor's bytes, shared; the header's bytes, copied: they are read-only)."""
-    view = memoryview(data)
-    if not view.nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
-
-
-def _slice(held: list, start: int, end: int) -> torch.Tensor:
-    """Bytes [start, end) of the file from this rank's `held` ranges ((offset, uint8 tensor), offset order); the
-    plan cuts every transfer within one held range."""
-    for offset, data in held:
-        if offset <= start and end <= offset + len(data):
-            return data[start - offset:end - offset]
-    raise RuntimeError(f"bytes [{start}, {end}) are not held by this rank in one range; the aggregation plan and the "
-                       "engine's shards disagree.")
-
-
-def _send(h: HandOver, held: list | None, group, tag: int):
-    """Post the send of `h` (zeros where this rank failed to produce its bytes: its receiver must not wait); (h, its
-    work or the error of posting it (a dead receiver), the bytes)."""
-    data = _slice(held, h.start, h.end) if held is not None else torch.zeros(h.end - h.start, dtype=torch.uint8)
-    try:
-        return h, torch.distributed.isend(data, h.receiver, group=group, tag=tag), data
-    except Exception as e:
-        return h, e, data
-
-
-def _receive(cell: torch.Tensor, at: int, parts: list[HandOver], held: list | None, rank: int, group, tag: int,
-             name: str) -> Exception | None:
-    """Fill `cell` (bytes from offset `at`) from this rank's own ranges (zeros: `held` None) and from the holders
-    of the rest; every
-    transfer is waited for, and the first that failed (its sender died) is returned, naming the sender."""
-    waits = []
-    for h in parts:
-        target = cell[h.start - at:h.end - at]
-        if h.sender == rank:
-            target.copy_(_slice(held, h.start, h.end)) if held is not None else target.zero_()
-            continue
-        try:
-            waits.append((h, torch.distributed.irecv(target, h.sender, group=group, tag=tag)))
-        except Exception as e:  # posting to a connection known to be closed raises at once
-            waits.append((h, e))
-    return _wait_each(waits, lambda h: f"{name}: receiving bytes [{h.start}, {h.end}) from rank {h.sender}")
-
-
-def _wait_all(sends: list, name: str) -> None:
-    """Wait for every send (the live receivers take theirs even where one failed); raise the first failure, naming
-    its receiver."""
-    failure = _wait_each([(h, work) for h, work, _ in sends],
-                         lambda h: f"{name}: sending bytes [{h.start}, {h.end}) to rank {h.receiver}")
-    if failure is not None:
-        raise failure
-
-
-def _wait_each(transfers: list, what) -> Exception | None:
-    """Wait for every (hand-over, work or the error of posting it); the first failure, as a `RuntimeError` that
-    names the peer (`what(hand-over)`), chained to gloo's."""
-    failure = None
-    for h, work in transfers:
-        try:
-            if isinstance(work, Exception):
-                raise work
-            work.wait()
-        except Exception as e:
-            if failure is None:
-                failure = RuntimeError(f"{what(h)} failed (that rank died or its connection broke): {e}")
-                failure.__cause__ = e
-    return failure
 
 
 def _result(pending: Future | None, records: list) -> Exception | None:

@@ -51,13 +51,19 @@ class Sends:
                 if zeros is None:
                     zeros = torch.zeros(max(o.end - o.start for o in hand_overs), dtype=torch.uint8)
                 data = zeros[:h.end - h.start]
-            self._posted.append((h, data, dist.isend(data, h.receiver, group=group, tag=tag)))
+            try:
+                request = dist.isend(data, h.receiver, group=group, tag=tag)
+            except Exception as e:  # noqa: BLE001 - a connection known closed refuses at once; the others still go
+                request = e
+            self._posted.append((h, data, request))
 
     def wait(self) -> BaseException | None:
         """Wait for every send (its buffer is released then); the first that failed, naming its receiver, or None."""
         first = None
         for h, _, request in self._posted:
             try:
+                if isinstance(request, Exception):
+                    raise request
                 request.wait()
             except Exception as e:  # noqa: BLE001 - every send is waited for before the buffers go
                 first = first or _transfer_error(self.what, h, "sending", "to", h.receiver, e)
