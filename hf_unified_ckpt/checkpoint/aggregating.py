@@ -10,8 +10,9 @@ file, in `write` (in plan order, on every rank: `collective_write`):
   (`AggregatedFile.sent_by`: views of its host copies, no extra memory; `hand_overs.Sends`, the bucket hand-overs'
   code), on the `aggregate` gloo group, tagged with the file's index in the plan, before it does anything else;
 - an aggregator then takes its cells in offset order: it receives the cell's bytes into one of two cell buffers
-  (its own pieces copied in, the others' received straight into it: `hand_overs.Incoming`), then hands the cell to a write thread (direct I/O, `PositionalWrites.write_at`) and
-  receives the next cell into the other buffer while it is written: at most two cells of extra memory;
+  (its own pieces copied in, the others' received straight into it: `hand_overs.Incoming`), then hands the cell to
+  a write thread (direct I/O, `PositionalWrites.write_at`) and receives the next cell into the other buffer while it
+  is written: at most two cells of extra memory;
 - once its sends completed and its cells are written, each rank returns one `RangeRecord` per cell written; the
   records are combined into one per file on the way to rank 0 (`record_tree`).
 

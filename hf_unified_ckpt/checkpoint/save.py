@@ -292,7 +292,8 @@ def begin(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, 
     Collective: all ranks must call it."""
     staging = open_staging(as_ref(request.final_dir))
     gathered = sends_pieces(staging, request)
-    plan = plan_save(engine, request, shared=staging.in_place or gathered, rank_local=not (staging.multipart or gathered))
+    plan = plan_save(engine, request, shared=staging.in_place or gathered,
+                     rank_local=not (staging.multipart or gathered))
     writer = choose_writer(staging, request)
     raise_if_failed([writer.prepare(staging.path, plan.files)], staging, writer)
     show = request.show_progress and dist.rank() == 0
