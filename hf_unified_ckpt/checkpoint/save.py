@@ -9,9 +9,11 @@ It is cut once, where the snapshot is taken:
   `checkpoint-N` itself, committed by its manifest); ranks that cannot see it (their machine has its own local folder)
   create their own; every rank computes the same shard plan (`plan_save`: from the engine's partition rule, cached
   across saves, where it has one: `rule_plan`; else from a census of every rank's pieces); the write strategy is
-  chosen from the store's capabilities and prepared (`writer.choose_writer`: pieces in place where every rank sees the
-  folder and the store writes at offsets, parts of multipart uploads on an object store, else whole files); file by
-  file, sharded engines assemble each tensor on the rank that writes it;
+  chosen from the store's capabilities and the options, and prepared (`choose_writer`: pieces in place where every
+  rank sees the folder and the store writes at offsets, or through a few aggregators per file where a file would
+  have many writers (`aggregating.py`); parts of multipart uploads on an object store; into machine-local folders,
+  each file by its one writer from the pieces the others send it); file by file, the tensors no rank holds in one
+  contiguous piece are assembled by the engine on the rank that writes them;
 - then the snapshot: the live tensors themselves (synchronous save) or host copies (`snapshot.py`), held by a
   `PersistJob` with the small files as bytes;
 - after it, `finish`, wherever the executor runs it (collective on its group): every rank writes its files
