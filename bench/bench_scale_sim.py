@@ -386,14 +386,18 @@ class SimDist:
     def cpu_group(self):
         return None
 
-    def gloo_group(self, purpose: str):
+    def gloo_group(self, purpose: str, timeout=None):
+        return None
+
+    def default_timeout(self):
         return None
 
     def install(self):
         """Put this simulation in place of `hf_unified_ckpt.dist`'s functions; returns what to put back."""
         names = [n for n in ("rank", "world_size", "is_distributed", "barrier", "all_gather_object",
-                             "broadcast_object", "cpu_group", "gloo_group", "all_reduce_ints", "exclusive_scan_ints",
-                             "exchange_tensors", "send_bytes", "recv_bytes") if hasattr(real_dist, n)]
+                             "broadcast_object", "cpu_group", "gloo_group", "default_timeout", "all_reduce_ints",
+                             "exclusive_scan_ints", "exchange_tensors", "send_bytes", "recv_bytes")
+                 if hasattr(real_dist, n)]
         saved = {n: getattr(real_dist, n) for n in names}
         for n in names:
             setattr(real_dist, n, getattr(self, n))
