@@ -55,7 +55,8 @@ class StorageWriter(Protocol):
     `local_tensors` (training thread), then `write` within `syncing` (wherever the executor runs the save), then
     `finish` (rank 0, before the manifest), or `abort` (the folder's leader, when the save failed)."""
 
-    #: Whether `write` is a collective (all ranks write every file, in plan order, on the strategy's own group).
+    #: Whether `write` transfers bytes to other ranks' writes (multipart hand-overs, aggregators): every rank then
+    #: writes every file it is handed, in plan order, point to point on the strategy's own group.
     collective_write: bool
 
     def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
