@@ -6,6 +6,7 @@ runs to the same bytes; references are strings that `pathlib` would mangle."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import multiprocessing
@@ -25,6 +26,7 @@ import hf_unified_ckpt.checkpoint.save as save_module
 import hf_unified_ckpt.store.local as local_store_module
 from _runs import THREADS, pin_threads
 from conftest import record_fault
+from hf_unified_ckpt.checkpoint.aggregating import AggregatingWriter
 from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
 from hf_unified_ckpt.engines.replicated import ReplicatedEngine
 from hf_unified_ckpt.store.node import host_name
@@ -237,15 +239,21 @@ def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path, monk
 
 
 def test_memory_writes_whole_files_and_local_writes_in_place(memory_run, tmp_path):
-    """Which writer a save uses follows the store's capabilities (not the scheme)."""
+    """Which writer a save uses follows the store's capabilities (not the scheme), and on a folder every rank sees
+    the options: files in pieces through aggregators where they would have many writers (in place otherwise), or
+    always in place (`in_place`)."""
     model, opt = _model_and_optimizer()
     engine = ReplicatedEngine(model, opt)
-    for final, writer in ((join(memory_run, "checkpoint-1"), WholeFileWriter),
-                          (str(tmp_path / "checkpoint-1"), SharedFileWriter)):
+    in_place = dataclasses.replace(OPTIONS, aggregation=dataclasses.replace(OPTIONS.aggregation, mode="never"))
+    for final, options, writer in ((join(memory_run, "checkpoint-1"), OPTIONS, WholeFileWriter),
+                                   (str(tmp_path / "checkpoint-1"), in_place, SharedFileWriter),
+                                   (str(tmp_path / "checkpoint-1"), OPTIONS, AggregatingWriter)):
         staging = open_staging(final)
         try:
-            assert staging.in_place == (writer is SharedFileWriter)
-            assert type(save_module.choose_writer(staging, SaveRequest(final, 1, OPTIONS))) is writer
+            assert staging.in_place == (writer is not WholeFileWriter)
+            chosen = save_module.choose_writer(staging, SaveRequest(final, 1, options))
+            assert type(chosen) is writer
+            assert writer is not AggregatingWriter or type(chosen.in_place) is SharedFileWriter  # the rest's writer
         finally:
             save_module.discard(staging.path)
         assert not store_for(final).is_folder(staging.path)

@@ -40,7 +40,7 @@ from .. import dist
 from ..format.aggregation import ALIGN, AggregatedFile, AggregationLayout, aggregate, wants_aggregation
 from ..format.planning import FilePlan
 from ..options import AggregationOptions
-from ..store import join, scheme_of
+from ..store import join, positional_writes_of, store_for
 from .files import RangeRecord
 from .hand_overs import Incoming, Sends, copy_held
 from .writer import LocalWrites, SharedFileWriter, in_place_store, rank_ranges
@@ -49,8 +49,6 @@ logger = logging.getLogger(__name__)
 
 #: The name of the gloo group that carries the aggregated files' bytes (`dist.gloo_group`).
 GROUP = "aggregate"
-#: The largest alignment taken from a filesystem's block size.
-MAX_ALIGN = 64 * 2**20
 
 
 class AggregatingWriter(LocalWrites):
@@ -187,15 +185,9 @@ def agreed_layout(folder: str, options: AggregationOptions) -> AggregationLayout
 
 
 def block_size(folder: str) -> int:
-    """The alignment of a local or mounted `folder`'s writes: its filesystem's block size (a parallel filesystem's
-    stripe where it reports it so) where that is a power of two between 4 KiB and 64 MiB, else 4 KiB."""
-    if scheme_of(folder):
-        return ALIGN
-    try:
-        size = max(os.statvfs(folder).f_bsize, os.stat(folder).st_blksize)
-    except OSError:
-        return ALIGN
-    return size if ALIGN <= size <= MAX_ALIGN and size & (size - 1) == 0 else ALIGN
+    """The alignment of `folder`'s writes: its store's block size where it writes at offsets, else 4 KiB."""
+    store = positional_writes_of(store_for(folder))
+    return store.block_size(folder) if store is not None else ALIGN
 
 
 def _result(pending: Future | None, records: list) -> Exception | None:

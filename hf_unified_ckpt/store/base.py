@@ -168,6 +168,10 @@ class PositionalWrites(Protocol):
         (offset, length, CRC-32), computed from memory. The ranges are consumed one at a time. `direct_io`: the
         aligned blocks bypass the page cache where the filesystem allows it. Durable only after `sync`."""
 
+    def block_size(self, ref: str) -> int:
+        """The alignment writes into folder `ref` should keep (its filesystem's block, or a parallel filesystem's
+        stripe where it reports it so): a power of two of at least 4 KiB."""
+
 
 @runtime_checkable
 class MultipartUploads(Protocol):

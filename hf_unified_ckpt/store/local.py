@@ -86,6 +86,16 @@ class LocalStore:
             return write_at_direct(path, ranges, size)
         return local_io.write_at(path, ranges, size)
 
+    def block_size(self, ref: str) -> int:
+        """`statvfs`'s block or the folder's `st_blksize` (a parallel filesystem reports its stripe there), where
+        it is a power of two from 4 KiB to 64 MiB; else 4 KiB."""
+        try:
+            path = self._path(ref)
+            size = max(os.statvfs(path).f_bsize, os.stat(path).st_blksize)
+        except OSError:
+            return 4096
+        return size if 4096 <= size <= 64 * 2**20 and size & (size - 1) == 0 else 4096
+
     def sync(self, ref: str) -> None:
         local_io.fsync_file(self._path(ref))
 
