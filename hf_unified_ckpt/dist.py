@@ -192,6 +192,12 @@ def irecv(tensor, src: int, group=None, tag: int = 0):
     return _torch_dist().irecv(tensor, src, group=group if group is not None else cpu_group(), tag=tag)
 
 
+def recv_any(tensor, group=None, tag: int = 0) -> int:
+    """Receive into `tensor` (CPU, contiguous) the first message of `tag` from any rank; that rank. Point-to-point:
+    the sender posts an `isend` of as many bytes with the same tag."""
+    return _torch_dist().recv(tensor, None, group=group if group is not None else cpu_group(), tag=tag)
+
+
 def exchange_tensors(sends: dict, receives: dict, group=None) -> dict:
     """Send `sends[rank]` (a 1-D CPU tensor) to each rank and receive from each rank in `receives` a tensor of the
     (numel, dtype) given there, all in flight together. Point-to-point: every pair's sender and receiver call it

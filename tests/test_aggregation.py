@@ -4,8 +4,9 @@ aligned range, from bytes sent point-to-point — byte-identical to the same sav
 One launch of 3 real ranks (gloo, CPU): ZeRO-3 (synchronous save) and FSDP2 (async save, O1-compressed moments:
 pieces through a codec, halos), each saved in place (the word `in_place`) and aggregated (the word `aggregate`, with
 ranges of 8 KiB and cells of 4 KiB, so the tiny model's files have several aggregators, pieces cross cell and range
-boundaries, and some ranks hold empty pieces: the Llama's 10-row k_proj over 3 ranks, its 30-element norms). The
-pure plan is checked on its own too: the cells tile each file, every byte is sent by its holder to the cell's
+boundaries, and some ranks hold empty pieces: the Llama's 10-row k_proj over 3 ranks, its 30-element norms), and
+ZeRO-3 bf16 with residual master weights whose ties (planted every 3 steps) each rank alone can place. The pure plan
+is checked on its own too: the cells tile each file, every byte is sent by its holder to the cell's
 aggregator exactly once, and what the ranks send is what the aggregators receive.
 """
 
@@ -17,15 +18,18 @@ import torch
 from _runs import spec_of
 from conftest import torchrun
 from hf_unified_ckpt.checkpoint.layout import detect_layout
-from hf_unified_ckpt.format.aggregation import AggregationLayout, aggregate, wants_aggregation, writers_of
-from hf_unified_ckpt.format.planning import Strided, TensorSpec, file_plans, plan_component
+from hf_unified_ckpt.format.aggregation import (UNKNOWN, AggregationLayout, aggregate, wants_aggregation,
+                                                writers_of)
+from hf_unified_ckpt.format.planning import OwnOnly, Strided, TensorSpec, file_plans, plan_component
 
 FORCED = {"unified_checkpoint_aggregate_range": "8KiB", "unified_checkpoint_aggregate_buffer": "8KiB"}
 KINDS = {
     "z3": {"zero": 3},
     "f2": {"fsdp": 2, "overrides": {"ckpt_quant_stage": "O1"}},
+    # bf16 with the residual master weights: their ties are pieces only their own rank can place (announced)
+    "z3r": {"zero": 3, "plant_ties": 3, "overrides": {"bf16": True}},
 }
-CONFIG = {"z3": "", "f2": "async_save"}
+CONFIG = {"z3": "", "f2": "async_save", "z3r": "residual_master_weight"}
 
 
 def _runs(tmp):
@@ -144,3 +148,35 @@ def test_bucket_cells_are_parts_of_at_least_the_smallest_part_but_the_last(world
             assert held == p.end - p.start
         assert agg.hand_over_bytes == sum(h.end - h.start for r in range(world) for h in agg.sent_by(r)) \
             if world <= 64 else agg.hand_over_bytes > 0
+
+
+def test_pieces_only_their_rank_can_place_are_announced_to_the_aggregator_that_expects_exactly_them():
+    """Residual ties: each rank's plan knows only its own piece (`OwnOnly`); a rank announces what it holds of
+    other ranks' cells, and each aggregator's own plan expects, per cell, exactly the bytes the others announce."""
+    world, counts = 4, [300, 0, 517, 1201]
+    total = sum(counts)
+    specs = [TensorSpec("w", (64, 96), torch.float32), TensorSpec("ties", (total,), torch.int64)]
+    plan = plan_component("master", specs, world, 10**9)
+    layout = AggregationLayout(world, 1, 4096, 8192, 3, 4096)
+    base = Strided(total, -(-total // world))
+
+    def file_of(rank):
+        pieces = {"w": Strided(64 * 96, -(-64 * 96 // world)),
+                  "ties": OwnOnly(rank, sum(counts[:rank]), counts[rank], base)}
+        return file_plans(plan, pieces)[0]
+
+    plans = [aggregate(file_of(r), layout, 0) for r in range(world)]
+    assert plans[0].cells == plans[3].cells and len(set(plans[0].aggregators)) > 1
+    for a, b, owner in plans[0].cells:
+        expected = plans[owner].unknown_bytes(a, b)
+        announced = sum(min(b, h.end) - max(a, h.start) for r in range(world) for h in plans[r].announced_by(r)
+                        if h.receiver == owner and h.start < b and h.end > a)
+        assert expected == announced
+        known = sum(h.end - h.start for h in plans[owner].holders(a, b) if h.sender != UNKNOWN)
+        assert known + expected == b - a
+    head = len(plans[0].file.header_bytes)
+    a, b = next((head + start, head + end) for name, start, end, *_ in plans[0].file.layout if name == "ties")
+    for r in range(world):  # the ties never travel as known hand-overs, always announced
+        assert not [h for h in plans[r].sent_by(r) if h.start < b and h.end > a]
+        assert all(a <= h.start < h.end <= b for h in plans[r].announced_by(r))
+    assert sum(h.end - h.start for r in range(world) for h in plans[r].announced_by(r)) > 0

@@ -16,6 +16,11 @@ file, in `write` (in plan order, on every rank: `collective_write`):
 - once its sends completed and its cells are written, each rank returns one `RangeRecord` per cell written; the
   records are combined into one per file on the way to rank 0 (`record_tree`).
 
+A piece only its own rank can place (the residual master weights' ties: each rank knows only its own offset) is
+announced: its holder sends its bounds, then its bytes, on a tag of the cell (`cell_tag`), and the aggregator, which
+knows how many such bytes its cell holds (`AggregatedFile.unknown_bytes`), takes them from whichever rank sends them
+(`hand_overs.receive_announced`).
+
 Each byte crosses the network at most once, and a rank receives only bytes it writes. A rank that failed to produce
 its pieces still sends the planned number of bytes (zeros), so no aggregator waits for it, and still receives the
 cells it aggregates (writing none), then raises; an aggregator whose write failed receives its remaining cells before
@@ -42,7 +47,7 @@ from ..format.planning import FilePlan
 from ..options import AggregationOptions
 from ..store import join, positional_writes_of, store_for
 from .files import RangeRecord
-from .hand_overs import Incoming, Sends, copy_held
+from .hand_overs import Incoming, Sends, copy_held, receive_announced
 from .writer import LocalWrites, SharedFileWriter, in_place_store, rank_ranges
 
 logger = logging.getLogger(__name__)
@@ -114,23 +119,27 @@ class AggregatingWriter(LocalWrites):
         except Exception as e:  # raised after the exchange: the aggregators wait for these bytes
             failure = e
         sends = Sends(plan.sent_by(self.rank), held, group, tag, file.name)  # zeros where `held` is None
-        failure = failure or sends.failure
+        announced = Sends(plan.announced_by(self.rank), held, group, tag, file.name,
+                          announce=lambda h: cell_tag(tag, plan.cell_index(h.start)))
+        failure = failure or sends.failure or announced.failure
         incoming = Incoming(plan.received_by(self.rank), group, tag, file.name)
         try:
-            records = self._aggregate(ref, plan, None if failure else held, incoming) if plan.aggregates(
+            records = self._aggregate(ref, plan, None if failure else held, incoming, group, tag) if plan.aggregates(
                 self.rank) else []
         finally:
             incoming.drain()  # what a failed transfer left: received and dropped, so no live sender waits
-            unsent = sends.wait()  # the send buffers live until here
+            unsent = sends.wait() or announced.wait()  # the send buffers live until here
         if failure is not None or unsent is not None:
             raise failure or unsent
         if records:
             self.in_place.sync(ref)
         return records
 
-    def _aggregate(self, ref: str, plan: AggregatedFile, held, incoming: Incoming) -> list[RangeRecord]:
+    def _aggregate(self, ref: str, plan: AggregatedFile, held, incoming: Incoming, group,
+                   tag: int) -> list[RangeRecord]:
         """Receive and write this rank's cells of `plan`, two cell buffers in turn (one written while the next is
-        received): each filled from this rank's own bytes (`held`) and the hand-overs of the others (`incoming`).
+        received): each filled from this rank's own bytes (`held`), the hand-overs of the others (`incoming`) and
+        the bytes announced to it (pieces only their own rank can place: `receive_announced`).
         Every cell is received even after a write failed (its senders wait for it), the first failure raised at the
         end; a failed transfer is raised at once (the caller drains the rest). `held` None: this rank could not
         produce its bytes (its caller raises that): the cells are received, nothing is written."""
@@ -145,6 +154,10 @@ class AggregatingWriter(LocalWrites):
                 cell = memoryview(buffers[i % 2])[:b - a]
                 own = copy_held(cell, a, held) if held is not None else None
                 got = incoming.into(cell, a, b)
+                unknown = plan.unknown_bytes(a, b)
+                if unknown:
+                    got += receive_announced(cell, a, b, unknown, group, cell_tag(tag, plan.cell_index(a)), tag,
+                                             name)
                 if own is not None and own + got != b - a:
                     raise RuntimeError(f"{name}: bytes [{a}, {b}) are neither held by rank {self.rank} nor sent to "
                                        "it; the aggregation plan and the engine's shards disagree.")
@@ -155,6 +168,12 @@ class AggregatingWriter(LocalWrites):
         if failure is not None:
             raise failure
         return [RangeRecord(name, offset, length, crc) for offset, length, crc in records]
+
+
+def cell_tag(file_tag: int, cell: int) -> int:
+    """The tag of the announced bytes of cell `cell` of the file of tag `file_tag` (gloo tags are non-negative
+    int32): above the files' own tags, unique per cell of a file and per file among 1,024 in a row."""
+    return 2**30 + (file_tag % 2**10) * 2**20 + cell % 2**20
 
 
 #: Aggregation plans kept from save to save (an engine following a partition rule reuses its file plans: `rule_plan`):

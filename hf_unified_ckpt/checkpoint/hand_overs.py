@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,12 +35,18 @@ class Sends:
     """The non-blocking sends of one rank's hand-overs of one file, posted in offset order at construction: the
     bytes of `held`, or zeros where `held` is None (this rank failed) or does not hold them (`failure` says why)."""
 
-    def __init__(self, hand_overs: list[HandOver], held: Held | None, group, tag: int, what: str):
+    def __init__(self, hand_overs: list[HandOver], held: Held | None, group, tag: int, what: str,
+                 announce: Callable[[HandOver], int] | None = None):
+        """`announce`: each hand-over goes with its bounds (a header: `tag`, first byte, end byte), on the tag
+        `announce(hand-over)` gives, for a receiver that cannot know its sender (`receive_announced`)."""
         self.what = what
         self.failure: BaseException | None = None
         self._posted: list[tuple[HandOver, torch.Tensor, object]] = []
         zeros = None
         for h in sorted(hand_overs, key=lambda h: h.start):
+            if announce is not None:
+                header = torch.tensor([tag, h.start, h.end], dtype=torch.int64)
+                self._post(h, header, announce(h), group)
             data = None
             if held is not None and self.failure is None:
                 try:
@@ -51,11 +57,14 @@ class Sends:
                 if zeros is None:
                     zeros = torch.zeros(max(o.end - o.start for o in hand_overs), dtype=torch.uint8)
                 data = zeros[:h.end - h.start]
-            try:
-                request = dist.isend(data, h.receiver, group=group, tag=tag)
-            except Exception as e:  # noqa: BLE001 - a connection known closed refuses at once; the others still go
-                request = e
-            self._posted.append((h, data, request))
+            self._post(h, data, tag if announce is None else announce(h), group)
+
+    def _post(self, h: HandOver, data: torch.Tensor, tag: int, group) -> None:
+        try:
+            request = dist.isend(data, h.receiver, group=group, tag=tag)
+        except Exception as e:  # noqa: BLE001 - a connection known closed refuses at once; the others still go
+            request = e
+        self._posted.append((h, data, request))
 
     def wait(self) -> BaseException | None:
         """Wait for every send (its buffer is released then); the first that failed, naming its receiver, or None."""
@@ -126,6 +135,32 @@ class Incoming:
                 dist.irecv(scratch[:h.end - h.start], h.sender, group=self._group, tag=self._tag).wait()
             except Exception:  # noqa: BLE001 - this rank is failing already
                 dead.add(h.sender)
+
+
+def receive_announced(buffer, start: int, end: int, expected: int, group, tag: int, file_tag: int,
+                      what: str) -> int:
+    """Receive into `buffer` (bytes [start, end) of the file) `expected` bytes sent with their bounds by ranks this
+    one cannot name (`Sends(..., announce=...)`): each a header from any rank on `tag`, then its bytes from that
+    rank. The bytes received. Point-to-point."""
+    header, got = torch.empty(3, dtype=torch.int64), 0
+    while got < expected:
+        try:
+            sender = dist.recv_any(header, group=group, tag=tag)
+        except Exception as e:
+            raise RuntimeError(f"{what}: receiving the bounds of {expected - got} bytes of [{start}, {end}) from the "
+                               f"rank holding them failed: {type(e).__name__}: {e}") from e
+        theirs, first, last = header.tolist()
+        if theirs != file_tag or not start <= first < last <= end:
+            raise RuntimeError(f"{what}: rank {sender} announced bytes [{first}, {last}) of file {theirs} where "
+                               f"bytes of [{start}, {end}) of file {file_tag} were due; the plans disagree.")
+        view = torch.frombuffer(buffer, dtype=torch.uint8, count=last - first, offset=first - start)
+        try:
+            dist.irecv(view, sender, group=group, tag=tag).wait()
+        except Exception as e:
+            raise _transfer_error(what, HandOver(first, last, sender, dist.rank()), "receiving", "from", sender,
+                                  e) from e
+        got += last - first
+    return got
 
 
 def held_bytes(held: Held, start: int, end: int, what: str) -> memoryview | bytearray:

@@ -11,8 +11,10 @@ receives, per cell, the bytes it does not hold from their holders (`received_by`
 the messages between two ranks match one to one, in offset order.
 
 Each rank's answers cost O(its own pieces + the pieces within its cells), not O(ranks x tensors): the pieces are
-closed forms (`planning.Strided` and what codecs make of it) answered by binary search. A file whose pieces only
-their own rank knows (`planning.OwnOnly`: the residual master weights' ties) cannot be aggregated (`can_aggregate`).
+closed forms (`planning.Strided` and what codecs make of it) answered by binary search. A piece only its own rank
+can place (`planning.OwnOnly`: the residual master weights' ties, each rank's offset an exclusive scan) is
+*announced*: its holder sends it with its bounds (`announced_by`), and the aggregator, which knows how many such bytes
+its cell holds but not from whom (`holders` names their sender `UNKNOWN`), takes them from any rank.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .planning import FilePlan, OwnOnly, piece_of
 ALIGN = 4096
 #: Below this many bytes per piece (on average), a file written in place by several machines is aggregated.
 SMALL_PIECE = 8 * 2**20
+#: The sender of bytes only their own rank can place (`AggregatedFile.holders`): announced, taken from any rank.
+UNKNOWN = -1
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,15 @@ class AggregatedFile:
         return [c[0] for c in self.cells]
 
     @cached_property
+    def _own_only(self) -> frozenset[str]:
+        """The stored tensors whose pieces only their own rank can place (announced)."""
+        return frozenset(name for name, *_, pieces in self.file.layout if isinstance(pieces, OwnOnly))
+
+    def cell_index(self, offset: int) -> int:
+        """The index of the cell holding byte `offset`."""
+        return bisect.bisect_right(self._starts, offset) - 1
+
+    @cached_property
     def _runs(self) -> list[tuple[int, int, int, int, object]]:
         """The file's layout as (first byte, end byte in the file, element size, stored name, pieces or None: held
         whole by the header rank), in offset order, after the header."""
@@ -100,10 +113,19 @@ class AggregatedFile:
         return [(a, b) for a, b, owner in self.cells if owner == rank]
 
     def sent_by(self, rank: int) -> list[HandOver]:
-        """The bytes `rank` holds of cells another rank aggregates, cut at the cells, in offset order."""
+        """The bytes `rank` holds of cells another rank aggregates, cut at the cells, in offset order (but those
+        only it can place: `announced_by`)."""
+        return self._cut(rank, [(a, b) for a, b, announced in self._held(rank) if not announced])
+
+    def announced_by(self, rank: int) -> list[HandOver]:
+        """What `rank` holds of pieces only it can place, within cells another rank aggregates, cut at the cells:
+        sent with their bounds, as the receiver cannot know their sender."""
+        return self._cut(rank, [(a, b) for a, b, announced in self._held(rank) if announced])
+
+    def _cut(self, rank: int, held: list[tuple[int, int]]) -> list[HandOver]:
         out = []
-        for start, end in self._held(rank):
-            i = bisect.bisect_right(self._starts, start) - 1
+        for start, end in held:
+            i = self.cell_index(start)
             while start < end:
                 a, b, owner = self.cells[i]
                 stop = min(end, b)
@@ -113,13 +135,19 @@ class AggregatedFile:
         return out
 
     def received_by(self, rank: int) -> list[HandOver]:
-        """The bytes of `rank`'s cells that other ranks hold, cut at the cells, in offset order."""
-        return [h for a, b in self.cells_of(rank) for h in self.holders(a, b) if h.sender != rank]
+        """The bytes of `rank`'s cells that other ranks hold and it knows from whom, cut at the cells, in offset
+        order (the rest of its cells is announced: `unknown_bytes`)."""
+        return [h for a, b in self.cells_of(rank) for h in self.holders(a, b) if h.sender not in (rank, UNKNOWN)]
+
+    def unknown_bytes(self, start: int, end: int) -> int:
+        """How many bytes of [start, end) come announced (pieces only their own rank can place, not this one's)."""
+        return sum(h.end - h.start for h in self.holders(start, end) if h.sender == UNKNOWN)
 
     def holders(self, start: int, end: int) -> list[HandOver]:
         """Who holds bytes [start, end) of the file (receiver: the cell's aggregator), in offset order: the header
-        and the tensors written whole by the header rank, each piece by its holder."""
-        owner = self.cells[bisect.bisect_right(self._starts, start) - 1][2]
+        and the tensors written whole by the header rank, each piece by its holder; of a piece only its own rank can
+        place, this process's rank where it holds it, else `UNKNOWN`."""
+        owner = self.cells[self.cell_index(start)][2]
         header_rank, head = self.file.header_rank, len(self.file.header_bytes)
         out = [HandOver(start, min(end, head), header_rank, owner)] if start < head else []
         runs = self._runs
@@ -132,16 +160,20 @@ class AggregatedFile:
             lo, hi = max(start, first), min(end, last)
             if pieces is None:
                 out.append(HandOver(lo, hi, header_rank, owner))
-                continue
-            for rank, a, n in pieces_between(pieces, (lo - first) // size, -(-(hi - first) // size)):
-                out.append(HandOver(max(lo, first + a * size), min(hi, first + (a + n) * size), rank, owner))
+            elif isinstance(pieces, OwnOnly):
+                out += _announced(lo, hi, first, size, pieces, owner)
+            else:
+                for rank, a, n in pieces_between(pieces, (lo - first) // size, -(-(hi - first) // size)):
+                    out.append(HandOver(max(lo, first + a * size), min(hi, first + (a + n) * size), rank, owner))
         return out
 
-    def _held(self, rank: int) -> list[tuple[int, int]]:
-        """The byte ranges `rank` holds of the file (its header and write items), in offset order."""
+    def _held(self, rank: int) -> list[tuple[int, int, bool]]:
+        """The byte ranges `rank` holds of the file (its header and write items), in offset order, each with whether
+        only `rank` can place it (announced)."""
         head = len(self.file.header_bytes)
-        held = [(0, head)] if rank == self.file.header_rank else []
-        held += sorted((head + i.start, head + i.end) for i in self.file.items_of(rank) if i.end > i.start)
+        held = [(0, head, False)] if rank == self.file.header_rank else []
+        held += sorted((head + i.start, head + i.end, i.name in self._own_only) for i in self.file.items_of(rank)
+                       if i.end > i.start)
         return held
 
     @cached_property
@@ -156,6 +188,18 @@ class AggregatedFile:
     def hand_over_bytes(self) -> int:
         """The bytes that cross ranks: what the aggregators receive."""
         return sum(h.end - h.start for rank in set(self.aggregators) for h in self.received_by(rank))
+
+
+def _announced(lo: int, hi: int, first: int, size: int, pieces: OwnOnly, owner: int) -> list[HandOver]:
+    """Bytes [lo, hi) of a tensor whose pieces only their own rank can place (`pieces`: this process's view): its
+    own piece's bytes there by this rank, the rest `UNKNOWN`."""
+    a, n = pieces.of(pieces.rank)
+    mine = (max(lo, first + a * size), min(hi, first + (a + n) * size)) if n else (hi, hi)
+    if mine[0] >= mine[1]:
+        return [HandOver(lo, hi, UNKNOWN, owner)]
+    out = [HandOver(lo, mine[0], UNKNOWN, owner)] if lo < mine[0] else []
+    out.append(HandOver(*mine, pieces.rank, owner))
+    return out + ([HandOver(mine[1], hi, UNKNOWN, owner)] if mine[1] < hi else [])
 
 
 def pieces_between(pieces, lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -182,11 +226,6 @@ def pieces_between(pieces, lo: int, hi: int) -> list[tuple[int, int, int]]:
         if count:
             out.append((rank, first, count))
     return out
-
-
-def can_aggregate(file: FilePlan) -> bool:
-    """Whether every rank can tell who holds each byte of `file` (no piece known to its own rank only)."""
-    return not any(isinstance(p, OwnOnly) for *_, p in file.layout)
 
 
 def writers_of(file: FilePlan) -> int:
@@ -222,7 +261,7 @@ def mean_piece_bytes(file: FilePlan) -> float:
 def wants_aggregation(file: FilePlan, layout: AggregationLayout, mode: str) -> bool:
     """Whether `file` is aggregated: `mode` "always" / "never", or "auto": it has pieces every rank can place and
     more than `layout.per_file` writers, or several machines write it in pieces of under `SMALL_PIECE` bytes."""
-    if mode == "never" or not file.pieces or not can_aggregate(file):
+    if mode == "never" or not file.pieces:
         return False
     if mode == "always":
         return True
