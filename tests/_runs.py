@@ -7,6 +7,7 @@ The global batch (6) is kept constant across world sizes 1, 2 and 3.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -1028,9 +1029,12 @@ def record_aggregation():
             return fn(*args, **kwargs)
         return wrapper
 
+    serial = itertools.count()
+
     def write(self, folder, file, tensors):
-        if not saves or saves[-1]["writer"] != id(self):
-            saves.append({"writer": id(self), "files": sorted(self.plans), "cells": [], "received": 0, "sent": 0,
+        key = vars(self).setdefault("_recorded_as", next(serial))  # not id(): a freed writer's id is reused
+        if not saves or saves[-1]["writer"] != key:
+            saves.append({"writer": key, "files": sorted(self.plans), "cells": [], "received": 0, "sent": 0,
                           "peak": 0, "buffer": self.options.buffer_bytes})
         plan = self.plans.get(file.name)
         if plan is not None:
