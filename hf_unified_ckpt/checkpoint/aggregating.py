@@ -128,7 +128,8 @@ class AggregatingWriter(LocalWrites):
                 self.rank) else []
         finally:
             incoming.drain()  # what a failed transfer left: received and dropped, so no live sender waits
-            unsent = sends.wait() or announced.wait()  # the send buffers live until here
+            unsent = [sends.wait(), announced.wait()]  # both waited for: the send buffers live until here
+            unsent = unsent[0] or unsent[1]
         if failure is not None or unsent is not None:
             raise failure or unsent
         if records:
