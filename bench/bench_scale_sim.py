@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import json
@@ -593,19 +594,32 @@ def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, Walk]:
     """One rank's planning on the training thread, as `save.begin` does it (the staging folder aside): the plan,
     the writer's prepare (which files are aggregated, their ranges), and the walk of the files (what it assembles,
     which it writes, the pieces it holds)."""
-    try:
-        plan = save_mod.plan_save(engine, request, shared=True, rank_local=True)
-    except TypeError:  # the code before issue 57
-        plan = save_mod.plan_save(engine, request, shared=True)
-    writer = writer_of(sim.me, request)
-    files = plan.files
-    writer.prepare("sim", files)
-    mine = []
-    for file in files:
-        writer.assemble(engine, file)
-        if writer.writes(file, sim.me):
-            mine.append((file, file.pieces_held(sim.me)))
+    with getattr(save_mod, "paused_gc", contextlib.nullcontext)():  # as `save.begin` plans (since issue 57)
+        try:
+            plan = save_mod.plan_save(engine, request, shared=True, rank_local=True)
+        except TypeError:  # the code before issue 57
+            plan = save_mod.plan_save(engine, request, shared=True)
+        writer = writer_of(sim.me, request)
+        files = plan.files
+        writer.prepare("sim", files)
+        mine = []
+        for file in files:
+            writer.assemble(engine, file)
+            if writer.writes(file, sim.me):
+                mine.append((file, file.pieces_held(sim.me)))
+        planned_at_write(writer, files, sim.me)
     return plan, Walk(sim.me, mine, writer)
+
+
+def planned_at_write(writer, files: list, rank: int) -> None:
+    """The aggregation plans `rank` makes as it writes (`AggregatingWriter.write`: of the files it has a part in,
+    since issue 57's second pass; `prepare` made them all before): counted in the plan's time."""
+    plans = getattr(writer, "plans", None)
+    if plans is None or not hasattr(plans, "has_part"):
+        return
+    for file in files:
+        if file.name in plans and plans.has_part(file.name, rank):
+            plans[file.name]
 
 
 def writer_of(rank: int, request):

@@ -192,3 +192,36 @@ def test_a_later_residual_save_with_as_many_ties_keeps_the_headers_and_lays_out_
         assert k.header_bytes == f.header_bytes == c.header_bytes
         assert k.items_of(2) == f.items_of(2) != c.items_of(2)
         assert (k.writes(2), k.pieces_held(2), k.codec) == (f.writes(2), f.pieces_held(2), later.codec)
+
+
+def test_a_rank_plans_only_the_aggregated_files_it_has_a_part_in():
+    """At 16,384 ranks under ZeRO-1/2 a rank holds bytes of a few files and aggregates a few ranges:
+    `AggregationPlans` numbers every file's aggregators from its data size alone and plans a file only when it is
+    asked for; `has_part` says without planning exactly which ranks hold its bytes or aggregate one of its ranges
+    (8 ranks per machine, and one rank per machine where the ranks do not divide evenly)."""
+    from hf_unified_ckpt.format.aggregation import AggregationLayout, AggregationPlans, aggregate, range_count
+    from hf_unified_ckpt.format.planning import Strided, TensorSpec, file_plans, plan_component
+
+    for world, local in ((64, 8), (13, 8)):
+        specs = [TensorSpec(f"w{i}", (40 + i, 33), torch.float32) for i in range(12)]
+        # each tensor held by a few consecutive ranks, the higher ranks holding none: parts in a few files only
+        pieces = {s.name: Strided(s.shape[0] * 33, 97 * (1 + i % 3)) for i, s in enumerate(specs)}
+        files = file_plans(plan_component("optimizer", specs, world, 4 * 40 * 33 * 2), pieces)
+        layout = AggregationLayout(world, local, 4096, 4096, 3, 4096)
+        plans, index = AggregationPlans(layout), 0
+        for file in files:
+            index += plans.add(file, index)
+        assert index == sum(range_count(f, layout) for f in files) and len(files) > 3
+        parts = {(f.name, r): plans.has_part(f.name, r) for f in files for r in range(world)}
+        assert plans.planned == frozenset()  # asked, not planned
+        first, made = 0, {}
+        for file in files:
+            made[file.name] = aggregate(file, layout, first)
+            first += range_count(file, layout)
+            for r in range(world):
+                assert parts[file.name, r] == (file.writes(r) or r in made[file.name].aggregators), (file.name, r)
+        # a rank with a part in some files but not all (the high ranks aggregate a range here and there)
+        probe = next(r for r in range(world - 1, -1, -1) if 0 < sum(parts[f.name, r] for f in files) < len(files))
+        mine = frozenset(f.name for f in files if parts[f.name, probe])
+        assert all(plans[name] == made[name] for name in mine)
+        assert plans.planned == mine

@@ -1,8 +1,10 @@
 """`AggregatingWriter`: files the ranks hold in pieces are written by a few aggregator ranks, each a large aligned
 range, from bytes the holders send it point-to-point (a folder every rank sees: `Staging.in_place`).
 
-The plan of each aggregated file (`format.aggregation`: its ranges, their aggregators, cells of at most half of
-`unified_checkpoint_aggregate_buffer`) is made in `prepare`, the same on every rank; the files it does not aggregate
+Which files are aggregated, and the numbering of their aggregators, is decided in `prepare`, the same on every rank;
+each aggregated file's plan (`format.aggregation`: its ranges, their aggregators, cells of at most half of
+`unified_checkpoint_aggregate_buffer`) is made when a rank that has a part in it first needs it
+(`AggregationPlans`); the files it does not aggregate
 are written in place (`writer.SharedFileWriter`, which this strategy holds and hands them to). For an aggregated
 file, in `write` (in plan order, on every rank: `collective_write`):
 
@@ -42,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .. import dist
-from ..format.aggregation import ALIGN, AggregatedFile, AggregationLayout, aggregate, wants_aggregation
+from ..format.aggregation import ALIGN, AggregatedFile, AggregationLayout, AggregationPlans, wants_aggregation
 from ..format.planning import FilePlan
 from ..options import AggregationOptions
 from ..store import join, positional_writes_of, store_for
@@ -68,7 +70,7 @@ class AggregatingWriter(LocalWrites):
         self.direct_io = direct_io
         self.in_place = SharedFileWriter(rank, direct_io)
         self.layout: AggregationLayout | None = None
-        self.plans: dict[str, AggregatedFile] = {}
+        self.plans: AggregationPlans | Mapping[str, AggregatedFile] = {}
         self.tags: dict[str, int] = {}
         self.peak_buffer_bytes = 0
 
@@ -77,13 +79,14 @@ class AggregatingWriter(LocalWrites):
         aggregated and how (the same on every rank), and make the `aggregate` gloo group where any is (with the
         default group's timeout). Collective: all ranks must call it."""
         self.layout = layout = agreed_layout(folder, self.options)
-        known = _PLANS.setdefault((layout, self.options.mode), {})
+        kept = _PLANS.setdefault((layout, self.options.mode), _Kept())
+        self.plans = plans = AggregationPlans(layout)
         index = 0
         for tag, file in enumerate(files):
-            plan = _plan(known, file, layout, self.options.mode, index)
-            if plan is not None:
-                self.plans[file.name], self.tags[file.name] = plan, tag
-                index += len(plan.aggregators)
+            if kept.aggregated(file, index, layout, self.options.mode):
+                index += plans.add(file, index, kept.plan_of(file, index))
+                self.tags[file.name] = tag
+        kept.last = plans
         if len(_PLANS) > 4:  # the layouts of earlier saves (another world or options): forgotten
             _PLANS.clear()
         if self.plans:  # a peer that hangs fails the transfers after the job's own collective timeout
@@ -108,10 +111,12 @@ class AggregatingWriter(LocalWrites):
     def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[RangeRecord]:
         """Write `file` in place, or, aggregated, send this rank's pieces and write the cells it aggregates.
         Point-to-point on the `aggregate` gloo group for an aggregated file (every rank calls it, in plan order)."""
-        plan = self.plans.get(file.name)
-        if plan is None:
+        if file.name not in self.plans:
             return self.in_place.write(folder, file, tensors) if file.writes(self.rank) else []
         group = dist.gloo_group(GROUP, timeout=dist.default_timeout())  # made in `prepare`, or here in a writer process
+        if not self.plans.has_part(file.name, self.rank):  # holds none of its bytes, aggregates none of its ranges
+            return []
+        plan = self.plans[file.name]
         ref, tag = join(folder, file.name), self.tags[file.name]
         failure, held = None, None
         try:
@@ -177,20 +182,28 @@ def cell_tag(file_tag: int, cell: int) -> int:
     return 2**30 + (file_tag % 2**10) * 2**20 + cell % 2**20
 
 
-#: Aggregation plans kept from save to save (an engine following a partition rule reuses its file plans: `rule_plan`):
-#: per (layout, mode), per file name, (the file's layout tuple, its index among the aggregators, the plan or None).
-_PLANS: dict[tuple, dict[str, tuple]] = {}
+class _Kept:
+    """What one layout's saves keep from save to save (an engine following a partition rule reuses its file plans:
+    `rule_plan`): whether each file is aggregated, and the last save's plans. Both are pure functions of the file's
+    layout and its first aggregator's index, so they are reused only where those are the same."""
 
+    def __init__(self):
+        self.decided: dict[str, tuple] = {}  # file name -> (its layout tuple, its first aggregator's index, aggregated?)
+        self.last: AggregationPlans | None = None
 
-def _plan(known: dict, file: FilePlan, layout: AggregationLayout, mode: str, index: int) -> AggregatedFile | None:
-    """`file`'s aggregation plan (None: written in place), reused where an earlier save planned the same file layout
-    at the same aggregator index (the result is the same either way: a pure function of these)."""
-    entry = known.get(file.name)
-    if entry is not None and entry[0] is file.layout and entry[1] == index:
+    def aggregated(self, file: FilePlan, index: int, layout: AggregationLayout, mode: str) -> bool:
+        entry = self.decided.get(file.name)
+        if entry is None or entry[0] is not file.layout or entry[1] != index:
+            entry = self.decided[file.name] = (file.layout, index, wants_aggregation(file, layout, mode))
         return entry[2]
-    plan = aggregate(file, layout, index) if wants_aggregation(file, layout, mode) else None
-    known[file.name] = (file.layout, index, plan)
-    return plan
+
+    def plan_of(self, file: FilePlan, index: int) -> AggregatedFile | None:
+        """The last save's plan of `file`, if it made one for the same layout at the same index."""
+        return self.last.reused(file, index) if self.last is not None else None
+
+
+#: Per (layout, mode): what its saves keep (`_Kept`).
+_PLANS: dict[tuple, _Kept] = {}
 
 
 def agreed_layout(folder: str, options: AggregationOptions) -> AggregationLayout:

@@ -20,6 +20,7 @@ its cell holds but not from whom (`holders` names their sender `UNKNOWN`), takes
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -58,6 +59,11 @@ class AggregationLayout:
         local = self.world // machines
         index %= self.world
         return (index % machines) * local + (index // machines) % local
+
+    def index_of(self, rank: int) -> int:
+        """The index in [0, world) that `spread` maps to `rank` (its inverse there)."""
+        local = self.world // self.machines
+        return rank // local + self.machines * (rank % local)
 
 
 @dataclass(frozen=True)
@@ -269,14 +275,22 @@ def wants_aggregation(file: FilePlan, layout: AggregationLayout, mode: str) -> b
     return writers > layout.per_file or (writers > 1 and layout.machines > 1 and mean_piece_bytes(file) < SMALL_PIECE)
 
 
+def range_count(file: FilePlan, layout: AggregationLayout, min_range: int = 1) -> int:
+    """How many ranges `file` is cut into at most (`aggregate` may need fewer): as many as `layout.range_bytes` asks of
+    its data, at most `layout.per_file`, each at least `min_range` bytes. From the data's size alone, so that a rank
+    counts the aggregators of every file without encoding the headers of the files it has no part in."""
+    data = file.data_bytes
+    return max(1, min(layout.per_file, -(-data // layout.range_bytes), data // max(min_range, 1) or 1))
+
+
 def aggregate(file: FilePlan, layout: AggregationLayout, first_index: int, min_range: int = 1,
               cell_bytes: int | None = None) -> AggregatedFile:
-    """The ranges of `file`: as many as `layout.range_bytes` asks, at most `layout.per_file`, each at least
-    `min_range` bytes (an object store's smallest part), starting at multiples of `layout.align`; the first range's
+    """The ranges of `file`: at most `range_count` (as many as `layout.range_bytes` asks, at most `layout.per_file`,
+    each at least `min_range` bytes: an object store's smallest part), starting at multiples of `layout.align`; the first range's
     aggregator is the header rank, the others `layout.spread(first_index + 1), ...`. Cells of at most `cell_bytes`
     (default `layout.cell_bytes`; an object store's part size for uploads), aligned too."""
     size, align = file.size, layout.align
-    count = max(1, min(layout.per_file, -(-size // layout.range_bytes), size // max(min_range, 1) or 1))
+    count = range_count(file, layout, min_range)
     step = -(-(-(-size // count)) // align) * align
     bounds = tuple(sorted({*range(0, size, step), size}))
     owners = [file.header_rank] + [layout.spread(first_index + i) for i in range(1, len(bounds) - 1)]
@@ -287,3 +301,59 @@ def aggregate(file: FilePlan, layout: AggregationLayout, first_index: int, min_r
             raise ValueError(f"{file.name}: {size} bytes in cells of {cell} need more than {MAX_PARTS} parts; raise "
                              "unified_checkpoint_aggregate_buffer or lower unified_checkpoint_max_shard_size.")
     return AggregatedFile(file, bounds, tuple(owners), cell, align)
+
+
+class AggregationPlans(Mapping):
+    """The aggregated files of a save (file name -> `AggregatedFile`), each planned when first asked for: a rank that
+    has no part in a file (holds none of its bytes, aggregates none of its ranges) never plans it, so planning costs
+    a rank O(the files it has a part in) beyond a count per file. `add` numbers the files' aggregators in plan order
+    (`AggregationLayout.spread`), the same on every rank."""
+
+    def __init__(self, layout: AggregationLayout):
+        self.layout = layout
+        self._files: dict[str, tuple[FilePlan, int, int]] = {}  # name -> (file, its first aggregator's index, count)
+        self._plans: dict[str, AggregatedFile] = {}
+
+    def add(self, file: FilePlan, first_index: int, plan: AggregatedFile | None = None) -> int:
+        """Add `file`, its aggregators numbered from `first_index` (`plan`: already planned). Returns how many
+        indices it takes (`range_count`)."""
+        count = range_count(file, self.layout)
+        self._files[file.name] = (file, first_index, count)
+        if plan is not None:
+            self._plans[file.name] = plan
+        return count
+
+    def __getitem__(self, name: str) -> AggregatedFile:
+        plan = self._plans.get(name)
+        if plan is None:
+            file, first, _ = self._files[name]
+            plan = self._plans[name] = aggregate(file, self.layout, first)
+        return plan
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __contains__(self, name) -> bool:
+        return name in self._files
+
+    @property
+    def planned(self) -> frozenset[str]:
+        """The files planned so far."""
+        return frozenset(self._plans)
+
+    def reused(self, file: FilePlan, first_index: int) -> AggregatedFile | None:
+        """The plan made of `file` here, if it was made for the same layout tuple at the same index (None: not)."""
+        entry, plan = self._files.get(file.name), self._plans.get(file.name)
+        return plan if plan is not None and entry[0].layout is file.layout and entry[1] == first_index else None
+
+    def has_part(self, name: str, rank: int) -> bool:
+        """Whether `rank` holds bytes of aggregated file `name` or may aggregate one of its ranges (without planning
+        it: the plan's aggregators are among the first `range_count` of its indices)."""
+        file, first, count = self._files[name]
+        if file.writes(rank):
+            return True
+        gap = (self.layout.index_of(rank) - first) % self.layout.world  # its next index from `first` on
+        return (gap or self.layout.world) < count
