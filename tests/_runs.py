@@ -1101,7 +1101,9 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
     saved by `keep` first);
     "kill_sender" dies before it sends any piece of a file it does not aggregate; "enospc": its cell writes into
     that file fail with ENOSPC (`LocalStore.write_at`; "fired": when first); "slow": every cell write of that save sleeps 0.1 s
-    ("slow_until": when the last ended); "encode": encoding its pieces of that file raises ("fired"). On rank 0, "committed":
+    ("slow_until": when the last ended); "encode": encoding its pieces of that file raises ("fired");
+    "fail_aggregator": its first cell of the first file where bytes are announced to it (`unknown_bytes`) fails
+    before any is received (`copy_held`; "fired"). On rank 0, "committed":
     when the save's folder was committed (`save.commit`)."""
     import errno
 
@@ -1111,7 +1113,8 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
     from hf_unified_ckpt.format.planning import FilePlan
     from hf_unified_ckpt.store.local import LocalStore
 
-    originals = aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit
+    originals = (aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit,
+                 aggregating.copy_held)
     armed = {}  # the file the fault hits, once chosen
 
     def write(self, folder, file, tensors):
@@ -1121,9 +1124,11 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
         if dist.rank() == rank and f".checkpoint-{step}." in str(folder) and plan is not None and not armed:
             sends = bool(plan.sent_by(rank))
             if fault in ("kill_aggregator", "enospc", "slow") and plan.aggregates(rank) or (
-                    fault == "encode" and sends) or (fault == "kill_sender" and sends and not plan.aggregates(rank)):
+                    fault == "encode" and sends) or (fault == "kill_sender" and sends and not plan.aggregates(rank)) or (
+                    fault == "fail_aggregator" and any(plan.unknown_bytes(a, b) for a, b in plan.cells_of(rank))):
                 armed.update(name=file.name, folder=str(folder))
                 seen["file"] = file.name
+                armed["writing"] = fault == "fail_aggregator"  # its first cell of that file fails (`copy_held`)
                 if fault == "kill_sender":
                     _die(seen, keep)
         return originals[0](self, folder, file, tensors)
@@ -1142,6 +1147,13 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
             _die(seen, keep)
         return written
 
+    def copy_held(buffer, start, held):
+        if fault == "fail_aggregator" and armed and armed.get("writing"):
+            armed["writing"] = False
+            seen.setdefault("fired", time.time())
+            raise RuntimeError(f"injected: aggregating {armed['name']} failed on rank {rank}")
+        return originals[4](buffer, start, held)
+
     def encoded(self, tensors, r):
         if fault == "encode" and armed and self.name == armed["name"] and r == rank:
             seen.setdefault("fired", time.time())
@@ -1153,12 +1165,13 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
         if f"checkpoint-{step}" in str(final):
             seen["committed"] = time.time()
 
-    aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit = (
-        write, write_at, encoded, commit)
+    (aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit,
+     aggregating.copy_held) = (write, write_at, encoded, commit, copy_held)
     try:
         yield
     finally:
-        aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit = originals
+        (aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit,
+         aggregating.copy_held) = originals
 
 
 def _timeout_s(group) -> float:

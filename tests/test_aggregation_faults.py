@@ -1,14 +1,15 @@
 """Faults during an aggregated save (issue 58): a rank killed mid-save, out of space on an aggregator, a slow
-aggregator, a sender whose encoding fails — 3 real ranks (gloo, CPU), aggregation forced on (the word `aggregate`,
-8 KiB ranges and 4 KiB cells: every rank aggregates cells of both files; `unified_checkpoint_aggregators=1` where a
-pure sender is wanted), each fault injected on one rank in the step-6 save (`_runs.aggregation_fault`), after
-checkpoint-3 committed.
+aggregator, a sender whose encoding fails, an aggregator that fails mid-file where bytes are announced to it (bf16
+residual master weights' ties) — 3 real ranks (gloo, CPU), aggregation forced on (the word `aggregate`, 8 KiB ranges
+and 4 KiB cells: every rank aggregates cells of both files; `unified_checkpoint_aggregators=1` where a pure sender is
+wanted), each fault injected on one rank in the step-6 save (`_runs.aggregation_fault`), after checkpoint-3
+committed.
 
-Three launches: one whose faults are exceptions (in place, out of space, a failed encoding, a slow aggregator; the
-default group's timeout set to 120 s, as `init_process_group(timeout=...)` sets it: the Trainer passes `ddp_timeout`
-there on GPUs, not on CPU), and one per kill (os._exit, as kill -9). In a kill's launch the
-survivors record their error and when they raised; they ignore the launcher's SIGTERM, so a survivor that hung would
-be SIGKILLed `fork_launch.GRACE` (5 s) later without a record.
+Three launches: one whose faults are exceptions (in place, out of space, a failed encoding, a slow aggregator, a
+failed aggregator of announced bytes; the default group's timeout set to 120 s, as `init_process_group(timeout=...)`
+sets it: the Trainer passes `ddp_timeout` there on GPUs, not on CPU), and one per kill (os._exit, as kill -9). In a
+kill's launch the survivors record their error and when they raised; they ignore the launcher's SIGTERM, so a
+survivor that hung would be SIGKILLed `fork_launch.GRACE` (5 s) later without a record.
 """
 
 import re
@@ -22,7 +23,9 @@ from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
 from hf_unified_ckpt.checkpoint.load import verify_checkpoint
 from test_aggregation import FORCED
 
-KINDS = {"z3": {"zero": 3}, "f2": {"fsdp": 2}}
+KINDS = {"z3": {"zero": 3}, "f2": {"fsdp": 2},
+         # bf16 residual master weights, ties planted at step 6: pieces only their rank can place, announced
+         "z3r": {"zero": 3, "plant_ties": 6, "overrides": {"bf16": True}}}
 TIMEOUT_S = 120  # the default group's timeout in the exceptions' launch, and so the `aggregate` group's
 KILLS = {  # tag: (engine, fault, extra options)
     "killed-aggregator": ("z3", ["kill_aggregator", 1, 6], {}),
@@ -42,7 +45,9 @@ def launched(tmp_path_factory):
     torchrun(3, [_spec(tmp, "f2", "in_place", "in_place"),
                  _spec(tmp, "z3", "enospc", "aggregate", ["enospc", 2, 6]),
                  _spec(tmp, "f2", "encode", "async_save aggregate", ["encode", 1, 6]),
-                 _spec(tmp, "f2", "slow", "aggregate", ["slow", 1, 6])], tmp)
+                 _spec(tmp, "f2", "slow", "aggregate", ["slow", 1, 6]),
+                 _spec(tmp, "z3r", "unannounced", "residual_master_weight aggregate", ["fail_aggregator", 0, 6])],
+             tmp)
     killed = {tag: torchrun(3, [_spec(tmp, kind, tag, "aggregate", fault, **extra)], tmp, expect_failure=True)
               for tag, (kind, fault, extra) in KILLS.items()}
     return tmp, killed
@@ -123,6 +128,23 @@ def test_a_sender_whose_encoding_fails_fails_the_save_on_every_rank(launched):
 
 
 @pytest.mark.dist
+def test_an_aggregator_that_fails_mid_file_drains_the_announced_bytes_and_their_senders_fail_at_once(launched):
+    """Rank 0's first cell of the master weights (bf16 residual, ties planted at step 6: pieces only their own rank
+    can place, announced to the cell's aggregator) fails before anything of it is received: rank 0 still receives and
+    drops the bytes announced into its cells (and the others), so the ranks announcing them do not wait for it until
+    the `aggregate` group's timeout (120 s here); the save fails on every rank with rank 0's error within seconds,
+    and nothing is committed."""
+    tmp, _ = launched
+    record_fault("an aggregator fails mid-file, announced bytes due (ZeRO-3 bf16 residual x 3)", survived=False)
+    seen = _seen(tmp, "unannounced")
+    assert seen[0]["file"] == "master_weights.safetensors"  # armed where rank 0's cells hold announced bytes
+    _failed_everywhere(seen, "rank 0: RuntimeError: injected: aggregating master_weights.safetensors failed on rank 0",
+                       since=seen[0]["fired"])
+    _nothing_committed(tmp / "unannounced")
+    record_fault("an aggregator fails mid-file, announced bytes due (ZeRO-3 bf16 residual x 3)", survived=True)
+
+
+@pytest.mark.dist
 def test_a_slow_aggregator_delays_the_commit_and_its_files_are_byte_identical_to_in_place(launched):
     """Rank 1 sleeps 0.1 s in each of its cell writes of the step-6 save: the commit comes after its last write, and
     both checkpoints' files are the in-place run's, byte for byte."""
@@ -143,5 +165,5 @@ def test_the_aggregate_group_times_out_with_the_jobs_collective_timeout(launched
     """The `aggregate` gloo group takes the default group's timeout (120 s here), not torch's 30 minutes for a new
     group: a peer that hangs fails the transfers when the job's other collectives would fail."""
     tmp, _ = launched
-    for tag in ("enospc", "encode", "slow"):
+    for tag in ("enospc", "encode", "slow", "unannounced"):
         assert [s["timeouts"] for s in _seen(tmp, tag)] == [[TIMEOUT_S, TIMEOUT_S]] * 3

@@ -21,14 +21,17 @@ file, in `write` (in plan order, on every rank: `collective_write`):
 A piece only its own rank can place (the residual master weights' ties: each rank knows only its own offset) is
 announced: its holder sends its bounds, then its bytes, on a tag of the cell (`cell_tag`), and the aggregator, which
 knows how many such bytes its cell holds (`AggregatedFile.unknown_bytes`), takes them from whichever rank sends them
-(`hand_overs.receive_announced`).
+(`hand_overs.Announced`).
 
 Each byte crosses the network at most once, and a rank receives only bytes it writes. A rank that failed to produce
 its pieces still sends the planned number of bytes (zeros), so no aggregator waits for it, and still receives the
 cells it aggregates (writing none), then raises; an aggregator whose write failed receives its remaining cells before
-it raises: the save then fails on every rank (`save.conclude`) and nothing is committed. A dead peer fails the
-transfers with it at once (gloo reports the closed connection), named in the error; the other transfers are still
-completed, so no live rank waits for one that gave up. A peer that hangs fails them after the `aggregate` group's
+it raises, and one that stops early (a failed transfer) receives and drops what is still due to it, the announced
+bytes included (`Incoming.drain`, `Announced.drain`): the save then fails on every rank (`save.conclude`) and nothing
+is committed. A dead peer fails the transfers with it at once (gloo reports the closed connection), named in the
+error; the other transfers are still completed, so no live rank waits for one that gave up. The exception: gloo's
+receive from any rank is not woken by a peer's death, so an aggregator waiting for bytes a dead rank was to announce
+fails at the group's timeout, unable to name it. A peer that hangs fails them after the `aggregate` group's
 timeout: the default group's (the job's `init_process_group(timeout=...)`, where the Trainer passes its `ddp_timeout`
 on GPUs), not torch's 30 minutes for a new group.
 """
@@ -49,7 +52,7 @@ from ..format.planning import FilePlan
 from ..options import AggregationOptions
 from ..store import join, positional_writes_of, store_for
 from .files import RangeRecord
-from .hand_overs import Incoming, Sends, copy_held, receive_announced
+from .hand_overs import Announced, Incoming, Sends, copy_held
 from .writer import LocalWrites, SharedFileWriter, in_place_store, rank_ranges
 
 logger = logging.getLogger(__name__)
@@ -124,16 +127,19 @@ class AggregatingWriter(LocalWrites):
         except Exception as e:  # raised after the exchange: the aggregators wait for these bytes
             failure = e
         sends = Sends(plan.sent_by(self.rank), held, group, tag, file.name)  # zeros where `held` is None
-        announced = Sends(plan.announced_by(self.rank), held, group, tag, file.name,
-                          announce=lambda h: cell_tag(tag, plan.cell_index(h.start)))
-        failure = failure or sends.failure or announced.failure
+        announcing = Sends(plan.announced_by(self.rank), held, group, tag, file.name,
+                           announce=lambda h: cell_tag(tag, plan.cell_index(h.start)))
+        failure = failure or sends.failure or announcing.failure
         incoming = Incoming(plan.received_by(self.rank), group, tag, file.name)
+        announced = Announced([(a, b, plan.unknown_bytes(a, b), cell_tag(tag, plan.cell_index(a)))
+                               for a, b in plan.cells_of(self.rank)], group, tag, file.name)
         try:
-            records = self._aggregate(ref, plan, None if failure else held, incoming, group, tag) if plan.aggregates(
+            records = self._aggregate(ref, plan, None if failure else held, incoming, announced) if plan.aggregates(
                 self.rank) else []
         finally:
-            incoming.drain()  # what a failed transfer left: received and dropped, so no live sender waits
-            unsent = [sends.wait(), announced.wait()]  # both waited for: the send buffers live until here
+            incoming.drain()  # what a failure left: received and dropped, so no live sender waits for this rank
+            announced.drain()
+            unsent = [sends.wait(), announcing.wait()]  # both waited for: the send buffers live until here
             unsent = unsent[0] or unsent[1]
         if failure is not None or unsent is not None:
             raise failure or unsent
@@ -141,13 +147,13 @@ class AggregatingWriter(LocalWrites):
             self.in_place.sync(ref)
         return records
 
-    def _aggregate(self, ref: str, plan: AggregatedFile, held, incoming: Incoming, group,
-                   tag: int) -> list[RangeRecord]:
+    def _aggregate(self, ref: str, plan: AggregatedFile, held, incoming: Incoming,
+                   announced: Announced) -> list[RangeRecord]:
         """Receive and write this rank's cells of `plan`, two cell buffers in turn (one written while the next is
         received): each filled from this rank's own bytes (`held`), the hand-overs of the others (`incoming`) and
-        the bytes announced to it (pieces only their own rank can place: `receive_announced`).
+        the bytes announced to it (pieces only their own rank can place: `announced`).
         Every cell is received even after a write failed (its senders wait for it), the first failure raised at the
-        end; a failed transfer is raised at once (the caller drains the rest). `held` None: this rank could not
+        end; a failed transfer is raised at once (the caller drains the rest of both). `held` None: this rank could not
         produce its bytes (its caller raises that): the cells are received, nothing is written."""
         cells = plan.cells_of(self.rank)
         longest = max(b - a for a, b in cells)
@@ -159,11 +165,7 @@ class AggregatingWriter(LocalWrites):
             for i, (a, b) in enumerate(cells):
                 cell = memoryview(buffers[i % 2])[:b - a]
                 own = copy_held(cell, a, held) if held is not None else None
-                got = incoming.into(cell, a, b)
-                unknown = plan.unknown_bytes(a, b)
-                if unknown:
-                    got += receive_announced(cell, a, b, unknown, group, cell_tag(tag, plan.cell_index(a)), tag,
-                                             name)
+                got = incoming.into(cell, a, b) + announced.into(cell, a, b)
                 if own is not None and own + got != b - a:
                     raise RuntimeError(f"{name}: bytes [{a}, {b}) are neither held by rank {self.rank} nor sent to "
                                        "it; the aggregation plan and the engine's shards disagree.")

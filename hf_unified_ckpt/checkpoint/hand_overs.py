@@ -38,7 +38,7 @@ class Sends:
     def __init__(self, hand_overs: list[HandOver], held: Held | None, group, tag: int, what: str,
                  announce: Callable[[HandOver], int] | None = None):
         """`announce`: each hand-over goes with its bounds (a header: `tag`, first byte, end byte), on the tag
-        `announce(hand-over)` gives, for a receiver that cannot know its sender (`receive_announced`)."""
+        `announce(hand-over)` gives, for a receiver that cannot know its sender (`Announced`)."""
         self.what = what
         self.failure: BaseException | None = None
         self._posted: list[tuple[HandOver, torch.Tensor, object]] = []
@@ -137,30 +137,87 @@ class Incoming:
                 dead.add(h.sender)
 
 
-def receive_announced(buffer, start: int, end: int, expected: int, group, tag: int, file_tag: int,
-                      what: str) -> int:
-    """Receive into `buffer` (bytes [start, end) of the file) `expected` bytes sent with their bounds by ranks this
-    one cannot name (`Sends(..., announce=...)`): each a header from any rank on `tag`, then its bytes from that
-    rank. The bytes received. Point-to-point."""
-    header, got = torch.empty(3, dtype=torch.int64), 0
-    while got < expected:
+class Announced:
+    """The bytes announced to this rank of the cells it aggregates of one file (pieces only their own rank can place,
+    sent with their bounds by ranks it cannot name: `Sends(..., announce=...)`), received cell by cell (`into`);
+    what is left when the rank stops early is received and dropped (`drain`), as `Incoming` does with the rest."""
+
+    def __init__(self, cells: list[tuple[int, int, int, int]], group, file_tag: int, what: str):
+        """`cells`: (first byte, end byte, bytes announced, tag) of each cell with announced bytes, in offset order."""
+        self._left = deque(c for c in cells if c[2] > 0)
+        self._group, self._file_tag, self.what = group, file_tag, what
+        self._silent = False  # a header never came (the group's timeout): nothing more will
+
+    def into(self, buffer, start: int, end: int) -> int:
+        """Receive the bytes announced within cell `[start, end)` straight into `buffer` (those bytes): each a header
+        from any rank on the cell's tag, then its bytes from that rank. The bytes received."""
+        if not self._left or self._left[0][0] != start:
+            return 0
+        got = 0
+        while self._left[0][2] > 0:
+            sender, first, last = self._header()
+            if not start <= first < last <= end or last - first > self._left[0][2]:
+                self._silent = True  # its bytes cannot be placed, nor waited for
+                raise RuntimeError(f"{self.what}: rank {sender} announced bytes [{first}, {last}) of file "
+                                   f"{self._file_tag} where bytes of [{start}, {end}) were due; the plans disagree.")
+            self._received(last - first)  # counted first: a transfer that fails leaves nothing to drain of them
+            view = torch.frombuffer(buffer, dtype=torch.uint8, count=last - first, offset=first - start)
+            try:
+                dist.irecv(view, sender, group=self._group, tag=self._left[0][3]).wait()
+            except Exception as e:
+                raise _transfer_error(self.what, HandOver(first, last, sender, dist.rank()), "receiving", "from",
+                                      sender, e) from e
+            got += last - first
+        self._left.popleft()
+        return got
+
+    def drain(self) -> None:
+        """Receive what is still announced to this rank into a scratch buffer, dropping it, so that no live sender
+        waits for this rank; a transfer that fails is skipped, and nothing more is awaited once a header did not
+        come (a rank that died before announcing its bytes: gloo's receive from any rank fails only at the group's
+        timeout). Nothing to do once every cell was received."""
+        scratch = None
+        while self._left and not self._silent:
+            a, b, left, tag = self._left[0]
+            if left <= 0:
+                self._left.popleft()
+                continue
+            try:
+                sender, first, last = self._header()
+            except Exception:  # noqa: BLE001 - this rank is failing already
+                return
+            if not 0 < last - first <= left:  # plans that disagree: its bytes cannot be placed, nor waited for
+                self._silent = True
+                return
+            if scratch is None:
+                scratch = torch.empty(max(c[2] for c in self._left), dtype=torch.uint8)
+            self._received(last - first)
+            try:
+                dist.irecv(scratch[:last - first], sender, group=self._group, tag=tag).wait()
+            except Exception:  # noqa: BLE001 - this rank is failing already
+                continue
+
+    def _header(self) -> tuple[int, int, int]:
+        """The next header of the first cell left: (its sender, first byte, end byte)."""
+        a, b, left, tag = self._left[0]
+        header = torch.empty(3, dtype=torch.int64)
         try:
-            sender = dist.recv_any(header, group=group, tag=tag)
+            sender = dist.recv_any(header, group=self._group, tag=tag)
         except Exception as e:
-            raise RuntimeError(f"{what}: receiving the bounds of {expected - got} bytes of [{start}, {end}) from the "
-                               f"rank holding them failed: {type(e).__name__}: {e}") from e
+            self._silent = True
+            raise RuntimeError(f"{self.what}: receiving the bounds of {left} bytes of [{a}, {b}) from the ranks "
+                               "holding them failed (one of them died or stopped answering; a receive from any rank "
+                               f"cannot name it): {type(e).__name__}: {e}") from e
         theirs, first, last = header.tolist()
-        if theirs != file_tag or not start <= first < last <= end:
-            raise RuntimeError(f"{what}: rank {sender} announced bytes [{first}, {last}) of file {theirs} where "
-                               f"bytes of [{start}, {end}) of file {file_tag} were due; the plans disagree.")
-        view = torch.frombuffer(buffer, dtype=torch.uint8, count=last - first, offset=first - start)
-        try:
-            dist.irecv(view, sender, group=group, tag=tag).wait()
-        except Exception as e:
-            raise _transfer_error(what, HandOver(first, last, sender, dist.rank()), "receiving", "from", sender,
-                                  e) from e
-        got += last - first
-    return got
+        if theirs != self._file_tag:
+            self._silent = True
+            raise RuntimeError(f"{self.what}: rank {sender} announced bytes [{first}, {last}) of file {theirs} where "
+                               f"bytes of [{a}, {b}) of file {self._file_tag} were due; the plans disagree.")
+        return sender, first, last
+
+    def _received(self, count: int) -> None:
+        a, b, left, tag = self._left[0]
+        self._left[0] = (a, b, left - count, tag)
 
 
 def held_bytes(held: Held, start: int, end: int, what: str) -> memoryview | bytearray:
