@@ -1015,8 +1015,10 @@ def record_pieces():
 def record_aggregation():
     """Record, per save of this rank: the files its write strategy aggregated, the cells it wrote, the bytes it
     received from other ranks and sent, the peak of its cell buffers (`AggregatingWriter.peak_buffer_bytes`), and how
-    many sharded tensors the engines assembled whole so far (DeepSpeed's `_assemble`, FSDP's `_full_on`)."""
-    from hf_unified_ckpt.checkpoint import aggregating
+    many sharded tensors the engines assembled whole so far (DeepSpeed's `_assemble`, FSDP's `_full_on`). A save
+    written by the writer process (`unified_checkpoint_async_executor="process"`) is recorded from the writer its
+    outcome brings back from that process (`process`: True): its plans, and the peak its cells' writes left there."""
+    from hf_unified_ckpt.checkpoint import aggregating, executors
     from hf_unified_ckpt.engines import deepspeed, fsdp
 
     original, saves = aggregating.AggregatingWriter.write, []
@@ -1031,26 +1033,43 @@ def record_aggregation():
 
     serial = itertools.count()
 
+    def save_of(writer, process: bool = False) -> dict:
+        return {"writer": next(serial), "files": sorted(writer.plans), "cells": [], "received": 0, "sent": 0,
+                "peak": 0, "buffer": writer.options.buffer_bytes, "process": process}
+
+    def add_file(save: dict, writer, name: str) -> None:
+        plan = writer.plans[name]
+        save["cells"] += [(name, a, b) for a, b in plan.cells_of(writer.rank)]
+        save["received"] += sum(h.end - h.start for h in plan.received_by(writer.rank))
+        save["sent"] += sum(h.end - h.start for h in plan.sent_by(writer.rank))
+
     def write(self, folder, file, tensors):
-        key = vars(self).setdefault("_recorded_as", next(serial))  # not id(): a freed writer's id is reused
-        if not saves or saves[-1]["writer"] != key:
-            saves.append({"writer": key, "files": sorted(self.plans), "cells": [], "received": 0, "sent": 0,
-                          "peak": 0, "buffer": self.options.buffer_bytes})
-        plan = self.plans.get(file.name)
-        if plan is not None:
-            saves[-1]["cells"] += [(file.name, a, b) for a, b in plan.cells_of(self.rank)]
-            saves[-1]["received"] += sum(h.end - h.start for h in plan.received_by(self.rank))
-            saves[-1]["sent"] += sum(h.end - h.start for h in plan.sent_by(self.rank))
+        if not saves or saves[-1]["writer"] != vars(self).get("_recorded_as"):  # not id(): a freed id is reused
+            saves.append(save_of(self))
+            self._recorded_as = saves[-1]["writer"]
+        if file.name in self.plans:
+            add_file(saves[-1], self, file.name)
         out = original(self, folder, file, tensors)
         saves[-1]["peak"], saves[-1]["assembled"] = self.peak_buffer_bytes, assembled["count"]
         return out
 
-    aggregating.AggregatingWriter.write = write
+    def finished(self, started, staged, fallback):  # the writer as it ended in the writer process (pickled back)
+        outcome = finish(self, started, staged, fallback)
+        writer = outcome.writer
+        if isinstance(writer, aggregating.AggregatingWriter) and staged[0]:
+            saves.append(save_of(writer, process=True))
+            for name in writer.plans:
+                add_file(saves[-1], writer, name)
+            saves[-1]["peak"] = writer.peak_buffer_bytes  # set by its cells' writes only: 0 unless it aggregated
+        return outcome
+
+    finish = executors.ProcessExecutor.finish
+    aggregating.AggregatingWriter.write, executors.ProcessExecutor.finish = write, finished
     deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = counted(assemble), counted(full_on)
     try:
         yield saves
     finally:
-        aggregating.AggregatingWriter.write = original
+        aggregating.AggregatingWriter.write, executors.ProcessExecutor.finish = original, finish
         deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = assemble, full_on
 
 
