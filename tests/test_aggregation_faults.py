@@ -94,7 +94,7 @@ def test_a_rank_killed_mid_aggregated_save_commits_nothing_and_the_survivors_fai
     _failed_everywhere(survivors)
     assert all(0 < s["failed_at"] - seen[dead]["died"] < GRACE for s in survivors)
     named = {int(r) for s in survivors for r in re.findall(r"(?:from|to) rank (\d+) failed", s["error"])}
-    assert named == {dead}
+    assert named == {dead}, [s["error"][-600:] for s in survivors]
     _nothing_committed(tmp / tag)
     record_fault(f"{tag} mid aggregated save (3 ranks)", survived=True)
 

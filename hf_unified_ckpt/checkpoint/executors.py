@@ -145,8 +145,9 @@ class WriterProcess:
         ours, theirs = multiprocessing.Pipe(duplex=True)
         env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_STORE}
         env[AUTHKEY_ENV] = bytes(multiprocessing.current_process().authkey).hex()
+        timeout = dist.default_timeout()  # the job's: the writers' collectives (the `aggregate` group's) wait as long
         command = [sys.executable, "-m", "hf_unified_ckpt.checkpoint.writer_process", str(theirs.fileno()),
-                   str(rank), str(world_size), address or ""]
+                   str(rank), str(world_size), address or "", str(timeout.total_seconds() if timeout else "")]
         self._process = subprocess.Popen(command, env=env, pass_fds=(theirs.fileno(),))
         theirs.close()  # only the writer holds its end: its death is an end of file here
         self._conn: Connection = ours

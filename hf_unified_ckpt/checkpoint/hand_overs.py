@@ -101,7 +101,10 @@ class Incoming:
                 raise RuntimeError(f"{self.what}: bytes [{h.start}, {h.end}) handed over from rank {h.sender} lie "
                                    f"across the part [{start}, {end}); the plan's parts and hand-overs disagree.")
             view = torch.frombuffer(buffer, dtype=torch.uint8, count=h.end - h.start, offset=h.start - start)
-            self._posted.append((h, dist.irecv(view, h.sender, group=self._group, tag=self._tag)))
+            try:  # a connection known closed refuses at once, when the receive is posted
+                self._posted.append((h, dist.irecv(view, h.sender, group=self._group, tag=self._tag)))
+            except Exception as e:
+                raise _transfer_error(self.what, h, "receiving", "from", h.sender, e) from e
             got += h.end - h.start
         while self._posted:
             h, request = self._posted[0]

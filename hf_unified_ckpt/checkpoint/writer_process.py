@@ -21,8 +21,8 @@ from .executors import AUTHKEY_ENV, unpack
 from .persist import lower_priority
 from .save import finish_in_background
 
-#: How long a collective of the writers waits for a peer before it fails (a peer writer that died fails it sooner:
-#: its connection closes).
+#: How long a collective of the writers waits for a peer before it fails where the job's own timeout is unknown (a
+#: peer writer that died fails it sooner: its connection closes); else the job's (`dist.default_timeout`).
 TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -60,13 +60,14 @@ def _sendable(e: BaseException) -> BaseException:
 
 def main(argv: list[str]) -> None:
     fd, rank, world_size, address = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
+    timeout = datetime.timedelta(seconds=float(argv[4])) if len(argv) > 4 and argv[4] else TIMEOUT
     multiprocessing.current_process().authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     lower_priority()  # as the background thread does: the writes take idle cycles, not training's
     if world_size > 1:
         import torch.distributed
 
         torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size,
-                                             timeout=TIMEOUT)
+                                             timeout=timeout)
     conn = Connection(fd)
     try:
         serve(conn)

@@ -367,7 +367,7 @@ class WriteItem:
 
 
 #: What `FilePlan.with_codec` keeps of a file's worked-out answers (the layout is the same).
-_KEPT = ("_memo", "whole_names")
+_KEPT = ("_memo", "whole_names", "data_bytes")
 
 
 @dataclass(frozen=True)
@@ -475,7 +475,7 @@ class FilePlan:
         layout = tuple((n, a, b, size, stored[n] if p is not None else None) for n, a, b, size, p in self.layout)
         out = dataclasses.replace(self, codec=codec, layout=layout,
                                   pieces={n: stored[n] for n in self.pieces})
-        out.__dict__["header_bytes"] = self.header_bytes
+        out.__dict__["header_bytes"], out.__dict__["data_bytes"] = self.header_bytes, self.data_bytes
         return out
 
     @functools.cached_property
@@ -494,7 +494,7 @@ class FilePlan:
     def writers(self) -> frozenset[int]:
         return frozenset(item.rank for item in self.items) | {self.header_rank}
 
-    @property
+    @functools.cached_property
     def data_bytes(self) -> int:
         return max((end for _, _, end, _, _ in self.layout), default=0)
 
