@@ -252,11 +252,13 @@ class SimEngine:
 
     def master_fragments(self):
         """(name, fp32 elements, bf16 elements) of this rank's master fragments: a few real elements each (the
-        census counts ties; their number does not change the payload's shape)."""
-        for name, frag in self.fragments(MASTER.name).items():
-            n = min(frag.values.numel(), 8)
-            if n:  # views of shared elements, as the real adapters' are views of the engine's flat partitions
-                yield name, _MASTER[0][:n], _MASTER[1][:n]
+        census counts ties; their number does not change the payload's shape). Straight from the parameters, as
+        `DeepSpeedEngine.master_fragments` walks them (no specs)."""
+        for name, _ in self.model.params:
+            if self._sharded(MASTER.name, name):
+                n = min(self.model.piece(name, self.rank)[1], 8)
+                if n:  # views of shared elements, as the real adapters' are views of the engine's flat partitions
+                    yield name, _MASTER[0][:n], _MASTER[1][:n]
 
     def exchange(self, component: str, names, owner: int) -> None:
         self.exchanged += sum(1 for n in names if self._sharded(component, n))
@@ -426,15 +428,17 @@ def peer_functions() -> dict:
 def reducers(model: SimModel) -> dict:
     """All-reduces whose result is not what this rank contributes: the residual census' sums (no rank fails the
     bf16 check; a tensor is held where the rule gives it elements; its ties, about one value in 2^17 as in trained
-    weights, change from save to save as they do in training, so a later save's stored shapes differ from the
-    cached plan's, as they would. The simulated rank's own elements hold none)."""
+    weights, change from save to save as they do in training (every tensor's, at every save: no later save has the
+    census the plan was cached with, so each plans the master weights' files again, as training does: a cached
+    save timed at a census seen before would time a case training does not have). The simulated rank's own
+    elements hold none)."""
     saves = [0]
 
     def residual(values, op, local):
         names = local["names"]
         saves[0] += 1
         held = [int(bool(model.numel[n]) and (model.engine == "ddp" or n in model.rule)) for n in names]
-        ties = [(model.numel[n] >> 17) + (saves[0] + i) % 3 if h else 0 for i, (n, h) in enumerate(zip(names, held))]
+        ties = [(model.numel[n] >> 17) + saves[0] + i % 3 if h else 0 for i, (n, h) in enumerate(zip(names, held))]
         return [0] * len(names) + held + ties
     return {"residual_census": residual,
             "agreed_layout": lambda values, op, local: [LOCAL_WORLD, -LOCAL_WORLD, 4096]}

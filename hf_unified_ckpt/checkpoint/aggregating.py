@@ -47,7 +47,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .. import dist
-from ..format.aggregation import ALIGN, AggregatedFile, AggregationLayout, AggregationPlans, wants_aggregation
+from ..format.aggregation import (ALIGN, AggregatedFile, AggregationLayout, AggregationPlans, range_count,
+                                 wants_aggregation)
 from ..format.planning import FilePlan
 from ..options import AggregationOptions
 from ..store import join, positional_writes_of, store_for
@@ -85,9 +86,15 @@ class AggregatingWriter(LocalWrites):
         kept = _PLANS.setdefault((layout, self.options.mode), _Kept())
         self.plans = plans = AggregationPlans(layout)
         index = 0
+        decided, mode = kept.decided, self.options.mode
         for tag, file in enumerate(files):
-            if kept.aggregated(file, index, layout, self.options.mode):
-                index += plans.add(file, index, kept.plan_of(file, index))
+            entry = decided.get(file.name)  # (the loop runs over thousands of files per save: inlined)
+            if entry is not None and entry[0] is file.layout and entry[1] == index:
+                count, plan = entry[2], kept.plan_of(file.name)
+            else:
+                count, plan = kept.decide(file, index, layout, mode), None
+            if count:
+                index += plans.add(file, index, plan, count)
                 self.tags[file.name] = tag
         kept.last = plans
         if len(_PLANS) > 4:  # the layouts of earlier saves (another world or options): forgotten
@@ -190,18 +197,21 @@ class _Kept:
     layout and its first aggregator's index, so they are reused only where those are the same."""
 
     def __init__(self):
-        self.decided: dict[str, tuple] = {}  # file name -> (its layout tuple, its first aggregator's index, aggregated?)
+        #: file name -> (its layout tuple, its first aggregator's index, its `range_count` if aggregated, else 0)
+        self.decided: dict[str, tuple] = {}
         self.last: AggregationPlans | None = None
 
-    def aggregated(self, file: FilePlan, index: int, layout: AggregationLayout, mode: str) -> bool:
-        entry = self.decided.get(file.name)
-        if entry is None or entry[0] is not file.layout or entry[1] != index:
-            entry = self.decided[file.name] = (file.layout, index, wants_aggregation(file, layout, mode))
-        return entry[2]
+    def decide(self, file: FilePlan, index: int, layout: AggregationLayout, mode: str) -> int:
+        """How many aggregator indices `file` takes at `index` (`range_count`; 0: it is not aggregated), decided
+        and kept (`decided`: reused while the file's layout tuple and index are the same)."""
+        count = range_count(file, layout) if wants_aggregation(file, layout, mode) else 0
+        self.decided[file.name] = (file.layout, index, count)
+        return count
 
-    def plan_of(self, file: FilePlan, index: int) -> AggregatedFile | None:
-        """The last save's plan of `file`, if it made one for the same layout at the same index."""
-        return self.last.reused(file, index) if self.last is not None else None
+    def plan_of(self, name: str) -> AggregatedFile | None:
+        """The last save's plan of file `name`, if it made one (for a file whose `decided` entry still holds: the
+        same layout tuple at the same index)."""
+        return self.last.made(name) if self.last is not None else None
 
 
 #: Per (layout, mode): what its saves keep (`_Kept`).

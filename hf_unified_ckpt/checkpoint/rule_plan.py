@@ -85,9 +85,11 @@ def digest_of(engine, components, request, shared: bool, rules: dict | None) -> 
                    options.max_shard_size)).encode())
     for c in components:  # marshal's version 2: the bytes of the values alone (no back-references)
         h.update(repr((c.name, c.file_stem, str(c.role))).encode())
-        h.update(marshal.dumps([(s.name, tuple(s.shape), str(s.dtype)) for s in engine.specs(c.name)], 2))
-        if rules is not None:
-            h.update(marshal.dumps(sorted((n, s.numel, s.size, s.shift) for n, s in rules[c.name].items()), 2))
+        specs = engine.specs(c.name)
+        dtypes = {d: str(d) for d in {s.dtype for s in specs}}  # (`str` of a dtype is a string operation)
+        h.update(marshal.dumps([(s.name, tuple(s.shape), dtypes[s.dtype]) for s in specs], 2))
+        if rules is not None:  # in the rule's order: the specs' order, the same on every rank
+            h.update(marshal.dumps([(n, s.numel, s.size, s.shift) for n, s in rules[c.name].items()], 2))
     return int.from_bytes(h.digest(), "little") >> 1
 
 

@@ -54,8 +54,8 @@ from ..options import UnifiedCheckpointOptions
 from . import record_tree, rule_plan
 from .persist import PersistJob, write_small_files
 from .reports import Failure, guarded, out_of_space
-from ..format.planning import (ComponentPlan, Encoder, FilePlan, Pieces, file_plans, piecewise, plan_component,
-                               stored_pieces, tiling)
+from ..format.planning import (ComponentPlan, Encoder, FilePlan, Pieces, TensorSpec, file_plans, piecewise,
+                               plan_component, stored_pieces, tiling)
 from .commit import (WRITER_MARK, commit, join_staging, mark_writer, new_tag, prepare_staging, remove_stale,
                      remove_writer_marks, sees_writer, staging_dir)
 from .files import FileRecord, RangeRecord, combine_ranges, put_file
@@ -135,11 +135,13 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False,
     return plan
 
 
-def _component_plan(c: Component, engine: EngineAdapter, request: SaveRequest, rule, codec=False) -> ComponentPlan:
+def _component_plan(c: Component, engine: EngineAdapter, request: SaveRequest, rule, codec=False,
+                    specs: list[TensorSpec] | None = None) -> ComponentPlan:
     """One component's shard plan with its index metadata (collective where its codec takes a census, unless the
-    `codec` is given)."""
+    `codec` is given; `specs`: the engine's, where the caller has them)."""
     codec = encoder_for(c, engine, request.options, rule) if codec is False else codec
-    plan = plan_component(c.name, engine.specs(c.name), dist.world_size(), request.options.max_shard_size,
+    specs = engine.specs(c.name) if specs is None else specs
+    plan = plan_component(c.name, specs, dist.world_size(), request.options.max_shard_size,
                           file_stem=c.file_stem, owners=engine.preferred_owners(c.name), codec=codec)
     return dataclasses.replace(plan, index_metadata=_index_metadata(c, engine, codec))
 
@@ -148,10 +150,12 @@ def _residual_plan(c: Component, cached: ComponentPlan, engine: EngineAdapter, r
                    rule) -> ComponentPlan:
     """The residual master weights' plan at a later save: its census taken again (the ties follow the data); the
     cached files and owners kept where every tensor has as many ties as when they were planned (the stored shapes
-    are the same), else planned again from this census. Collective (the census)."""
-    codec = encoder_for(c, engine, request.options, rule)
+    are the same), else planned again from this census. Collective (the census).
+
+    The engine's specs are the cached plan's (the digest that found it covers them)."""
+    codec = encoder_for(c, engine, request.options, rule, names=list(cached.specs))
     if codec.census != cached.codec.census:
-        return _component_plan(c, engine, request, rule, codec)
+        return _component_plan(c, engine, request, rule, codec, specs=list(cached.specs.values()))
     stored = {s.name: codec.stored_specs(s) for s in cached.specs.values()}
     return dataclasses.replace(cached, codec=codec, stored=stored, index_metadata=_index_metadata(c, engine, codec))
 
@@ -225,15 +229,17 @@ def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> 
     return out
 
 
-def encoder_for(c: Component, engine: EngineAdapter, options: UnifiedCheckpointOptions, rule=None) -> Encoder | None:
+def encoder_for(c: Component, engine: EngineAdapter, options: UnifiedCheckpointOptions, rule=None,
+                names: list[str] | None = None) -> Encoder | None:
     """The codec that stores component `c` (None: stored as it is): O1/O2 for optimizer moments, the bf16 residual
-    for master weights. Collective for the residual (a census of every rank's fragments: summed by an all-reduce
-    where the save follows a partition `rule`, else gathered): all ranks must call it."""
+    for master weights (`names`: the component's tensors, where the caller has them). Collective for the residual
+    (a census of every rank's fragments: summed by an all-reduce where the save follows a partition `rule`, else
+    gathered): all ranks must call it."""
     if c.role is Role.OPTIMIZER and options.quant_stage != "O0":
         return MomentCodec(options.quant_stage)
     if c.name == MASTER.name and options.residual_master_weight:
         if rule is not None:
-            return rule_plan.residual_census(engine, [s.name for s in engine.specs(c.name)])
+            return rule_plan.residual_census(engine, names or [s.name for s in engine.specs(c.name)])
         census, by_rank = residual_census(engine)
         return ResidualCodec(census, by_rank=by_rank)
     return None

@@ -22,10 +22,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
 
 from .parts import MAX_PARTS, HandOver, Part
-from .planning import FilePlan, OwnOnly, piece_of
+from .planning import FilePlan, OwnOnly, once, piece_of
 
 #: Ranges start at multiples of this many bytes at least (direct I/O's block; a filesystem's block or stripe size
 #: where it is larger and readable: `AggregationLayout.align`).
@@ -77,7 +76,7 @@ class AggregatedFile:
     cell: int
     align: int = ALIGN
 
-    @cached_property
+    @once
     def cells(self) -> tuple[tuple[int, int, int], ...]:
         """(start, end, aggregator) of every cell, in offset order: each range cut into as few cells of at most
         `cell` bytes as it needs, all but its last of one aligned length (the last takes the rest: at least as
@@ -90,11 +89,11 @@ class AggregatedFile:
             out += [(x, y, owner) for x, y in zip(cuts, cuts[1:]) if y > x]
         return tuple(out)
 
-    @cached_property
+    @once
     def _starts(self) -> list[int]:
         return [c[0] for c in self.cells]
 
-    @cached_property
+    @once
     def _own_only(self) -> frozenset[str]:
         """The stored tensors whose pieces only their own rank can place (announced)."""
         return frozenset(name for name, *_, pieces in self.file.layout if isinstance(pieces, OwnOnly))
@@ -103,11 +102,11 @@ class AggregatedFile:
         """The index of the cell holding byte `offset`."""
         return bisect.bisect_right(self._starts, offset) - 1
 
-    @cached_property
+    @once
     def _runs(self) -> list[tuple[int, int, int, int, object]]:
         """The file's layout as (first byte, end byte in the file, element size, stored name, pieces or None: held
         whole by the header rank), in offset order, after the header."""
-        head = len(self.file.header_bytes)
+        head = self.file.header_size
         return sorted((head + start, head + end, size, name, pieces)
                       for name, start, end, size, pieces in self.file.layout if end > start)
 
@@ -154,7 +153,7 @@ class AggregatedFile:
         and the tensors written whole by the header rank, each piece by its holder; of a piece only its own rank can
         place, this process's rank where it holds it, else `UNKNOWN`."""
         owner = self.cells[self.cell_index(start)][2]
-        header_rank, head = self.file.header_rank, len(self.file.header_bytes)
+        header_rank, head = self.file.header_rank, self.file.header_size
         out = [HandOver(start, min(end, head), header_rank, owner)] if start < head else []
         runs = self._runs
         i = max(0, bisect.bisect_right(runs, (start,)) - 1)
@@ -176,13 +175,13 @@ class AggregatedFile:
     def _held(self, rank: int) -> list[tuple[int, int, bool]]:
         """The byte ranges `rank` holds of the file (its header and write items), in offset order, each with whether
         only `rank` can place it (announced)."""
-        head = len(self.file.header_bytes)
+        head = self.file.header_size
         held = [(0, head, False)] if rank == self.file.header_rank else []
         held += sorted((head + i.start, head + i.end, i.name in self._own_only) for i in self.file.items_of(rank)
                        if i.end > i.start)
         return held
 
-    @cached_property
+    @once
     def parts(self) -> tuple[Part, ...]:
         """The parts of a multipart upload of this file: each cell one part, uploaded by its aggregator."""
         return tuple(Part(i + 1, a, b, owner) for i, (a, b, owner) in enumerate(self.cells))
@@ -271,8 +270,20 @@ def wants_aggregation(file: FilePlan, layout: AggregationLayout, mode: str) -> b
         return False
     if mode == "always":
         return True
+    if _many_holders(file, layout.per_file):
+        return True
     writers = writers_of(file)
     return writers > layout.per_file or (writers > 1 and layout.machines > 1 and mean_piece_bytes(file) < SMALL_PIECE)
+
+
+def _many_holders(file: FilePlan, limit: int) -> bool:
+    """Whether one tensor of `file` alone has more than `limit` holders (so has the file): a closed form's range of
+    holders is counted without listing them."""
+    for *_, pieces in file.layout:
+        holders = pieces.holders() if pieces is not None and hasattr(pieces, "holders") else None
+        if isinstance(holders, range) and len(holders) > limit:
+            return True
+    return False
 
 
 def range_count(file: FilePlan, layout: AggregationLayout, min_range: int = 1) -> int:
@@ -284,13 +295,15 @@ def range_count(file: FilePlan, layout: AggregationLayout, min_range: int = 1) -
 
 
 def aggregate(file: FilePlan, layout: AggregationLayout, first_index: int, min_range: int = 1,
-              cell_bytes: int | None = None) -> AggregatedFile:
+              cell_bytes: int | None = None, count: int | None = None) -> AggregatedFile:
     """The ranges of `file`: at most `range_count` (as many as `layout.range_bytes` asks, at most `layout.per_file`,
-    each at least `min_range` bytes: an object store's smallest part), starting at multiples of `layout.align`; the first range's
-    aggregator is the header rank, the others `layout.spread(first_index + 1), ...`. Cells of at most `cell_bytes`
-    (default `layout.cell_bytes`; an object store's part size for uploads), aligned too."""
+    each at least `min_range` bytes: an object store's smallest part), starting at multiples of `layout.align`; the
+    first range's aggregator is the header rank, the others `layout.spread(first_index + 1), ...`. Cells of at most
+    `cell_bytes`
+    (default `layout.cell_bytes`; an object store's part size for uploads), aligned too. `count`: `range_count`'s
+    answer, where the caller has it."""
     size, align = file.size, layout.align
-    count = range_count(file, layout, min_range)
+    count = range_count(file, layout, min_range) if count is None else count
     step = -(-(-(-size // count)) // align) * align
     bounds = tuple(sorted({*range(0, size, step), size}))
     owners = [file.header_rank] + [layout.spread(first_index + i) for i in range(1, len(bounds) - 1)]
@@ -314,10 +327,11 @@ class AggregationPlans(Mapping):
         self._files: dict[str, tuple[FilePlan, int, int]] = {}  # name -> (file, its first aggregator's index, count)
         self._plans: dict[str, AggregatedFile] = {}
 
-    def add(self, file: FilePlan, first_index: int, plan: AggregatedFile | None = None) -> int:
-        """Add `file`, its aggregators numbered from `first_index` (`plan`: already planned). Returns how many
-        indices it takes (`range_count`)."""
-        count = range_count(file, self.layout)
+    def add(self, file: FilePlan, first_index: int, plan: AggregatedFile | None = None,
+            count: int | None = None) -> int:
+        """Add `file`, its aggregators numbered from `first_index` (`plan`: already planned; `count`: its
+        `range_count`, where known). Returns how many indices it takes (`range_count`)."""
+        count = range_count(file, self.layout) if count is None else count
         self._files[file.name] = (file, first_index, count)
         if plan is not None:
             self._plans[file.name] = plan
@@ -326,8 +340,8 @@ class AggregationPlans(Mapping):
     def __getitem__(self, name: str) -> AggregatedFile:
         plan = self._plans.get(name)
         if plan is None:
-            file, first, _ = self._files[name]
-            plan = self._plans[name] = aggregate(file, self.layout, first)
+            file, first, count = self._files[name]
+            plan = self._plans[name] = aggregate(file, self.layout, first, count=count)
         return plan
 
     def __iter__(self):
@@ -344,10 +358,9 @@ class AggregationPlans(Mapping):
         """The files planned so far."""
         return frozenset(self._plans)
 
-    def reused(self, file: FilePlan, first_index: int) -> AggregatedFile | None:
-        """The plan made of `file` here, if it was made for the same layout tuple at the same index (None: not)."""
-        entry, plan = self._files.get(file.name), self._plans.get(file.name)
-        return plan if plan is not None and entry[0].layout is file.layout and entry[1] == first_index else None
+    def made(self, name: str) -> AggregatedFile | None:
+        """The plan of file `name`, if it was made here (None: not asked for, or not aggregated)."""
+        return self._plans.get(name)
 
     def has_part(self, name: str, rank: int) -> bool:
         """Whether `rank` holds bytes of aggregated file `name` or may aggregate one of its ranges (without planning

@@ -6,13 +6,13 @@ Every rank computes the same plan from the same tensor specs, so no communicatio
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from json.encoder import encode_basestring_ascii
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
@@ -200,9 +200,10 @@ def piecewise(codec: Encoder | None) -> bool:
     return codec is None or bool(getattr(codec, "piecewise", False))
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, full shape and dtype of one tensor, enough to plan without holding it."""
+class TensorSpec(NamedTuple):
+    """Name, full shape and dtype of one tensor, enough to plan without holding it (a named tuple: the adapters make
+    one per tensor per component and question, thousands per save, and a frozen dataclass costs several times more
+    to make)."""
 
     name: str
     shape: tuple[int, ...]
@@ -366,6 +367,26 @@ class WriteItem:
     rank: int
 
 
+_MISSING = object()
+
+
+class once:
+    """`functools.cached_property` without its lock (Python 3.11 takes one per first access, a few microseconds on
+    each of the thousands of file plans a save makes): worked out on first access and kept in the instance's
+    `__dict__` (two threads that race compute the same value twice)."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.fn(instance)
+        return value
+
 #: What `FilePlan.with_codec` keeps of a file's worked-out answers (the layout is the same).
 _KEPT = ("_memo", "whole_names", "data_bytes")
 
@@ -401,16 +422,22 @@ class FilePlan:
     def _mine(self, kind: str, rank: int, work):
         """`work(rank)`, worked out once per file plan and rank (a rank asks for its own: a plan reused by later
         saves answers from it; `with_codec` keeps it)."""
-        memo = self.__dict__.setdefault("_memo", {})
+        memo = self.__dict__.get("_memo")
+        if memo is None:
+            memo = self.__dict__["_memo"] = {}
         key = (kind, rank)
-        if key not in memo:
-            memo[key] = work(rank)
-        return memo[key]
+        found = memo.get(key, _MISSING)
+        if found is _MISSING:
+            found = memo[key] = work(rank)
+        return found
 
     def pieces_held(self, rank: int) -> list[str]:
         """The logical tensors of which `rank` holds a non-empty piece written in place."""
-        return list(self._mine("held", rank, lambda r: tuple(
-            n for n in self.tensor_names if n in self.held and piece_of(self.held[n], r)[1])))
+        return list(self._mine("held", rank, self._pieces_held))
+
+    def _pieces_held(self, rank: int) -> tuple[str, ...]:
+        held = self.held
+        return tuple(n for n in self.tensor_names if n in held and piece_of(held[n], rank)[1])
 
     def first_held(self, name: str, rank: int) -> tuple[int, int]:
         """(first element, count) of `rank`'s piece of logical tensor `name` (written in place)."""
@@ -430,7 +457,7 @@ class FilePlan:
             out.update(self.stored_tensors({n: _on_host(tensors[n]) for n in self.whole_names}))
         return out
 
-    @functools.cached_property
+    @once
     def whole_names(self) -> tuple[str, ...]:
         """Logical tensors the header rank writes whole (assembled there first where they are sharded)."""
         return tuple(n for n in self.tensor_names if n not in self.held)
@@ -453,8 +480,10 @@ class FilePlan:
 
     def writes(self, rank: int) -> bool:
         """Whether `rank` writes any byte of this file (its header, or a piece)."""
-        return rank == self.header_rank or self._mine("writes", rank, lambda r: any(
-            piece_of(p, r)[1] for *_, p in self.layout if p is not None))
+        return rank == self.header_rank or self._mine("writes", rank, self._writes)
+
+    def _writes(self, rank: int) -> bool:
+        return any(piece_of(p, rank)[1] for *_, p in self.layout if p is not None)
 
     def writes_alone(self, rank: int) -> bool:
         """Whether `rank` writes every byte of this file (no other rank writes any)."""
@@ -466,7 +495,9 @@ class FilePlan:
         """This file with another codec object of the same plan (a later save's halos), its header kept."""
         out = dataclasses.replace(self, codec=codec)
         out.__dict__.update({k: v for k, v in self.__dict__.items() if k in _KEPT})
-        out.__dict__["header_bytes"] = self.header_bytes
+        out.__dict__["header_size"] = self.header_size
+        if "header_bytes" in self.__dict__:
+            out.__dict__["header_bytes"] = self.header_bytes
         return out
 
     def with_pieces(self, codec: Encoder, stored: dict[str, Pieces]) -> "FilePlan":
@@ -475,10 +506,12 @@ class FilePlan:
         layout = tuple((n, a, b, size, stored[n] if p is not None else None) for n, a, b, size, p in self.layout)
         out = dataclasses.replace(self, codec=codec, layout=layout,
                                   pieces={n: stored[n] for n in self.pieces})
-        out.__dict__["header_bytes"], out.__dict__["data_bytes"] = self.header_bytes, self.data_bytes
+        out.__dict__["header_size"], out.__dict__["data_bytes"] = self.header_size, self.data_bytes
+        if "header_bytes" in self.__dict__:
+            out.__dict__["header_bytes"] = self.header_bytes
         return out
 
-    @functools.cached_property
+    @once
     def items(self) -> tuple[WriteItem, ...]:
         """Every rank's write items (O(N) per tensor written in place: for multipart plans and checks)."""
         out = []
@@ -494,19 +527,32 @@ class FilePlan:
     def writers(self) -> frozenset[int]:
         return frozenset(item.rank for item in self.items) | {self.header_rank}
 
-    @functools.cached_property
+    @once
     def data_bytes(self) -> int:
         return max((end for _, _, end, _, _ in self.layout), default=0)
 
-    @functools.cached_property
+    @once
     def header_bytes(self) -> bytes:
         """The file's first bytes: the header's length (8 bytes, little-endian) and the JSON header, padded with
-        spaces to a multiple of 8 as safetensors pads it (so tensor data stays aligned)."""
-        return header_bytes(self.header)
+        spaces to a multiple of 8 as safetensors pads it (so tensor data stays aligned). Only the header's writer
+        needs them; a rank that placed bytes by `header_size` first has it checked here."""
+        out = header_bytes(self.header)
+        planned = self.__dict__.get("header_size")
+        if planned is not None and planned != len(out):
+            raise RuntimeError(f"{self.name}: its header encodes to {len(out)} bytes, {planned} were planned "
+                               "(`header_size`); nothing of it is written. This is a bug: please report it.")
+        return out
+
+    @once
+    def header_size(self) -> int:
+        """`len(header_bytes)`, worked out without encoding the header (`planning.header_size`): every rank places
+        its bytes after the header, one rank writes it."""
+        done = self.__dict__.get("header_bytes")
+        return len(done) if done is not None else header_size(self.header)
 
     @property
     def size(self) -> int:
-        return len(self.header_bytes) + self.data_bytes
+        return self.header_size + self.data_bytes
 
 
 def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> list[FilePlan]:
@@ -555,25 +601,82 @@ def tiling(numel: int, held: list[tuple[int, int, int]]) -> Pieces | None:
     return tuple((rank, first, count) for first, rank, count in parts) if numel and end == numel else None
 
 
+#: One encoder for every header (`json.dumps` with separators makes one per call).
+_HEADER_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def header_bytes(header: dict) -> bytes:
     """A safetensors file's first bytes for `header`: its length (8 bytes, little-endian) and the JSON, padded with
     spaces to a multiple of 8 as safetensors pads it."""
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = _HEADER_JSON.encode(header).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+#: What `header_size` counts of a tensor's entry besides its dtype's name, shape and offsets.
+_ENTRY = len('{"dtype":,"shape":[],"data_offsets":[,]}')
+_PT = {"format": "pt"}
+
+
+def header_size(header: dict) -> int:
+    """`len(header_bytes(header))` without encoding it, where `header` is one `safetensors_header` makes (names
+    quoted as `json` quotes them, integers counted by their digits); any other header is encoded."""
+    total = 2 + max(len(header) - 1, 0)  # the braces and the commas between the entries
+    for key, value in header.items():
+        if type(key) is not str:
+            return len(header_bytes(header))
+        total += len(encode_basestring_ascii(key)) + 1
+        if key == "__metadata__" and value == _PT:
+            total += len('{"format":"pt"}')
+            continue
+        entry = _entry_size(value)
+        if entry is None:
+            return len(header_bytes(header))
+        total += entry
+    return 8 + total + (-total % 8)
+
+
+def _entry_size(value) -> int | None:
+    """The encoded length of one tensor's entry, or None where it is not one `safetensors_header` makes."""
+    if type(value) is not dict or len(value) != 3:
+        return None
+    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+    if type(dtype) is not str or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return None
+    numbers = shape + offsets
+    if any(type(n) is not int for n in numbers):  # (a bool is not an int here: it encodes as true / false)
+        return None
+    return _ENTRY + len(encode_basestring_ascii(dtype)) + sum(len(str(n)) for n in numbers) + max(len(shape) - 1, 0)
 
 
 def safetensors_header(specs: list[TensorSpec]) -> tuple[dict, dict[str, tuple[int, int]]]:
     """The header `safetensors.torch.save_file` writes for these tensors (with `{"format": "pt"}` metadata; the same
     bytes, see `FilePlan.header_bytes`), and each tensor's byte range in the data section."""
     offsets, start = {}, 0
-    ordered = sorted(specs, key=lambda s: (-s.dtype.itemsize, s.name))
-    for spec in ordered:
-        offsets[spec.name] = (start, start + spec.nbytes)
-        start += spec.nbytes
-    header = {s.name: {"dtype": safetensors_dtype(s.dtype), "shape": list(s.shape),
-                       "data_offsets": list(offsets[s.name])} for s in ordered}  # in layout order, like safetensors
-    return {"__metadata__": {"format": "pt"}, **header}, offsets
+    header = {"__metadata__": {"format": "pt"}}
+    ordered = sorted(specs, key=_layout_order) if len(specs) > 1 else specs
+    for spec in ordered:  # in layout order, like safetensors
+        end = start + spec.nbytes
+        offsets[spec.name] = (start, end)
+        header[spec.name] = {"dtype": _dtype_name(spec.dtype), "shape": list(spec.shape), "data_offsets": [start, end]}
+        start = end
+    return header, offsets
+
+
+def _layout_order(spec: TensorSpec) -> tuple[int, str]:
+    """safetensors' order of a file's tensors: wider dtypes first, then by name."""
+    return -spec.dtype.itemsize, spec.name
+
+
+#: torch dtype -> its safetensors name, as met (`safetensors_dtype` per tensor is a string operation).
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = safetensors_dtype(dtype)
+    return name
 
 
 def _on_host(tensor: torch.Tensor) -> torch.Tensor:
