@@ -171,16 +171,16 @@ class SimEngine:
         self._confirmed = False
         self.exchanged = 0
 
-    def partition_rule(self, component: str):
+    def partition_rule(self, component: str, names=None):
         """As the real adapters' (`DeepSpeedEngine.partition_rule`...): the rule's pieces of every sharded tensor;
         "mics" stands for an engine whose layout does not follow the world size alone (MiCS, HSDP, TP, EP)."""
         if self.model.engine == "mics":
             return None, "MiCS (shard groups smaller than the world)"
         out = {}
-        for spec in self.specs(component):
-            if self._sharded(component, spec.name):
-                param = split_optimizer_key(spec.name)[0] if component == OPTIMIZER.name else spec.name
-                out[spec.name] = self.model.rule[param]
+        for name in [s.name for s in self.specs(component)] if names is None else names:
+            if self._sharded(component, name):
+                param = split_optimizer_key(name)[0] if component == OPTIMIZER.name else name
+                out[name] = self.model.rule[param]
         return out, self.engine
 
     def confirm_rule(self) -> None:

@@ -86,11 +86,11 @@ class AggregatingWriter(LocalWrites):
         kept = _PLANS.setdefault((layout, self.options.mode), _Kept())
         self.plans = plans = AggregationPlans(layout)
         index = 0
-        decided, mode = kept.decided, self.options.mode
+        decided, made, mode = kept.decided, kept.made(), self.options.mode
         for tag, file in enumerate(files):
             entry = decided.get(file.name)  # (the loop runs over thousands of files per save: inlined)
             if entry is not None and entry[0] is file.layout and entry[1] == index:
-                count, plan = entry[2], kept.plan_of(file.name)
+                count, plan = entry[2], made.get(file.name)
             else:
                 count, plan = kept.decide(file, index, layout, mode), None
             if count:
@@ -208,10 +208,10 @@ class _Kept:
         self.decided[file.name] = (file.layout, index, count)
         return count
 
-    def plan_of(self, name: str) -> AggregatedFile | None:
-        """The last save's plan of file `name`, if it made one (for a file whose `decided` entry still holds: the
+    def made(self) -> Mapping[str, AggregatedFile]:
+        """The plans the last save made, by file name (reused for a file whose `decided` entry still holds: the
         same layout tuple at the same index)."""
-        return self.last.made(name) if self.last is not None else None
+        return self.last.made if self.last is not None else {}
 
 
 #: Per (layout, mode): what its saves keep (`_Kept`).

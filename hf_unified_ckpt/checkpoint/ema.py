@@ -139,12 +139,14 @@ class WithEma:
             if dist.rank() == owner:
                 self._cache[name] = full.view(part.shape)
 
-    def partition_rule(self, component: str) -> tuple[dict | None, str]:
+    def partition_rule(self, component: str, names=None) -> tuple[dict | None, str]:
         """The engine's (`save.plan_save`); for EMA, the layout of the parameters the averages follow (the engine's
         `parameter_rule`), restricted to the averages not held whole. Local."""
         if component != EMA.name:
             inner = getattr(self._engine, "partition_rule", None)
-            return inner(component) if inner is not None else (None, f"{type(self._engine).__name__} has no rule")
+            if inner is None:
+                return None, f"{type(self._engine).__name__} has no rule"
+            return inner(component, names)
         inner = getattr(self._engine, "parameter_rule", None)
         if inner is None:
             return None, f"{type(self._engine).__name__} has no parameter rule for its EMA"

@@ -46,14 +46,15 @@ class Rule:
     cached: object | None = None
 
 
-def rules_of(engine, components) -> tuple[dict | None, str]:
-    """Every component's closed-form pieces (`engine.partition_rule`), or (None, why not). Local."""
+def rules_of(engine, components, specs: dict | None = None) -> tuple[dict | None, str]:
+    """Every component's closed-form pieces (`engine.partition_rule`), or (None, why not); `specs`: the engine's of
+    each component, where the caller has them. Local."""
     declared = getattr(engine, "partition_rule", None)
     if declared is None:
         return None, f"{type(engine).__name__} declares no partition rule"
     out, why = {}, ""
     for c in components:
-        rule, why = declared(c.name)
+        rule, why = declared(c.name, [s.name for s in specs[c.name]]) if specs else declared(c.name)
         if rule is None:
             return None, why
         out[c.name] = rule
@@ -75,9 +76,10 @@ def rule_matches(engine, rules: dict, rank: int) -> bool:
     return True
 
 
-def digest_of(engine, components, request, shared: bool, rules: dict | None) -> int:
+def digest_of(engine, components, request, shared: bool, rules: dict | None, specs: dict | None = None) -> int:
     """A 63-bit digest of what the plan depends on: world size, engine, every component (name, file stem, role) and
-    its specs, the rule, the options that shape files. The same on every rank that would plan the same. Local."""
+    its specs (`specs`: the engine's, where the caller has them), the rule, the options that shape files. The same
+    on every rank that would plan the same. Local."""
     h = hashlib.blake2b(digest_size=8)
     options = request.options
     h.update(repr((dist.world_size(), getattr(engine, "engine", type(engine).__name__), shared,
@@ -85,9 +87,9 @@ def digest_of(engine, components, request, shared: bool, rules: dict | None) -> 
                    options.max_shard_size)).encode())
     for c in components:  # marshal's version 2: the bytes of the values alone (no back-references)
         h.update(repr((c.name, c.file_stem, str(c.role))).encode())
-        specs = engine.specs(c.name)
-        dtypes = {d: str(d) for d in {s.dtype for s in specs}}  # (`str` of a dtype is a string operation)
-        h.update(marshal.dumps([(s.name, tuple(s.shape), dtypes[s.dtype]) for s in specs], 2))
+        held = engine.specs(c.name) if specs is None else specs[c.name]
+        dtypes = {d: str(d) for d in {s.dtype for s in held}}  # (`str` of a dtype is a string operation)
+        h.update(marshal.dumps([(s.name, tuple(s.shape), dtypes[s.dtype]) for s in held], 2))
         if rules is not None:  # in the rule's order: the specs' order, the same on every rank
             h.update(marshal.dumps([(n, s.numel, s.size, s.shift) for n, s in rules[c.name].items()], 2))
     return int.from_bytes(h.digest(), "little") >> 1
@@ -96,8 +98,9 @@ def digest_of(engine, components, request, shared: bool, rules: dict | None) -> 
 def agree(engine, components, request, shared: bool) -> Rule | None:
     """The rule every rank follows, with the plan cached for it if every rank has one, or None (the save takes the
     census; said once per process and reason). Collective: one all-reduce of four integers."""
-    rules, why = rules_of(engine, components)
-    digest = digest_of(engine, components, request, shared, rules)
+    specs = {c.name: engine.specs(c.name) for c in components}  # asked once: the adapter makes them anew per call
+    rules, why = rules_of(engine, components, specs)
+    digest = digest_of(engine, components, request, shared, rules, specs)
     me = dist.rank()
     cached = _CACHE.get((me, digest)) if rules is not None else None
     match = rules is not None and (cached is not None or rule_matches(engine, rules, me))

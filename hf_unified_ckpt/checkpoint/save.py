@@ -182,21 +182,23 @@ def _reused(cached: SavePlan, engine: EngineAdapter, request: SaveRequest, compo
         plans[c.name] = dataclasses.replace(cplan, codec=codec, index_metadata=_index_metadata(c, engine, codec))
     pieces = {**cached.pieces, **rule_plan.pieces_of(rule, fresh)}
     rule_plan.exchange_halos(engine, {n: p for n, p in plans.items() if n not in fresh}, pieces)
+    old: dict[str, list[FilePlan]] = {name: [] for name in plans}  # the cached files by component
+    for f in cached.files:
+        old[f.component].append(f)
     for name, cplan in plans.items():
         if name in fresh:
-            files += _residual_files(cplan, cached, pieces.get(name))
+            files += _residual_files(cplan, cached, old[name], pieces.get(name))
         else:
-            files += [f if f.codec is None else f.with_codec(cplan.codec) for f in cached.files if f.component == name]
+            files += [f if f.codec is None else f.with_codec(cplan.codec) for f in old[name]]
     return SavePlan(plans, copy.deepcopy(engine.saved_by()), pieces, planned=tuple(files))
 
 
-def _residual_files(cplan: ComponentPlan, cached: SavePlan, pieces) -> list[FilePlan]:
-    """The residual component's files at a later save: where its plan kept the cached files (as many ties per
-    tensor), the cached files with this save's ties laid out (headers kept), else made again."""
+def _residual_files(cplan: ComponentPlan, cached: SavePlan, old: list[FilePlan], pieces) -> list[FilePlan]:
+    """The residual component's files at a later save: where its plan kept the cached files (`old`: as many ties
+    per tensor), the cached files with this save's ties laid out (headers kept), else made again."""
     if cplan.files is not cached.components[cplan.component].files:
         return file_plans(cplan, pieces)
     stored = stored_pieces(cplan, pieces or {})
-    old = [f for f in cached.files if f.component == cplan.component]
     if any(n not in stored for f in old for n in f.pieces):
         return file_plans(cplan, pieces)
     return [f.with_pieces(cplan.codec, stored) for f in old]

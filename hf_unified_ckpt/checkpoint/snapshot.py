@@ -128,7 +128,7 @@ def snapshot_specs(files: Iterable[FilePlan], rank: int, placed_whole: bool = Fa
         items = sorted(file.items_of(rank), key=lambda item: item.start)
         if placed_whole and writes_whole(file, rank, items):
             continue
-        starts = {item.name: file.header_size + item.start for item in items}
+        starts = {item.name: len(file.header_bytes) + item.start for item in items}
         wanted = [(name, (file.first_held(name, rank)[1],)) for name in file.pieces_held(rank)]
         if rank == file.header_rank:
             wanted += [(name, tuple(file.header[name]["shape"])) for name in file.whole_names]

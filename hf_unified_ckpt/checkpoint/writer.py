@@ -330,11 +330,11 @@ def rank_ranges(file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) 
     """What `rank` holds of `file`, as (offset in the file, bytes) in offset order: the header on the header rank,
     then its write items, from `tensors` (by stored name, encoded), each taken (a device tensor copied to the host)
     when the writer asks for it."""
+    head = file.header_bytes
     if rank == file.header_rank:
-        yield 0, memoryview(file.header_bytes)
-    head = file.header_size
+        yield 0, memoryview(head)
     for item in sorted(file.items_of(rank), key=lambda item: item.start):
-        yield head + item.start, _item_bytes(item, tensors[item.name])
+        yield len(head) + item.start, _item_bytes(item, tensors[item.name])
 
 
 def writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
@@ -344,7 +344,7 @@ def writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
         if item.start != end:
             return False
         end = item.end
-    return rank == file.header_rank and file.header_size + end == file.size
+    return rank == file.header_rank and len(file.header_bytes) + end == file.size
 
 
 def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:

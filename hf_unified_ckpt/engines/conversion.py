@@ -175,7 +175,7 @@ class WithConversion:
     def optimizer_metadata(self) -> dict:
         return self.conversion.metadata(self.inner.optimizer_metadata())
 
-    def partition_rule(self, component: str) -> tuple[None, str]:
+    def partition_rule(self, component: str, names=None) -> tuple[None, str]:
         """None: the saved tensors are pieces of fused live ones (`WeightConversion.fragments`), not the engine's
         rule; the save takes the census. Local."""
         return None, "tensors saved under converted names (pieces of fused live tensors)"

@@ -307,21 +307,21 @@ class DeepSpeedEngine:
         return ("hp", by_name[param_name], key)
 
     # ---- the closed form of the partition (issue 57) -----------------------------------------------------------
-    def partition_rule(self, component: str) -> tuple[dict[str, Strided] | None, str]:
+    def partition_rule(self, component: str, names: list[str] | None = None) -> tuple[dict[str, Strided] | None, str]:
         """(the closed form of `fragments(component)` from DeepSpeed's partition rule and the shapes, a reason), or
         (None, why not). ZeRO-3: every parameter split in ceil(numel / N) elements per rank. ZeRO-1/2: each param
         group's flat buffer (its trainable parameters in order) padded to a multiple of 2N elements
         (`nccl_start_alignment_factor` x N) and split in N equal partitions. None where the layout does not follow
         the world size alone: AutoTP, MiCS (its shard groups), expert parameters (their own data-parallel groups).
-        Local: shapes and group membership only."""
+        Local: shapes and group membership only (`names`: the component's tensors, where the caller has them)."""
         why = self._no_rule()
         if why:
             return None, why
         out = {}
-        for spec in self.specs(component):
-            source = self._source(component, spec.name)
+        for name in [s.name for s in self.specs(component)] if names is None else names:
+            source = self._source(component, name)
             if source[0] == "hp" or (source[0] == "lp" and self.stage == 3):
-                out[spec.name] = self._strided(self._name_of[id(source[1])])
+                out[name] = self._strided(self._name_of[id(source[1])])
         return {n: s for n, s in out.items() if s.numel}, f"ZeRO-{self.stage}"
 
     def parameter_rule(self) -> tuple[dict[str, Strided] | None, str]:

@@ -244,7 +244,7 @@ class FSDPEngine:
                 out[name] = fragment
         return out
 
-    def partition_rule(self, component: str) -> tuple[dict[str, Strided] | None, str]:
+    def partition_rule(self, component: str, names=None) -> tuple[dict[str, Strided] | None, str]:
         """(the closed form of `fragments(component)`: FSDP2's Shard(0) on a 1-D mesh over every rank, ceil(dim0 /
         N) rows per rank, torch.chunk's split; a reason) or (None, why not: FSDP1, HSDP or a tensor-parallel mesh,
         whose layout does not follow the world size alone). Local: reads placements and shapes only."""

@@ -84,7 +84,7 @@ class ReplicatedEngine:
         """None: every rank holds every tensor whole."""
         return {}
 
-    def partition_rule(self, component: str) -> tuple[dict, str]:
+    def partition_rule(self, component: str, names=None) -> tuple[dict, str]:
         """Nothing is split over the ranks: the closed form of `fragments` is empty. Local."""
         return {}, "replicated"
 

@@ -106,7 +106,7 @@ class AggregatedFile:
     def _runs(self) -> list[tuple[int, int, int, int, object]]:
         """The file's layout as (first byte, end byte in the file, element size, stored name, pieces or None: held
         whole by the header rank), in offset order, after the header."""
-        head = self.file.header_size
+        head = len(self.file.header_bytes)
         return sorted((head + start, head + end, size, name, pieces)
                       for name, start, end, size, pieces in self.file.layout if end > start)
 
@@ -153,7 +153,7 @@ class AggregatedFile:
         and the tensors written whole by the header rank, each piece by its holder; of a piece only its own rank can
         place, this process's rank where it holds it, else `UNKNOWN`."""
         owner = self.cells[self.cell_index(start)][2]
-        header_rank, head = self.file.header_rank, self.file.header_size
+        header_rank, head = self.file.header_rank, len(self.file.header_bytes)
         out = [HandOver(start, min(end, head), header_rank, owner)] if start < head else []
         runs = self._runs
         i = max(0, bisect.bisect_right(runs, (start,)) - 1)
@@ -175,7 +175,7 @@ class AggregatedFile:
     def _held(self, rank: int) -> list[tuple[int, int, bool]]:
         """The byte ranges `rank` holds of the file (its header and write items), in offset order, each with whether
         only `rank` can place it (announced)."""
-        head = self.file.header_size
+        head = len(self.file.header_bytes)
         held = [(0, head, False)] if rank == self.file.header_rank else []
         held += sorted((head + i.start, head + i.end, i.name in self._own_only) for i in self.file.items_of(rank)
                        if i.end > i.start)
@@ -358,9 +358,10 @@ class AggregationPlans(Mapping):
         """The files planned so far."""
         return frozenset(self._plans)
 
-    def made(self, name: str) -> AggregatedFile | None:
-        """The plan of file `name`, if it was made here (None: not asked for, or not aggregated)."""
-        return self._plans.get(name)
+    @property
+    def made(self) -> Mapping[str, AggregatedFile]:
+        """The plans made here so far, by file name (a file not asked for, or not aggregated, has none)."""
+        return self._plans
 
     def has_part(self, name: str, rank: int) -> bool:
         """Whether `rank` holds bytes of aggregated file `name` or may aggregate one of its ranges (without planning

@@ -176,5 +176,5 @@ def _hand_overs(parts: tuple[Part, ...], runs: list[Run]) -> list[HandOver]:
 def file_runs(file) -> list[Run]:
     """The runs of a planned file (`planning.FilePlan`): its header, held by the header rank, and every write item
     (offsets in the file, after the header)."""
-    head = file.header_size
+    head = len(file.header_bytes)
     return [Run(0, head, file.header_rank)] + [Run(head + i.start, head + i.end, i.rank) for i in file.items]

@@ -11,7 +11,6 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -495,9 +494,7 @@ class FilePlan:
         """This file with another codec object of the same plan (a later save's halos), its header kept."""
         out = dataclasses.replace(self, codec=codec)
         out.__dict__.update({k: v for k, v in self.__dict__.items() if k in _KEPT})
-        out.__dict__["header_size"] = self.header_size
-        if "header_bytes" in self.__dict__:
-            out.__dict__["header_bytes"] = self.header_bytes
+        out.__dict__["header_bytes"] = self.header_bytes
         return out
 
     def with_pieces(self, codec: Encoder, stored: dict[str, Pieces]) -> "FilePlan":
@@ -506,9 +503,7 @@ class FilePlan:
         layout = tuple((n, a, b, size, stored[n] if p is not None else None) for n, a, b, size, p in self.layout)
         out = dataclasses.replace(self, codec=codec, layout=layout,
                                   pieces={n: stored[n] for n in self.pieces})
-        out.__dict__["header_size"], out.__dict__["data_bytes"] = self.header_size, self.data_bytes
-        if "header_bytes" in self.__dict__:
-            out.__dict__["header_bytes"] = self.header_bytes
+        out.__dict__["header_bytes"], out.__dict__["data_bytes"] = self.header_bytes, self.data_bytes
         return out
 
     @once
@@ -534,25 +529,12 @@ class FilePlan:
     @once
     def header_bytes(self) -> bytes:
         """The file's first bytes: the header's length (8 bytes, little-endian) and the JSON header, padded with
-        spaces to a multiple of 8 as safetensors pads it (so tensor data stays aligned). Only the header's writer
-        needs them; a rank that placed bytes by `header_size` first has it checked here."""
-        out = header_bytes(self.header)
-        planned = self.__dict__.get("header_size")
-        if planned is not None and planned != len(out):
-            raise RuntimeError(f"{self.name}: its header encodes to {len(out)} bytes, {planned} were planned "
-                               "(`header_size`); nothing of it is written. This is a bug: please report it.")
-        return out
-
-    @once
-    def header_size(self) -> int:
-        """`len(header_bytes)`, worked out without encoding the header (`planning.header_size`): every rank places
-        its bytes after the header, one rank writes it."""
-        done = self.__dict__.get("header_bytes")
-        return len(done) if done is not None else header_size(self.header)
+        spaces to a multiple of 8 as safetensors pads it (so tensor data stays aligned)."""
+        return header_bytes(self.header)
 
     @property
     def size(self) -> int:
-        return self.header_size + self.data_bytes
+        return len(self.header_bytes) + self.data_bytes
 
 
 def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> list[FilePlan]:
@@ -611,42 +593,6 @@ def header_bytes(header: dict) -> bytes:
     raw = _HEADER_JSON.encode(header).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-#: What `header_size` counts of a tensor's entry besides its dtype's name, shape and offsets.
-_ENTRY = len('{"dtype":,"shape":[],"data_offsets":[,]}')
-_PT = {"format": "pt"}
-
-
-def header_size(header: dict) -> int:
-    """`len(header_bytes(header))` without encoding it, where `header` is one `safetensors_header` makes (names
-    quoted as `json` quotes them, integers counted by their digits); any other header is encoded."""
-    total = 2 + max(len(header) - 1, 0)  # the braces and the commas between the entries
-    for key, value in header.items():
-        if type(key) is not str:
-            return len(header_bytes(header))
-        total += len(encode_basestring_ascii(key)) + 1
-        if key == "__metadata__" and value == _PT:
-            total += len('{"format":"pt"}')
-            continue
-        entry = _entry_size(value)
-        if entry is None:
-            return len(header_bytes(header))
-        total += entry
-    return 8 + total + (-total % 8)
-
-
-def _entry_size(value) -> int | None:
-    """The encoded length of one tensor's entry, or None where it is not one `safetensors_header` makes."""
-    if type(value) is not dict or len(value) != 3:
-        return None
-    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
-    if type(dtype) is not str or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
-        return None
-    numbers = shape + offsets
-    if any(type(n) is not int for n in numbers):  # (a bool is not an int here: it encodes as true / false)
-        return None
-    return _ENTRY + len(encode_basestring_ascii(dtype)) + sum(len(str(n)) for n in numbers) + max(len(shape) - 1, 0)
 
 
 def safetensors_header(specs: list[TensorSpec]) -> tuple[dict, dict[str, tuple[int, int]]]:
