@@ -568,9 +568,8 @@ class World:
 
 @dataclasses.dataclass
 class Walk:
-    """One rank's walk of a save's files (`plan_once`): the files it writes (with the pieces it holds of each) and the
-    write strategy; `ranges()` what it writes of each, made once after the planning is timed (the write thread's
-    work)."""
+    """One rank's walk of a save's files (`plan_once`): the files it writes and the write strategy; `ranges()` what
+    it writes of each, made once after the planning is timed (the write thread's work)."""
 
     rank: int
     files: list
@@ -580,7 +579,7 @@ class Walk:
     def ranges(self) -> list:
         """(file, its (offset, length) ranges this rank writes), file by file."""
         if self._ranges is None:
-            self._ranges = [(file, written_ranges(self.writer, file, self.rank)) for file, _ in self.files]
+            self._ranges = [(file, written_ranges(self.writer, file, self.rank)) for file in self.files]
         return self._ranges
 
 
@@ -609,8 +608,9 @@ def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, Walk]:
         mine = []
         for file in files:
             writer.assemble(engine, file)
-            if writer.writes(file, sim.me):
-                mine.append((file, file.pieces_held(sim.me)))
+            if writer.writes(file, sim.me):  # the files `save.begin` keeps; the pieces asked as its write asks
+                file.pieces_held(sim.me)
+                mine.append(file)
         planned_at_write(writer, files, sim.me)
     return plan, Walk(sim.me, mine, writer)
 

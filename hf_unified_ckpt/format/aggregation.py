@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .parts import MAX_PARTS, HandOver, Part
 from .planning import FilePlan, OwnOnly, once, piece_of
@@ -75,6 +75,7 @@ class AggregatedFile:
     aggregators: tuple[int, ...]
     cell: int
     align: int = ALIGN
+    _cache: dict = field(repr=False, init=False, compare=False, default_factory=dict)  # the `once` answers
 
     @once
     def cells(self) -> tuple[tuple[int, int, int], ...]:

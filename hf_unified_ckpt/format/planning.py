@@ -367,12 +367,16 @@ class WriteItem:
 
 
 _MISSING = object()
+#: The keys of `FilePlan._mine`'s answers, (question, rank), one object each.
+_KEYS: dict[tuple[str, int], tuple[str, int]] = {}
 
 
 class once:
-    """`functools.cached_property` without its lock (Python 3.11 takes one per first access, a few microseconds on
-    each of the thousands of file plans a save makes): worked out on first access and kept in the instance's
-    `__dict__` (two threads that race compute the same value twice)."""
+    """A property worked out on first access and kept in the instance's `_cache` dict (a field of its own): what
+    `functools.cached_property` does, without its lock (Python 3.11 takes one per first access, a few microseconds
+    on each of the thousands of file plans a save makes) and without the instance's `__dict__` (asking for it makes
+    one, about 500 bytes per file plan, where the fields are otherwise kept inline). Two threads that race compute
+    the same value twice."""
 
     def __init__(self, fn):
         self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
@@ -383,11 +387,12 @@ class once:
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
-        value = instance.__dict__[self.name] = self.fn(instance)
+        cache = instance._cache
+        value = cache.get(self.name, _MISSING)
+        if value is _MISSING:
+            value = cache[self.name] = self.fn(instance)
         return value
 
-#: What `FilePlan.with_codec` keeps of a file's worked-out answers (the layout is the same).
-_KEPT = ("_memo", "whole_names", "data_bytes")
 
 
 @dataclass(frozen=True)
@@ -411,6 +416,8 @@ class FilePlan:
     codec: Encoder | None = field(repr=False, default=None)
     pieces: dict[str, Pieces] = field(repr=False, default_factory=dict)  # stored tensors written in place, by holder
     held: dict[str, Pieces] = field(repr=False, default_factory=dict)  # their logical tensors: every rank's elements
+    #: What was worked out of this plan: the `once` answers by name, `_mine`'s by (question, rank).
+    _cache: dict = field(repr=False, init=False, compare=False, default_factory=dict)
 
     def stored_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors to write for the logical `tensors` (name -> tensor): encoded by the codec, if any."""
@@ -421,13 +428,11 @@ class FilePlan:
     def _mine(self, kind: str, rank: int, work):
         """`work(rank)`, worked out once per file plan and rank (a rank asks for its own: a plan reused by later
         saves answers from it; `with_codec` keeps it)."""
-        memo = self.__dict__.get("_memo")
-        if memo is None:
-            memo = self.__dict__["_memo"] = {}
-        key = (kind, rank)
-        found = memo.get(key, _MISSING)
+        cache, key = self._cache, (kind, rank)
+        key = _KEYS.setdefault(key, key)  # one key object for every file plan (thousands per save)
+        found = cache.get(key, _MISSING)
         if found is _MISSING:
-            found = memo[key] = work(rank)
+            found = cache[key] = work(rank)
         return found
 
     def pieces_held(self, rank: int) -> list[str]:
@@ -493,8 +498,8 @@ class FilePlan:
     def with_codec(self, codec: Encoder) -> "FilePlan":
         """This file with another codec object of the same plan (a later save's halos), its header kept."""
         out = dataclasses.replace(self, codec=codec)
-        out.__dict__.update({k: v for k, v in self.__dict__.items() if k in _KEPT})
-        out.__dict__["header_bytes"] = self.header_bytes
+        out._cache.update(self._cache)
+        out._cache["header_bytes"] = self.header_bytes
         return out
 
     def with_pieces(self, codec: Encoder, stored: dict[str, Pieces]) -> "FilePlan":
@@ -503,7 +508,7 @@ class FilePlan:
         layout = tuple((n, a, b, size, stored[n] if p is not None else None) for n, a, b, size, p in self.layout)
         out = dataclasses.replace(self, codec=codec, layout=layout,
                                   pieces={n: stored[n] for n in self.pieces})
-        out.__dict__["header_bytes"], out.__dict__["data_bytes"] = self.header_bytes, self.data_bytes
+        out._cache.update(header_bytes=self.header_bytes, data_bytes=self.data_bytes)
         return out
 
     @once
