@@ -54,10 +54,14 @@ class AggregationLayout:
     def spread(self, index: int) -> int:
         """The `index`-th aggregator of a save (counted over the files in plan order), machine by machine first:
         machine 0's first rank, machine 1's first rank, ..., then each machine's second rank, and so on."""
-        machines = self.machines
-        local = self.world // machines
-        index %= self.world
-        return (index % machines) * local + (index // machines) % local
+        return self.spread_from(index, 1)[0]
+
+    def spread_from(self, index: int, count: int) -> list[int]:
+        """`spread` of `count` indices from `index` on."""
+        world, machines = self.world, self.machines
+        local = world // machines
+        indices = (j % world for j in range(index, index + count))
+        return [(i % machines) * local + (i // machines) % local for i in indices]
 
     def index_of(self, rank: int) -> int:
         """The index in [0, world) that `spread` maps to `rank` (its inverse there)."""
@@ -300,14 +304,13 @@ def aggregate(file: FilePlan, layout: AggregationLayout, first_index: int, min_r
     """The ranges of `file`: at most `range_count` (as many as `layout.range_bytes` asks, at most `layout.per_file`,
     each at least `min_range` bytes: an object store's smallest part), starting at multiples of `layout.align`; the
     first range's aggregator is the header rank, the others `layout.spread(first_index + 1), ...`. Cells of at most
-    `cell_bytes`
-    (default `layout.cell_bytes`; an object store's part size for uploads), aligned too. `count`: `range_count`'s
-    answer, where the caller has it."""
+    `cell_bytes` (default `layout.cell_bytes`; an object store's part size for uploads), aligned too. `count`:
+    `range_count`'s answer, where the caller has it."""
     size, align = file.size, layout.align
     count = range_count(file, layout, min_range) if count is None else count
     step = -(-(-(-size // count)) // align) * align
-    bounds = tuple(sorted({*range(0, size, step), size}))
-    owners = [file.header_rank] + [layout.spread(first_index + i) for i in range(1, len(bounds) - 1)]
+    bounds = (*range(0, size, step), size)
+    owners = [file.header_rank] + layout.spread_from(first_index + 1, len(bounds) - 2)
     cell = max(align, (cell_bytes or layout.cell_bytes) // align * align)
     if min_range > 1:  # parts: a cell cut from a longer range is over half of `cell`, so at least the smallest part
         cell = max(cell, 2 * (-(-min_range // align) + 1) * align)
