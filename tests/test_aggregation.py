@@ -179,6 +179,19 @@ def test_auto_aggregates_files_with_more_writers_than_allowed_or_small_pieces_fr
     assert wants_aggregation(few, AggregationLayout(4, 4, 4096, 2**28, 8, 2**28), "always")
 
 
+def test_aggregators_are_spread_machine_by_machine_and_numbered_back():
+    """A file's aggregators are numbered in one pass (`spread_from`), the same as index by index (`spread`): machine
+    0's first rank, machine 1's first rank, ..., wrapping over the world; `index_of` is its inverse (ranks that do
+    not divide into machines evenly count one per machine)."""
+    for world, local in ((16, 4), (13, 8), (1, 1), (4096, 8)):
+        layout = AggregationLayout(world, local, 4096, 2**28, 8, 2**28)
+        run = layout.spread_from(world - 3, world + 5)
+        assert run == [layout.spread(world - 3 + k) for k in range(world + 5)]
+        assert sorted(layout.spread_from(0, world)) == list(range(world))
+        assert all(layout.index_of(layout.spread(i)) == i for i in range(world))
+    assert AggregationLayout(16, 4, 4096, 2**28, 8, 2**28).spread_from(0, 5) == [0, 4, 8, 12, 1]
+
+
 @pytest.mark.parametrize("world", [3, 64, 4096])
 def test_bucket_cells_are_parts_of_at_least_the_smallest_part_but_the_last(world):
     """For an object store every cell is one part: none under the store's smallest part (5 MiB) but the file's
