@@ -32,10 +32,10 @@ def worker(out: Path, reps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from hf_unified_ckpt.checkpoint import file_service
+    from hf_unified_ckpt.checkpoint.load import file_service
     from hf_unified_ckpt.engines.deepspeed import DeepSpeedEngine
-    from hf_unified_ckpt.checkpoint.load import fetch_small_files, load_checkpoint, verify_checkpoint
-    from hf_unified_ckpt.checkpoint.placement import judge_path, placement_of
+    from hf_unified_ckpt.checkpoint.load.loading import fetch_small_files, load_checkpoint, verify_checkpoint
+    from hf_unified_ckpt.checkpoint.load.placement import judge_path, placement_of
 
     machine = int(os.environ["GROUP_RANK"])
     trainer = build_trainer(out / f"machine{machine}", "fp32", 2)

@@ -199,8 +199,8 @@ class Counting:
 # ---- the bench ------------------------------------------------------------------------------------------------------
 class Bench:
     def __init__(self, args, tmp: Path, server):
-        from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
-        from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
+        from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_checkpoint
+        from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
         from hf_unified_ckpt.engines.replicated import ReplicatedEngine
         from hf_unified_ckpt.options import parse_options
         from hf_unified_ckpt.store import store_for

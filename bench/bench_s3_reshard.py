@@ -63,7 +63,7 @@ def parent(args) -> dict:
 
     from s3_server import SeaweedS3
 
-    from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
+    from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
     from hf_unified_ckpt.options import parse_options
 
@@ -99,7 +99,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
+    from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_checkpoint
     from hf_unified_ckpt.engines.fsdp import FSDPEngine
     from hf_unified_ckpt.options import parse_options
     from hf_unified_ckpt.store import S3Store, store_for

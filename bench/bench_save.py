@@ -290,7 +290,7 @@ def save_worker(out: Path, reps: int, dtype: str, engine: str, size: str = "103m
     import torch.distributed as dist
     from transformers import Trainer
 
-    from hf_unified_ckpt.checkpoint.manifest import read_manifest
+    from hf_unified_ckpt.checkpoint.folder.manifest import read_manifest
 
     world = int(os.environ["WORLD_SIZE"])
     trainer = build_trainer(out / "train", dtype, world, engine, ckpt_config, size=size)  # the process group too
@@ -495,7 +495,7 @@ def quant_worker(out: Path, reps: int, dtype: str, size: str = "103m") -> None:
 
     from hf_unified_ckpt.engines.deepspeed import DeepSpeedEngine
     from hf_unified_ckpt.trainer.engines import master_policy as _master_policy
-    from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
+    from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_checkpoint
 
     world = int(os.environ["WORLD_SIZE"])
     trainer = build_trainer(out / "train", dtype, world, size=size)
@@ -566,7 +566,7 @@ def resume_worker(out: Path, reps: int, dtype: str, engine: str = "zero2", size:
     included) + load (model, master weights, optimizer) + scheduler of the unified folder the save launch wrote."""
     import torch.distributed as dist
 
-    from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
+    from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_checkpoint
 
     results = json.loads((out / "save_results.json").read_text())
     world = int(os.environ["WORLD_SIZE"])

@@ -78,7 +78,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hf_unified_ckpt import dist as real_dist  # noqa: E402
-from hf_unified_ckpt.checkpoint import rule_plan, save as save_mod  # noqa: E402
+from hf_unified_ckpt.checkpoint.save import rule_plan, saving as save_mod  # noqa: E402
 from hf_unified_ckpt.engines.base import Fragment  # noqa: E402
 from hf_unified_ckpt.format.components import MASTER, MODEL, OPTIMIZER, saved_by  # noqa: E402
 from hf_unified_ckpt.format.names import optimizer_key, split_optimizer_key  # noqa: E402
@@ -449,7 +449,7 @@ def subtree_rows(files: list, lo: int, hi: int, rng: random.Random, plans: dict 
     (CRCs made up). From the closed-form pieces: a subtree's piece of a tensor is one range (of an O1/O2 codec's codes
     and scales: those of the blocks that start among the subtree's elements); of a file aggregated (`plans`: the
     aggregating writer's), the cells of its aggregators among them."""
-    from hf_unified_ckpt.checkpoint.record_tree import merged
+    from hf_unified_ckpt.checkpoint.save.record_tree import merged
     from hf_unified_ckpt.format.planning import piece_of
 
     rows = []
@@ -493,7 +493,7 @@ def spread(holders: range, numel: int) -> Strided:
 
 def small_records(rank: int) -> list:
     """A rank's small files' records (its RNG state; rank 0's trainer state too)."""
-    from hf_unified_ckpt.checkpoint.files import FileRecord
+    from hf_unified_ckpt.checkpoint.folder.files import FileRecord
 
     out = [FileRecord(f"rng_state_{rank}.pth", 14583, f"{random.Random(rank).getrandbits(32):08x}")]
     return out + ([FileRecord("trainer_state.json", 2345, "0badc0de")] if rank == 0 else [])
@@ -504,7 +504,7 @@ def messages(files_of, world: int, me: int, plans_of=dict) -> dict:
     forms (CRCs made up): a folded rank's rows (`reduce_records`, ranks P and up), a partner's rows of the files this
     rank keeps at one step of the halving (`_swap`: the partner's block of ranks), a rank's final message to rank 0
     (its files' rows over every rank, its small files' records: the caller's loop variable `q`)."""
-    from hf_unified_ckpt.checkpoint.record_tree import halving_steps, pack
+    from hf_unified_ckpt.checkpoint.save.record_tree import halving_steps, pack
 
     p2 = 1 << (world.bit_length() - 1)
     cache: dict = {}
@@ -587,17 +587,17 @@ def forget_plans() -> None:
     """Forget the plans kept from save to save (the shard plan's, the aggregation's): the next is a first save."""
     rule_plan._CACHE.clear()
     try:
-        from hf_unified_ckpt.checkpoint import aggregating
+        from hf_unified_ckpt.checkpoint.write import aggregating
     except ImportError:
         return
     aggregating._PLANS.clear()
 
 
 def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, Walk]:
-    """One rank's planning on the training thread, as `save.begin` does it (the staging folder aside): the plan,
+    """One rank's planning on the training thread, as `saving.begin` does it (the staging folder aside): the plan,
     the writer's prepare (which files are aggregated, their ranges), and the walk of the files (what it assembles,
     which it writes, the pieces it holds)."""
-    with getattr(save_mod, "paused_gc", contextlib.nullcontext)():  # as `save.begin` plans (since issue 57)
+    with getattr(save_mod, "paused_gc", contextlib.nullcontext)():  # as `saving.begin` plans (since issue 57)
         try:
             plan = save_mod.plan_save(engine, request, shared=True, rank_local=True)
         except TypeError:  # the code before issue 57
@@ -608,7 +608,7 @@ def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, Walk]:
         mine = []
         for file in files:
             writer.assemble(engine, file)
-            if writer.writes(file, sim.me):  # the files `save.begin` keeps; the pieces asked as its write asks
+            if writer.writes(file, sim.me):  # the files `saving.begin` keeps; the pieces asked as its write asks
                 file.pieces_held(sim.me)
                 mine.append(file)
         planned_at_write(writer, files, sim.me)
@@ -627,10 +627,10 @@ def planned_at_write(writer, files: list, rank: int) -> None:
 
 
 def writer_of(rank: int, request):
-    """The strategy `save.choose_writer` takes for a folder every rank sees (the aggregating writer since issue 58,
+    """The strategy `saving.choose_writer` takes for a folder every rank sees (the aggregating writer since issue 58,
     in place before it)."""
     try:
-        from hf_unified_ckpt.checkpoint.aggregating import AggregatingWriter
+        from hf_unified_ckpt.checkpoint.write.aggregating import AggregatingWriter
     except ImportError:
         return save_mod.SharedFileWriter(rank)
     return AggregatingWriter(rank, request.options.aggregation)
@@ -649,7 +649,7 @@ def written_ranges(writer, file, rank: int) -> list[tuple[int, int]]:
 
 def records_of(mine: list, rank: int, rng: random.Random) -> list:
     """The range records rank `rank` reports of its writes (CRCs made up), and its small files'."""
-    from hf_unified_ckpt.checkpoint.files import RangeRecord
+    from hf_unified_ckpt.checkpoint.folder.files import RangeRecord
 
     out = []
     for file, ranges in mine.ranges():

@@ -16,7 +16,7 @@ from bench_save import bench_model, SIZES
 import torch
 from transformers import Trainer
 import hf_unified_ckpt
-from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
+from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
 torch.set_num_threads(1)
 model, params, data = bench_model(SIZES["103m"])
 out = "/dev/shm/flash-spare-bench"

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.raw_disk import raw_write  # noqa: E402
-from hf_unified_ckpt.checkpoint.safetensors_io import write_shard  # noqa: E402
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import write_shard  # noqa: E402
 
 WAYS = ("page cache", "direct", "raw direct")
 

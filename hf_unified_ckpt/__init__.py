@@ -1,7 +1,8 @@
 """hf_unified_ckpt: engine- and world-size-independent safetensors checkpoints for the Hugging Face Trainer.
 
-The public names below are imported on first use (PEP 562), so that importing a submodule (`hf_unified_ckpt.checkpoint.layout`,
-the `hf-unified-ckpt` command line) does not load transformers, accelerate or torch.
+The public names below are imported on first use (PEP 562), so that importing a submodule
+(`hf_unified_ckpt.checkpoint.folder.layout`, the `hf-unified-ckpt` command line) does not load transformers, accelerate
+or torch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ _PUBLIC = {
     "with_unified_checkpoint": "arguments",
     "UnifiedCheckpointCallback": "trainer.attach", "UnifiedCheckpointMixin": "trainer.mixin",
     "attach": "trainer.attach",
-    "Layout": "checkpoint.layout", "detect_layout": "checkpoint.layout", "newest_complete": "checkpoint.layout",
+    "Layout": "checkpoint.folder.layout", "detect_layout": "checkpoint.folder.layout",
+    "newest_complete": "checkpoint.folder.layout",
     "UnifiedCheckpointOptions": "options", "parse_options": "options",
     "TrainingPreempted": "errors", "CheckpointNotFoundError": "errors", "RESUME_AUTO": "trainer.resume",
     "wait_for_saves": "trainer.hooks",

@@ -59,7 +59,7 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-#: Where a background save writes after its snapshot (`checkpoint/executors.py`).
+#: Where a background save writes after its snapshot (`checkpoint/save/executors.py`).
 ASYNC_EXECUTORS = ("thread", "process")
 
 
@@ -133,7 +133,7 @@ def parse_flash(memory_dir: str = DEFAULT_MEMORY_DIR, persist_every: int = DEFAU
 @dataclass(frozen=True)
 class LeaseOptions:
     """The lease a `train()` call holds on the folder its checkpoints go to: one job per output_dir
-    (`checkpoint/lease.py`).
+    (`checkpoint/folder/lease.py`).
 
     Attributes:
         timeout: seconds without a renewal after which the lease of a job on another machine is taken for stale
@@ -161,7 +161,7 @@ def parse_lease(timeout: float = DEFAULT_OUTPUT_LEASE_TIMEOUT, wait: float = DEF
 @dataclass(frozen=True)
 class AggregationOptions:
     """How a save writes files the ranks hold in pieces on a folder every rank sees (`format/aggregation.py`,
-    `checkpoint/aggregating.py`).
+    `checkpoint/write/aggregating.py`).
 
     Attributes:
         mode: "auto" (aggregate a file with more writers than `per_file`, or written in small pieces by several

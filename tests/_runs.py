@@ -655,7 +655,7 @@ class KillPersister:
         import torch.distributed as dist
         from transformers import TrainerCallback
 
-        from hf_unified_ckpt.checkpoint.layout import detect_layout
+        from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
         self.durable = None
         outer = self
@@ -785,7 +785,7 @@ def resign(ckpt, name: str) -> None:
     CRC-32 in the checkpoint's manifest, so that its checksums match again."""
     import json
 
-    from hf_unified_ckpt.checkpoint.files import file_crc32
+    from hf_unified_ckpt.checkpoint.folder.files import file_crc32
 
     path = os.path.join(str(ckpt), "unified_checkpoint.json")
     with open(path) as f:
@@ -827,7 +827,7 @@ def _refused(trainer, resume, expected: str) -> dict:
 def slow_snapshot(seconds: float):
     """An async save's snapshot sleeps before it copies: a training step that did not wait for the copy would
     change the weights or optimizer state first, and the resume from that checkpoint would not be exact."""
-    from hf_unified_ckpt.checkpoint.snapshot import Snapshots
+    from hf_unified_ckpt.checkpoint.save.snapshot import Snapshots
 
     original = Snapshots.take
 
@@ -846,7 +846,7 @@ def slow_snapshot(seconds: float):
 def die_at_commit(when: str, nth: int):
     """This process dies as under kill -9 (no cleanup, no exception) at its `nth` folder commit, "before" or
     "after" the rename that commits its folder."""
-    import hf_unified_ckpt.checkpoint.save as save_module
+    import hf_unified_ckpt.checkpoint.save.saving as save_module
 
     original, calls = save_module.commit, [0]
 
@@ -924,8 +924,8 @@ def record_reuse():
     file (`writer.reuse_spare`), written (`SharedFileWriter.write`), of them placed by the snapshot's copy straight
     into the file (`SharedFileWriter.place`), copied into through a mapping made earlier; and the bytes of the
     snapshot's host buffers after each save's snapshot."""
-    from hf_unified_ckpt.checkpoint import writer
-    from hf_unified_ckpt.checkpoint.snapshot import Snapshots
+    from hf_unified_ckpt.checkpoint.write import writer
+    from hf_unified_ckpt.checkpoint.save.snapshot import Snapshots
     from hf_unified_ckpt.store import WritableMaps
 
     originals = writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take
@@ -965,8 +965,8 @@ def record_buffers():
     """Record, on this rank, the host buffers the snapshot had made before each background save started
     (`AsyncSaver.start`; key -> buffer id, the background preparation joined first) and the buffers each save's
     copies went into (`HostBuffers.copy`; key -> the set of buffer ids)."""
-    from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
-    from hf_unified_ckpt.checkpoint.snapshot import HostBuffers
+    from hf_unified_ckpt.checkpoint.save.async_save import AsyncSaver
+    from hf_unified_ckpt.checkpoint.save.snapshot import HostBuffers
 
     originals = AsyncSaver.start, HostBuffers.copy
     record = {"ready_at_start": [], "used": {}}
@@ -993,7 +993,7 @@ def record_buffers():
 def record_pieces():
     """Record, per component, the tensors the last save planned held in pieces by the ranks (each rank writes its
     piece in place; nothing of them is assembled on one rank): from the partition rule or the census of pieces."""
-    from hf_unified_ckpt.checkpoint import save
+    from hf_unified_ckpt.checkpoint.save import saving as save
 
     original, recorded = save.plan_save, {}
 
@@ -1018,7 +1018,8 @@ def record_aggregation():
     many sharded tensors the engines assembled whole so far (DeepSpeed's `_assemble`, FSDP's `_full_on`). A save
     written by the writer process (`unified_checkpoint_async_executor="process"`) is recorded from the writer its
     outcome brings back from that process (`process`: True): its plans, and the peak its cells' writes left there."""
-    from hf_unified_ckpt.checkpoint import aggregating, executors
+    from hf_unified_ckpt.checkpoint.save import executors
+    from hf_unified_ckpt.checkpoint.write import aggregating
     from hf_unified_ckpt.engines import deepspeed, fsdp
 
     original, saves = aggregating.AggregatingWriter.write, []
@@ -1123,12 +1124,12 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
     ("slow_until": when the last ended); "encode": encoding its pieces of that file raises ("fired");
     "fail_aggregator": its first cell of the first file where bytes are announced to it (`unknown_bytes`) fails
     before any is received (`copy_held`; "fired"). On rank 0, "committed":
-    when the save's folder was committed (`save.commit`)."""
+    when the save's folder was committed (`saving.commit`)."""
     import errno
 
-    import hf_unified_ckpt.checkpoint.save as save_module
+    import hf_unified_ckpt.checkpoint.save.saving as save_module
     from hf_unified_ckpt import dist
-    from hf_unified_ckpt.checkpoint import aggregating
+    from hf_unified_ckpt.checkpoint.write import aggregating
     from hf_unified_ckpt.format.planning import FilePlan
     from hf_unified_ckpt.store.local import LocalStore
 
@@ -1242,7 +1243,7 @@ def record_plans():
     import sys
 
     from hf_unified_ckpt import dist
-    from hf_unified_ckpt.checkpoint import rule_plan, save
+    from hf_unified_ckpt.checkpoint.save import rule_plan, saving as save
 
     saves, paused = [], [False]
     originals = {name: getattr(dist, name) for name in COUNTED}
@@ -1338,7 +1339,7 @@ def record_hand_overs():
     hand-overs' gloo group, the bytes its plan hands over to it]: received point to point (`dist.irecv`) or by an
     all-gather of every rank's hand-overs (the others' bytes counted)."""
     from hf_unified_ckpt import dist
-    from hf_unified_ckpt.checkpoint import multipart
+    from hf_unified_ckpt.checkpoint.write import multipart
     from hf_unified_ckpt.store import join
 
     originals = multipart.MultipartWriter.write, getattr(dist, "irecv", None), dist.all_gather_object
@@ -1380,7 +1381,7 @@ def unreadable_bytes(rank: int):
     """On rank `rank`, a bucket save cannot produce its bytes of any file (as a failed device-to-host copy): the
     ranks it hands bytes over to must not wait for them, and the save must fail on every rank."""
     from hf_unified_ckpt import dist
-    from hf_unified_ckpt.checkpoint import multipart
+    from hf_unified_ckpt.checkpoint.write import multipart
 
     original = multipart.rank_ranges
 
@@ -1403,7 +1404,7 @@ def die_mid_write(rank: int, step: int):
     of this rank's ranges written; the other ranks are stopped by the launcher."""
     import dataclasses
 
-    import hf_unified_ckpt.checkpoint.writer as writer
+    import hf_unified_ckpt.checkpoint.write.writer as writer
 
     original = writer.write_ranges
 

@@ -10,12 +10,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hf_unified_ckpt.checkpoint.async_save as async_save  # noqa: E402
+import hf_unified_ckpt.checkpoint.save.async_save as async_save  # noqa: E402
 import hf_unified_ckpt.trainer.session as session  # noqa: E402
-import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
-import hf_unified_ckpt.checkpoint.save as save  # noqa: E402
+import hf_unified_ckpt.checkpoint.save.persist as persist  # noqa: E402
+import hf_unified_ckpt.checkpoint.save.saving as save  # noqa: E402
 import hf_unified_ckpt.store.local as local_store  # noqa: E402
-import hf_unified_ckpt.checkpoint.writer as writer  # noqa: E402
+import hf_unified_ckpt.checkpoint.write.writer as writer  # noqa: E402
 from _runs import freeze_imports, train  # noqa: E402
 
 KILLED = 137

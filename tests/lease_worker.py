@@ -20,7 +20,7 @@ def _wait_for(path: str) -> None:
 
 
 def hold(root: str, ready: str, seconds: float | None) -> None:
-    from hf_unified_ckpt.checkpoint.lease import take_lease
+    from hf_unified_ckpt.checkpoint.folder.lease import take_lease
     from hf_unified_ckpt.options import LeaseOptions
 
     lease = take_lease(root, LeaseOptions(timeout=60.0, wait=0.0))

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-import hf_unified_ckpt.checkpoint.persist as persist  # noqa: E402
+import hf_unified_ckpt.checkpoint.save.persist as persist  # noqa: E402
 import hf_unified_ckpt.preemption.watch as preemption  # noqa: E402
 import hf_unified_ckpt.dist as plugin_dist  # noqa: E402
 import hf_unified_ckpt.trainer.session as session  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 
 from _runs import assert_resumed_matches, run_spec, spec_of
 from conftest import torchrun
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 from hf_unified_ckpt.format.aggregation import (UNKNOWN, AggregationLayout, aggregate, wants_aggregation,
                                                 writers_of)
 from hf_unified_ckpt.format.planning import OwnOnly, Strided, TensorSpec, file_plans, plan_component

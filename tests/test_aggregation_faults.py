@@ -19,8 +19,8 @@ import pytest
 from _runs import spec_of
 from conftest import record_fault, torchrun
 from fork_launch import GRACE
-from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
-from hf_unified_ckpt.checkpoint.load import verify_checkpoint
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
+from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
 from test_aggregation import FORCED
 
 KINDS = {"z3": {"zero": 3}, "f2": {"fsdp": 2},

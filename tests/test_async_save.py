@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-import hf_unified_ckpt.checkpoint.save as save_module
-import hf_unified_ckpt.checkpoint.writer as writer_module
+import hf_unified_ckpt.checkpoint.save.saving as save_module
+import hf_unified_ckpt.checkpoint.write.writer as writer_module
 from _runs import final_state, run_spec, train
 from conftest import record_fault, torchrun
 from hf_unified_ckpt.errors import UnifiedCheckpointError
-from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 
 ASYNC = {"unified_checkpoint_config": "async_save", "unified_checkpoint_max_shard_size": "40KB"}
 
@@ -74,8 +74,8 @@ def test_snapshot_buffers_are_made_ahead_reused_and_released_at_the_end(tmp_path
     """The host buffers of the first save are made after the first optimizer step, in the background (the first
     save finds every one it copies into ready), reused by the next saves (one buffer per tensor, the same three
     times), and freed when train() ends."""
-    from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
-    from hf_unified_ckpt.checkpoint.snapshot import HostBuffers
+    from hf_unified_ckpt.checkpoint.save.async_save import AsyncSaver
+    from hf_unified_ckpt.checkpoint.save.snapshot import HostBuffers
 
     ready_at_start, used = [], {}
     real_start, real_copy = AsyncSaver.start, HostBuffers.copy

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-import hf_unified_ckpt.checkpoint.writer as writer_module
+import hf_unified_ckpt.checkpoint.write.writer as writer_module
 from _runs import final_state, train
 from hf_unified_ckpt.errors import UnifiedCheckpointError
-from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
-from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 from conftest import record_fault
 from kill_worker import ASYNC_POINTS, COMPRESSED_POINTS, EMA_POINTS, KILLED, POINTS
 

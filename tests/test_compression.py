@@ -22,7 +22,7 @@ from conftest import torchrun
 from hf_unified_ckpt.tools.cli import _info, main as cli_main
 from hf_unified_ckpt.format.codecs import (CHUNK, CODE_BOOKS, MomentCodec, ResidualCodec, count_ties, dequantize, quantize,
                                     rebuild_master, residual_of)
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 from hf_unified_ckpt.format.planning import TensorSpec
 
 
@@ -182,7 +182,7 @@ def _write_as_ranks(folder, component: str, tensors: dict, pieces: dict | None, 
     of `pieces` (logical name -> ((rank, first element, count), ...)) in place, encoded piece by piece, and the
     header rank the rest whole (everything whole without `pieces`). Returns the component plan."""
     from hf_unified_ckpt.format.planning import file_plans, plan_component
-    from hf_unified_ckpt.checkpoint.writer import write_ranges
+    from hf_unified_ckpt.checkpoint.write.writer import write_ranges
 
     folder.mkdir()
     plan = plan_component(component, [TensorSpec.of(n, t) for n, t in tensors.items()], writers=3,
@@ -254,7 +254,7 @@ def test_ranks_encoding_their_pieces_of_the_residual_in_place_make_the_file_a_wh
     pieces, written whole): each file is byte for byte the one encoding whole tensors on one writer makes, and the
     reader rebuilds every master bit for bit. A rank whose ties differ from the census refuses to write."""
     from hf_unified_ckpt.format.planning import file_plans, tiling
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     g = torch.Generator().manual_seed(3)
     masters = {"a": _with_ties(torch.randn(37, 29, generator=g), 7), "b": _with_ties(torch.randn(50, generator=g), 3),
@@ -330,7 +330,7 @@ def test_compressed_files_read_alike_locally_and_from_another_machine(single):
     the file (machine-local folders)."""
     from test_reader import Loopback
 
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     ckpt = single / "o1" / "checkpoint-3"
     remote = Loopback(ckpt)

@@ -109,7 +109,7 @@ def test_deepspeed_checkpoint_is_unified_and_loads_with_from_pretrained(ds_matri
     from transformers import AutoModelForCausalLM
 
     from _runs import TokenDataset
-    from hf_unified_ckpt.checkpoint.layout import detect_layout
+    from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
     ckpt = ds_matrix["tmp"] / stage / "checkpoint-6"
     layout = detect_layout(ckpt)

@@ -18,7 +18,7 @@ import torch
 from _runs import (assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches, hop_tag, loop_spec,
                    run_spec, spec_of)
 from conftest import torchrun
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 BF16_LOSS_RTOL, BF16_STATE_ATOL = 1e-3, 4e-3
@@ -97,7 +97,7 @@ def test_autotp_checkpoint_is_unified_and_records_the_mesh(autotp_runs, kind):
     TP ranks hold copies of the replicated parameters, and rebuild bit for bit."""
     from safetensors import safe_open
 
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     tmp, out = autotp_runs
     ckpt = tmp / kind / "checkpoint-6"

@@ -1,6 +1,7 @@
-"""The host copies a background job takes (`checkpoint/device_copy.py`, `snapshot.HostBuffers`, `persist.Background`):
-their CPU branch here; the CUDA branch (pinned buffers, a side stream, the optimizer step queued behind the copies)
-runs in `bench/gpu/device_check.py` on a GPU machine, and that script's CPU dry run is in test_gpu_script.py."""
+"""The host copies a background job takes (`checkpoint/save/device_copy.py`, `snapshot.HostBuffers`,
+`persist.Background`): their CPU branch here; the CUDA branch (pinned buffers, a side stream, the optimizer step queued
+behind the copies) runs in `bench/gpu/device_check.py` on a GPU machine, and that script's CPU dry run is in
+test_gpu_script.py."""
 
 import threading
 
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from hf_unified_ckpt.checkpoint.device_copy import Transfers, host_buffer
-from hf_unified_ckpt.checkpoint.persist import Background
-from hf_unified_ckpt.checkpoint.snapshot import HostBuffers
+from hf_unified_ckpt.checkpoint.save.device_copy import Transfers, host_buffer
+from hf_unified_ckpt.checkpoint.save.persist import Background
+from hf_unified_ckpt.checkpoint.save.snapshot import HostBuffers
 
 
 def test_a_snapshot_is_taken_before_the_stage_signal_and_its_buffers_are_reused():
@@ -57,7 +58,7 @@ def test_pinned_buffers_are_exact_whole_pages_registered_while_they_live():
     torch lacks. The real call runs in bench/gpu/device_check.py (its buffers must be pinned)."""
     import gc
 
-    from hf_unified_ckpt.checkpoint.device_copy import PAGE, registered_buffer
+    from hf_unified_ckpt.checkpoint.save.device_copy import PAGE, registered_buffer
 
     locked: dict[int, int] = {}
     buffer = registered_buffer((3, 3001), torch.bfloat16, lambda a, n: locked.setdefault(a, n) == n, locked.pop)
@@ -80,7 +81,7 @@ def test_pinned_buffers_are_faulted_in_before_they_are_locked():
     """The pages of a buffer made ahead exist before it is page-locked: faulted in by the preparing thread, not
     inside `cudaHostRegister`, where an H200 held the training thread 3.9 s (docs/gpu.md, issue 59). The resident
     memory of this process, read from /proc when `register` is called, already holds the buffer's 64 MiB."""
-    from hf_unified_ckpt.checkpoint.device_copy import PAGE, registered_buffer
+    from hf_unified_ckpt.checkpoint.save.device_copy import PAGE, registered_buffer
 
     def resident() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE

@@ -24,7 +24,7 @@ import torch
 from _runs import train
 from conftest import kill_tree, torchrun_popen
 from format_reader import FormatError, UnsupportedFormat, optimizer_value, read_checkpoint
-from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 from hf_unified_ckpt.errors import UnsupportedCheckpointError
 
 TESTS = Path(__file__).resolve().parent

@@ -9,8 +9,8 @@ import torch
 from _runs import RecordWeights, make_trainer
 from conftest import torchrun
 from hf_unified_ckpt.tools.cli import _info, main as cli
-from hf_unified_ckpt.checkpoint.layout import detect_layout
-from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
 DECAY = 0.8
 EMA = {"unified_checkpoint_config": "ema", "ema_decay": DECAY}

@@ -16,7 +16,7 @@ import torch
 
 from _runs import BEST, TokenDataset, assert_resumed_matches, run_spec
 from conftest import torchrun
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 ENGINES = {"ddp": {}, "z1": {"zero": 1}, "z2": {"zero": 2}, "z3": {"zero": 3}, "f2": {"fsdp": 2}, "f1": {"fsdp": 1}}

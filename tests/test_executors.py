@@ -1,4 +1,4 @@
-"""Where a background save runs after its snapshot (`checkpoint/executors.py`): the writer process writes the same
+"""Where a background save runs after its snapshot (`checkpoint/save/executors.py`): the writer process writes the same
 bytes as the thread, from the same shared host buffers, and a writer that dies is a typed error at the next wait,
 never a hang (world size 2: `test_async_save.py::test_async_resume_is_exact_on_every_engine`)."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
-from hf_unified_ckpt.checkpoint.layout import detect_layout
-from hf_unified_ckpt.checkpoint.save import SaveRequest
+from hf_unified_ckpt.checkpoint.save.async_save import AsyncSaver
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
+from hf_unified_ckpt.checkpoint.save.saving import SaveRequest
 from hf_unified_ckpt.engines.replicated import ReplicatedEngine
 from hf_unified_ckpt.errors import WriterProcessDied
 from hf_unified_ckpt.options import UnifiedCheckpointOptions
@@ -77,12 +77,12 @@ def test_a_writer_that_dies_is_a_typed_error_at_the_next_wait_and_the_next_save_
 #: the background thread, in order, each once (docs/architecture.md, "How a save and a resume flow"): the executor,
 #: the algorithm's training-thread half, the background thread; then the snapshot, the executor running the other
 #: half, the outcome; and at the wait, the background thread.
-DRIVER = "hf_unified_ckpt.checkpoint.async_save"
+DRIVER = "hf_unified_ckpt.checkpoint.save.async_save"
 DRIVER_ENTERS = {
-    ("start", "training thread"): ["checkpoint.executors", "checkpoint.save", "checkpoint.persist"],
-    ("start", "background thread"): ["checkpoint.snapshot", "checkpoint.executors", "checkpoint.save"],
-    ("wait_for_snapshot", "training thread"): ["checkpoint.persist"],
-    ("wait", "training thread"): ["checkpoint.persist"],
+    ("start", "training thread"): ["checkpoint.save.executors", "checkpoint.save.saving", "checkpoint.save.persist"],
+    ("start", "background thread"): ["checkpoint.save.snapshot", "checkpoint.save.executors", "checkpoint.save.saving"],
+    ("wait_for_snapshot", "training thread"): ["checkpoint.save.persist"],
+    ("wait", "training thread"): ["checkpoint.save.persist"],
 }
 
 

@@ -20,8 +20,8 @@ import torch
 
 from _runs import _wait_until, assert_loop_options, assert_resumed_matches, loop_spec, run_spec
 from conftest import torchrun, torchrun_machines, torchrun_popen
-from hf_unified_ckpt.checkpoint.layout import detect_layout
-from hf_unified_ckpt.checkpoint.load import verify_checkpoint
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
+from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
 from hf_unified_ckpt.flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, RUN_FILE, SAVES,
                                           SaveInfo, run_folder, run_id, write_record)
 from hf_unified_ckpt.store.node import is_locked, memory_room
@@ -500,8 +500,8 @@ def test_evicted_checkpoints_files_are_kept_as_two_spare_sets_and_taken_oldest_f
     the same inode (memory in use), and a set emptied or beyond two is removed."""
     from types import SimpleNamespace
 
-    from hf_unified_ckpt.checkpoint.commit import COMMIT_FILE
-    from hf_unified_ckpt.checkpoint.writer import reuse_spare
+    from hf_unified_ckpt.checkpoint.folder.commit import COMMIT_FILE
+    from hf_unified_ckpt.checkpoint.write.writer import reuse_spare
     from hf_unified_ckpt.flash.tier import FlashTier
 
     tier = SimpleNamespace(spare=str(tmp_path / "spare"))

@@ -12,8 +12,8 @@ from hf_unified_ckpt.format.names import canonical_name, split_optimizer_key
 from hf_unified_ckpt.format.optim_state import flatten_optimizer_state, unflatten_optimizer_state
 from hf_unified_ckpt.options import UnifiedCheckpointOptions
 from hf_unified_ckpt.format.planning import TensorSpec, plan_component
-from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
-from hf_unified_ckpt.checkpoint.safetensors_io import read_safetensors_header
+from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import read_safetensors_header
 
 
 def _fixed_model_and_optimizer():
@@ -262,7 +262,7 @@ def test_crc32_combine_matches_zlib(n):
     import os
     import zlib
 
-    from hf_unified_ckpt.checkpoint.files import crc32_combine
+    from hf_unified_ckpt.checkpoint.folder.files import crc32_combine
 
     a, b = os.urandom(333), os.urandom(n)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
@@ -391,7 +391,7 @@ def test_memory_laid_out_as_the_file_is_written_straight_from_it(tmp_path, monke
 
     import torch
 
-    from hf_unified_ckpt.checkpoint.device_copy import paged_buffer
+    from hf_unified_ckpt.checkpoint.save.device_copy import paged_buffer
     from hf_unified_ckpt.store import direct
 
     copied = []
@@ -441,7 +441,7 @@ def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_t
     import threading
     import time
 
-    import hf_unified_ckpt.checkpoint.persist as persist
+    import hf_unified_ckpt.checkpoint.save.persist as persist
 
     class SlowWriter:  # a StorageWriter whose every file takes 0.2 s to write, and whose fsyncs are tracked
         def __init__(self):
@@ -491,8 +491,8 @@ def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_t
 
 
 def test_write_shard_checksum_equals_reading_the_file(tmp_path):
-    from hf_unified_ckpt.checkpoint.files import file_crc32
-    from hf_unified_ckpt.checkpoint.safetensors_io import write_shard
+    from hf_unified_ckpt.checkpoint.folder.files import file_crc32
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import write_shard
 
     flat = torch.arange(40, dtype=torch.float32)
     tensors = {"b": flat[:12].view(3, 4), "a": torch.randn(5).to(torch.bfloat16), "c": torch.tensor(2.0, dtype=torch.float64),
@@ -507,8 +507,8 @@ def test_file_plan_is_the_file_save_file_writes(tmp_path):
     """The planner fixes every file's header and byte ranges before any byte is written; the whole-file writer's
     output has exactly that header, and the write items tile the data section."""
     from hf_unified_ckpt.format.planning import file_plans
-    from hf_unified_ckpt.checkpoint.safetensors_header import read_safetensors_header
-    from hf_unified_ckpt.checkpoint.writer import WholeFileWriter
+    from hf_unified_ckpt.checkpoint.folder.safetensors_header import read_safetensors_header
+    from hf_unified_ckpt.checkpoint.write.writer import WholeFileWriter
 
     tensors = {"w": torch.randn(5, 3), "b": torch.randn(7, dtype=torch.float64),
                "h": torch.zeros(3, dtype=torch.bfloat16), "m/step": torch.tensor(4), "flag": torch.tensor(True)}
@@ -531,8 +531,8 @@ def test_a_whole_file_written_with_direct_io_is_the_file_save_file_writes(tmp_pa
     CRC-32 of safetensors' `save_file`, its aligned blocks written by the direct writers."""
     from safetensors.torch import save_file
 
-    from hf_unified_ckpt.checkpoint.files import file_crc32
-    from hf_unified_ckpt.checkpoint.writer import WholeFileWriter
+    from hf_unified_ckpt.checkpoint.folder.files import file_crc32
+    from hf_unified_ckpt.checkpoint.write.writer import WholeFileWriter
     from hf_unified_ckpt.format.planning import file_plans
     from hf_unified_ckpt.store import direct
 
@@ -555,9 +555,9 @@ def test_ranks_writing_their_pieces_in_place_make_the_file_save_file_writes(tmp_
     from safetensors.torch import save_file
 
     from hf_unified_ckpt.format.planning import file_plans, tiling
-    from hf_unified_ckpt.checkpoint.files import file_crc32
-    from hf_unified_ckpt.checkpoint.files import combine_ranges
-    from hf_unified_ckpt.checkpoint.writer import write_ranges
+    from hf_unified_ckpt.checkpoint.folder.files import file_crc32
+    from hf_unified_ckpt.checkpoint.folder.files import combine_ranges
+    from hf_unified_ckpt.checkpoint.write.writer import write_ranges
 
     tensors = {"w": torch.randn(7, 3), "v": torch.randn(11).to(torch.bfloat16), "b": torch.randn(5),
                "m/step": torch.tensor(4.0)}
@@ -589,7 +589,7 @@ def test_pieces_that_do_not_tile_are_assembled_and_bad_ranges_fail_the_save():
     """Overlapping pieces (replicas: HSDP, a tensor-parallel shard held by every data-parallel rank), gaps or a
     short cover are not written in place; range records that leave a hole or write twice fail the save."""
     from hf_unified_ckpt.format.planning import tiling
-    from hf_unified_ckpt.checkpoint.files import RangeRecord, combine_ranges
+    from hf_unified_ckpt.checkpoint.folder.files import RangeRecord, combine_ranges
 
     assert tiling(10, [(0, 0, 5), (1, 0, 5), (2, 5, 5), (3, 5, 5)]) is None  # two replicas of two shards
     assert tiling(10, [(0, 0, 4), (1, 5, 5)]) is None and tiling(10, [(0, 0, 9)]) is None

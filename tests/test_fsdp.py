@@ -8,7 +8,7 @@ import torch
 
 from _runs import assert_resumed_matches, hop_tag, run_spec, spec_of
 from conftest import record_fault, torchrun
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 BF16 = {"bf16": True}

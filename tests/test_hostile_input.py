@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from _runs import train
-from hf_unified_ckpt.checkpoint.files import file_crc32
-from hf_unified_ckpt.checkpoint.manifest import verify_folder
+from hf_unified_ckpt.checkpoint.folder.files import file_crc32
+from hf_unified_ckpt.checkpoint.folder.manifest import verify_folder
 from hf_unified_ckpt.errors import CorruptCheckpointError, UnifiedCheckpointError
 from hf_unified_ckpt.tools.cli import main as cli
 
@@ -131,7 +131,7 @@ def test_a_symlinked_file_is_refused_and_a_symlinked_folder_is_read(ckpt, tmp_pa
     link = tmp_path / "checkpoint-9"
     link.symlink_to(ckpt)
     assert cli(["verify", str(link)]) == 0
-    from hf_unified_ckpt.checkpoint.commit import remove_stale
+    from hf_unified_ckpt.checkpoint.folder.commit import remove_stale
     from hf_unified_ckpt.store import store_for
 
     store_for(str(link)).retire(str(link), MANIFEST)  # rotation of a linked checkpoint: the link goes, not its files
@@ -353,7 +353,7 @@ def test_memory_tier_files_are_owner_only_and_another_users_run_folder_is_refuse
     import torch
     from torch import nn
 
-    from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
+    from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
     from hf_unified_ckpt.flash.layout import CHECKPOINTS, run_folder
     from hf_unified_ckpt.options import UnifiedCheckpointOptions

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hf_unified_ckpt
-from hf_unified_ckpt.checkpoint.manifest import ComponentEntry, build_manifest, write_manifest
-from hf_unified_ckpt.checkpoint.safetensors_io import write_shard
+from hf_unified_ckpt.checkpoint.folder.manifest import ComponentEntry, build_manifest, write_manifest
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import write_shard
 
 TRAINING_STACK = "{'transformers', 'accelerate', 'deepspeed', 'peft', 'trl'}"
 
@@ -35,7 +35,8 @@ def unified(tmp_path):
 
 
 def test_pure_and_storage_modules_import_no_training_stack():
-    modules = "hf_unified_ckpt.store, hf_unified_ckpt.format.planning, hf_unified_ckpt.checkpoint.layout, hf_unified_ckpt.tools.cli"
+    modules = ("hf_unified_ckpt.store, hf_unified_ckpt.format.planning, hf_unified_ckpt.checkpoint.folder.layout, "
+               "hf_unified_ckpt.tools.cli")
     assert _loaded_after(f"import {modules}") == []
 
 

@@ -10,8 +10,14 @@ inside functions, methods, conditionals and `try` blocks, is walked with `ast` (
 
 A module's layer is the row of the table naming its top-level module or package (`errors.py`, `format/`): a new
 module inside a package needs no edit here or in the doc; a new top-level module or package fails until the table
-names it. Dynamic imports (`importlib.import_module`, `__import__`) are not followed: the package's `__init__` loads
-its public names that way on first use, and it sits in the top layer."""
+names it.
+
+Inside `checkpoint/` (issue 60) the doc's "Inside checkpoint/" table names each sub-package, its modules and the
+sub-packages it may import (a DAG, not a line: load and the save side never see each other): an import between two
+modules of `checkpoint/` crosses sub-packages only where the importer's row allows it, and the table names exactly
+the modules there are (a loose module of `checkpoint/`, or one in no row, fails until a row names it). Dynamic imports
+(`importlib.import_module`, `__import__`) are not followed: the package's `__init__` loads its public names that way on
+first use, and it sits in the top layer."""
 
 from __future__ import annotations
 
@@ -27,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_unified_ckpt"
 DOC = ROOT / "docs" / "architecture.md"
 RULES_HEADING = "## Rules between the layers"
+PARTS_HEADING = "## Inside checkpoint/"
+#: The top-level package whose sub-packages the "Inside checkpoint/" table orders.
+PARTED = "checkpoint"
 
 #: Module name -> (source, whether it is a package's `__init__`).
 Sources = Mapping[str, tuple[str, bool]]
@@ -208,6 +217,70 @@ def up_arrows(graph: Mapping[str, list[Import]], index: Mapping[str, int]) -> li
     return found
 
 
+# ---- the parts of checkpoint/ --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Part:
+    """One row of the "Inside checkpoint/" table: the modules of a sub-package and the sub-packages it may import."""
+
+    modules: frozenset[str]
+    may_import: frozenset[str]
+
+
+def _names(cell: str) -> list[str]:
+    """The backticked names of a cell, `.py` and a trailing `/` stripped (`folder/` -> `folder`)."""
+    return [re.sub(r"(\.py|/)$", "", name) for name in re.findall(r"`([^`]+)`", cell)]
+
+
+def documented_parts(doc: str) -> dict[str, Part]:
+    """The doc's "Inside checkpoint/" table: sub-package -> its modules (second column) and the sub-packages its last
+    column names."""
+    rows = _first_table(doc.split(PARTS_HEADING, 1)[-1]) if PARTS_HEADING in doc else []
+    assert rows, f"no table of sub-packages under {PARTS_HEADING!r}"
+    parts = {}
+    for cells in rows:
+        name = _names(cells[0])[0]
+        assert name not in parts, f"{name} is in two rows of the table"
+        parts[name] = Part(frozenset(_names(cells[1])), frozenset(_names(cells[-1])))
+    return parts
+
+
+def part_of(module: str) -> str | None:
+    """The sub-package of `checkpoint/` a module is in (its first name below `checkpoint`; a loose module's own
+    name), or None for a module outside `checkpoint/` and for `checkpoint/__init__` itself."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == PARTED else None
+
+
+def cross_arrows(graph: Mapping[str, list[Import]], parts: Mapping[str, Part]) -> list[str]:
+    """Every import between two modules of `checkpoint/` that crosses sub-packages against the table (to a module
+    in no row, too)."""
+    found = []
+    for name, imports in sorted(graph.items()):
+        source = part_of(name)
+        if source not in parts:  # outside checkpoint/, or in no row (`unlisted_modules` reports it)
+            continue
+        for i in imports:
+            target = part_of(i.target)
+            if target is not None and target != source and target not in parts[source].may_import:
+                found.append(f"{i}: {source} -> {target}, which the row of {source} does not allow")
+    return found
+
+
+def unlisted_modules(modules: set[str], parts: Mapping[str, Part]) -> list[str]:
+    """The modules of `checkpoint/` in no row (a loose module, a sub-package the table lacks, a module its row does
+    not name), and those a row names that do not exist."""
+    inside = sorted(m for m in modules if part_of(m) is not None)
+    found = [f"{m} is in no sub-package of the table" for m in inside if part_of(m) not in parts]
+    present = {(m.split(".")[2], ".".join(m.split(".")[3:])) for m in inside
+               if part_of(m) in parts and len(m.split(".")) > 3}
+    documented = {(part, module) for part, row in parts.items() for module in row.modules}
+    return (found + [f"{part}/{module}.py is in no row of the table" for part, module in sorted(present - documented)]
+            + [f"{part}/{module}.py is in the table but not in the package"
+               for part, module in sorted(documented - present)])
+
+
 # ---- the tests ----------------------------------------------------------------------------------------------------
 
 
@@ -235,6 +308,16 @@ def test_the_documented_layers_name_every_top_level_module():
                                    f"in the package but in no layer: {sorted(present - documented)}")
 
 
+def test_no_import_crosses_the_documented_parts_of_checkpoint():
+    found = cross_arrows(_package_graph(), documented_parts(DOC.read_text()))
+    assert not found, f"imports against the table {PARTS_HEADING!r} of {DOC.name}:\n" + "\n".join(found)
+
+
+def test_the_documented_parts_name_every_module_of_checkpoint():
+    found = unlisted_modules(set(_package_graph()), documented_parts(DOC.read_text()))
+    assert not found, f"the table {PARTS_HEADING!r} of {DOC.name} and checkpoint/ differ:\n" + "\n".join(found)
+
+
 def test_the_walker_sees_what_it_forbids():
     """A synthetic package with a circle closed inside a function and arrows up (one local, one under TYPE_CHECKING,
     relative and absolute): both checks report them, and a local import pointing down passes."""
@@ -254,3 +337,42 @@ def test_the_walker_sees_what_it_forbids():
     assert arrows == ["pkg.low (line 3, inside a function) imports pkg.mid.c: layer 0 -> 1",
                       "pkg.mid.c (line 3, at module level) imports pkg: layer 1 -> 2"]
     assert Import("pkg.mid.a", "pkg.low", 2, False) in graph["pkg.mid.a"]  # a down arrow: seen, allowed
+
+
+def test_the_walker_sees_arrows_between_the_parts_of_checkpoint():
+    """A synthetic `checkpoint/` with a load -> write arrow inside a function, a folder -> save arrow (relative), a
+    loose module, a module no row names and one a row names but the package lacks: each is reported; save -> folder,
+    save -> write and an import inside one sub-package pass."""
+    doc = "\n".join([PARTS_HEADING, "", "| part | modules | job | may import |", "|---|---|---|---|",
+                     "| [`folder/`](x/) | `files.py` | folder | nothing of checkpoint/ |",
+                     "| `write/` | `writer.py` | write | `folder/` |",
+                     "| `save/` | `saving.py`, `rules.py`, `gone.py` | save | `folder/`, `write/` |",
+                     "| `load/` | `loading.py` | load | `folder/` |"])
+    sources = {
+        "pkg.checkpoint": ("", True),
+        "pkg.checkpoint.folder": ("", True),
+        "pkg.checkpoint.folder.files": ("from ..save import saving\n", False),
+        "pkg.checkpoint.folder.extra": ("", False),
+        "pkg.checkpoint.write": ("", True),
+        "pkg.checkpoint.write.writer": ("from ..folder import files\n", False),
+        "pkg.checkpoint.save": ("", True),
+        "pkg.checkpoint.save.saving": ("from ..folder.files import x\nfrom ..write.writer import y\n"
+                                       "from . import rules\n", False),
+        "pkg.checkpoint.save.rules": ("", False),
+        "pkg.checkpoint.load": ("", True),
+        "pkg.checkpoint.load.loading": ("def f():\n    import pkg.checkpoint.write.writer\n", False),
+        "pkg.checkpoint.loose": ("", False),
+    }
+    graph = import_graph(sources)
+    parts = documented_parts(doc)
+    assert parts["folder"] == Part(frozenset({"files"}), frozenset())
+    assert cross_arrows(graph, parts) == [
+        "pkg.checkpoint.folder.files (line 1, at module level) imports pkg.checkpoint.save.saving: folder -> save, "
+        "which the row of folder does not allow",
+        "pkg.checkpoint.load.loading (line 2, inside a function) imports pkg.checkpoint.write.writer: load -> write, "
+        "which the row of load does not allow"]
+    assert Import("pkg.checkpoint.save.saving", "pkg.checkpoint.save.rules", 3, False) in graph[
+        "pkg.checkpoint.save.saving"]  # inside one sub-package: seen, allowed
+    assert unlisted_modules(set(sources), parts) == ["pkg.checkpoint.loose is in no sub-package of the table",
+                                                      "folder/extra.py is in no row of the table",
+                                                      "save/gone.py is in the table but not in the package"]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
-from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
 
 def _touch(folder, *names, state_step=None):

@@ -15,7 +15,7 @@ from datetime import datetime
 
 import pytest
 
-from hf_unified_ckpt.checkpoint.lease import Lease, lease_name
+from hf_unified_ckpt.checkpoint.folder.lease import Lease, lease_name
 from hf_unified_ckpt.errors import OutputDirInUseError
 from hf_unified_ckpt.options import LeaseOptions
 from hf_unified_ckpt.store.node import Process, start_ticks
@@ -142,8 +142,8 @@ def test_a_requeued_job_waits_for_its_predecessors_lease(tmp_path):
 def test_two_saves_of_one_step_never_share_a_staging_folder(tmp_path):
     """Each save stages into a folder of its own, named after its machine and pid; the clean-up of interrupted saves
     removes this process's and dead processes' folders, never a live process's."""
-    from hf_unified_ckpt.checkpoint.commit import remove_stale
-    from hf_unified_ckpt.checkpoint.save import open_staging
+    from hf_unified_ckpt.checkpoint.folder.commit import remove_stale
+    from hf_unified_ckpt.checkpoint.save.saving import open_staging
     from hf_unified_ckpt.store.node import host_name
 
     run = tmp_path / "run"
@@ -175,8 +175,8 @@ def test_a_save_over_a_symlinked_checkpoint_replaces_the_link_and_never_removes_
     checkpoint-2 and returns (no `OSError: Cannot call rmtree on a symbolic link`); the link's target is left as it
     was. Rotation removes a symlinked checkpoint as a link, never its target."""
     from _runs import make_trainer
-    from hf_unified_ckpt.checkpoint.load import verify_checkpoint
-    from hf_unified_ckpt.checkpoint.retention import rotate_checkpoints
+    from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
+    from hf_unified_ckpt.checkpoint.folder.retention import rotate_checkpoints
 
     out, elsewhere = tmp_path / "out", tmp_path / "archive" / "checkpoint-2"
     elsewhere.mkdir(parents=True)
@@ -199,7 +199,7 @@ def test_two_jobs_started_together_one_runs_the_other_is_refused_never_a_torn_co
     together (4 steps, a save at each, save_total_limit=2). Every time one runs to the end and the other is refused
     with OutputDirInUseError naming the first's pid; every committed folder verifies; no hidden folder and no lease
     is left. (Each process imports the training stack once and races 20 times, on a fresh output_dir each time.)"""
-    from hf_unified_ckpt.checkpoint.load import verify_checkpoint
+    from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
 
     races = 20
     jobs = [subprocess.Popen([sys.executable, os.path.join(HERE, "lease_worker.py"), "train", str(tmp_path),

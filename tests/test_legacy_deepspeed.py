@@ -18,7 +18,7 @@ from _runs import assert_resumed_matches, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
 from hf_unified_ckpt.errors import IncompleteCheckpointError, UnsupportedCheckpointError
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 LEGACY = {"attach": False, "unified_checkpoint": False}
@@ -145,7 +145,7 @@ def test_partitions_are_read_without_deepspeed_and_without_running_pickled_code(
 
 
 def test_convert_can_compress_the_optimizer_moments(legacy, tmp_path):
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
     from test_compression import round_trip
 
     src = legacy[0] / "z2bf16" / "checkpoint-3"

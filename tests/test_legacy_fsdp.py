@@ -12,7 +12,7 @@ import torch
 from _runs import assert_resumed_matches, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 LEGACY = {"attach": False, "unified_checkpoint": False}
@@ -94,7 +94,7 @@ def test_convert_legacy_fsdp(legacy, name, tmp_path):
 def test_convert_into_a_bucket(legacy, s3_bucket, tmp_path, capsys):
     """`convert` writes its unified checkpoint straight into object storage (a real S3 server): the same tensors
     as a local conversion, verified by URL, and a prefix that holds anything is never overwritten."""
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     src = legacy[0] / "f2sharded" / "checkpoint-3"
     url, local = f"{s3_bucket}/converted", tmp_path / "converted"

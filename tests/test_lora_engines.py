@@ -16,7 +16,7 @@ from safetensors import safe_open
 from _runs import assert_resumed_matches, build_model, run_spec
 from conftest import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
-from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 MAX_STEPS, SAVE_STEPS = 8, 2

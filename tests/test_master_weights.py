@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import torchrun
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 BF16 = {"bf16": True}
 REBUILT_LOSS_RTOL = 1e-2  # master copy rounded to bf16 once: measured drift about 1e-4

@@ -22,7 +22,7 @@ import torch
 from _runs import assert_resumed_matches, train
 from conftest import record_fault, torchrun_machines
 from hf_unified_ckpt.errors import CorruptCheckpointError
-from hf_unified_ckpt.checkpoint.manifest import read_manifest
+from hf_unified_ckpt.checkpoint.folder.manifest import read_manifest
 
 pytestmark = pytest.mark.dist  # every test launches torchrun per machine (the module's `two_machines`)
 

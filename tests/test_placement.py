@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from _runs import train
-from hf_unified_ckpt.checkpoint.layout import DEEPSPEED, UNIFIED
-from hf_unified_ckpt.checkpoint.placement import Placement, Sighting, judge
-from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME, read_manifest
+from hf_unified_ckpt.checkpoint.folder.layout import DEEPSPEED, UNIFIED
+from hf_unified_ckpt.checkpoint.load.placement import Placement, Sighting, judge
+from hf_unified_ckpt.checkpoint.folder.manifest import MANIFEST_NAME, read_manifest
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_each_file_is_verified_once_by_a_holder_with_balanced_bytes():
 def test_file_server_replies_carry_exact_slices_headers_and_files(tmp_path, dtype):
     from safetensors.torch import save_file
 
-    from hf_unified_ckpt.checkpoint.file_service import RemoteSlice, answer, tensor_from
+    from hf_unified_ckpt.checkpoint.load.file_service import RemoteSlice, answer, tensor_from
 
     tensors = {"w": torch.arange(7 * 5).reshape(7, 5).to(dtype), "s": torch.tensor(3, dtype=dtype)}
     save_file(tensors, tmp_path / "f.safetensors")

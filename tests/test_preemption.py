@@ -24,7 +24,7 @@ import torch
 
 from _runs import THREADS, assert_resumed_matches
 from hf_unified_ckpt import detect_layout
-from hf_unified_ckpt.checkpoint.layout import UNIFIED
+from hf_unified_ckpt.checkpoint.folder.layout import UNIFIED
 
 pytestmark = pytest.mark.dist
 

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from hf_unified_ckpt.errors import CorruptCheckpointError
-from hf_unified_ckpt.checkpoint.file_service import FileService, RemoteFile, RemoteSlice, answer, tensor_from
+from hf_unified_ckpt.checkpoint.load.file_service import FileService, RemoteFile, RemoteSlice, answer, tensor_from
 from hf_unified_ckpt.legacy.sources import TensorSource
 from hf_unified_ckpt.format.reader import FileHandle, FileOpener, LoadedSlice, TensorReader, TensorSlice
-from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader, LocalFiles, write_index
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader, LocalFiles, write_index
 
 A = torch.arange(40, dtype=torch.float32).reshape(8, 5)
 B = torch.tensor(7, dtype=torch.int64)

@@ -59,7 +59,7 @@ def test_the_mapping_check_sees_a_tensor_read_from_a_safetensors_file(tmp_path):
 def test_loaded_optimizer_state_is_owned_by_the_process(tmp_path):
     """`OptimizerStateDecoder.value`, through which every engine takes the state objects an optimizer keeps, copies
     what the reader returns out of the file."""
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader, write_index, write_shard
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader, write_index, write_shard
     from hf_unified_ckpt.format.optim_state import flatten_optimizer_state, unflatten_optimizer_state
 
     model, state = _stepped_adamw()
@@ -118,7 +118,7 @@ def test_a_spare_file_is_taken_only_at_the_planned_size(tmp_path):
     (in a later set) is taken; the file a process still maps keeps its bytes."""
     import mmap
 
-    from hf_unified_ckpt.checkpoint.writer import take_spare
+    from hf_unified_ckpt.checkpoint.write.writer import take_spare
 
     spare, target = tmp_path / "spare", tmp_path / "saving" / "optimizer-00001-of-00002.safetensors"
     target.parent.mkdir()

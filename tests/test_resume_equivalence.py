@@ -90,7 +90,7 @@ def test_resume_matches_uninterrupted(matrix, name, pair, baseline, exact):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tolerance_is_tight_against_real_training_change(matrix, name):
     """The stated tolerance is far below what three optimizer steps change, so it cannot hide a broken resume."""
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     final = matrix[("w1", name)]["optim"]
     with ComponentReader(matrix.tmp / f"w1-{name}" / "checkpoint-3", "optimizer") as reader:

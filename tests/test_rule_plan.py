@@ -69,7 +69,7 @@ def test_an_engine_off_its_rule_takes_the_census_said_once_and_writes_the_same_b
     assert [s["plan"] for s in out[engine]["saves"]] == ["rule", "cached"]
     assert all(any(c[:2] == ("all_gather_object", "census_of_pieces") for c in s["calls"]) for s in saves)
     assert log.count("the pieces some rank holds are not the partition rule's") == 1
-    from hf_unified_ckpt.checkpoint.manifest import read_manifest
+    from hf_unified_ckpt.checkpoint.folder.manifest import read_manifest
 
     for step in ("checkpoint-1", "checkpoint-2"):
         ruled, censused = (read_manifest(tmp / name / step)["files"] for name in (engine, f"{engine}-broken"))
@@ -86,7 +86,7 @@ def test_the_bench_counts_what_the_ranks_receive(runs, engine):
     ranks received at each step of `record_tree`, and every rank's plan-time traffic is the bench's (one
     all-reduce of four integers; no halo without a codec, halos point to point only with O1: ZeRO-3's run)."""
     from bench_scale_sim import messages
-    from hf_unified_ckpt.checkpoint.record_tree import halving_steps
+    from hf_unified_ckpt.checkpoint.save.record_tree import halving_steps
 
     tmp, out, _ = runs
     halos = []
@@ -132,7 +132,7 @@ def test_owners_are_the_least_loaded_writer_in_f_log_n():
 def test_the_halving_leaves_every_file_to_exactly_one_rank(world):
     """`record_tree`'s reduce-scatter: partners agree on the files they split, and at the end every file is held by
     exactly one rank (ranks above the largest power of two hold none)."""
-    from hf_unified_ckpt.checkpoint.record_tree import halving_steps
+    from hf_unified_ckpt.checkpoint.save.record_tree import halving_steps
 
     files = 37
     held = [0] * files
@@ -150,7 +150,7 @@ def test_halos_from_many_ranks_are_one_halo_per_tensor_in_element_order():
     """A block whose elements five ranks hold (pieces smaller than a block): the halos of two tensors from each,
     received one message per rank, are one halo per tensor, source after source (stacked where the layouts are
     the same, sliced where they differ: the last rank's partial piece, a rank that holds one tensor only)."""
-    from hf_unified_ckpt.checkpoint.rule_plan import _by_tensor
+    from hf_unified_ckpt.checkpoint.save.rule_plan import _by_tensor
 
     wanted = {q: [("optimizer", ("a",), 10 + 3 * (q - 1), 3), ("optimizer", ("b",), 20 + 2 * (q - 1), 2)]
               for q in (1, 2, 3)}

@@ -16,7 +16,7 @@ import torch
 
 from _runs import BEST, assert_resumed_matches, loop_spec, run_spec
 from conftest import torchrun
-from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME
+from hf_unified_ckpt.checkpoint.folder.manifest import MANIFEST_NAME
 from hf_unified_ckpt.format.parts import VERIFY_BLOCK
 from hf_unified_ckpt.store import join, listing, read_bytes, store_for
 
@@ -134,7 +134,7 @@ def test_best_model_rotation_and_save_model_with_the_bucket(runs):
     best = result["best"]
     assert best.startswith(bucket) and not best.endswith("checkpoint-6"), best
     assert sorted(listing(join(bucket, "best-z3"))) == sorted({"checkpoint-6", best.rsplit("/", 1)[1]})
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     with ComponentReader(best, "model") as reader:
         assert [k for k, v in result["state"].items() if not torch.equal(reader.get(k), v)] == []
@@ -273,7 +273,7 @@ def _fault_model(seed=0):
 
 
 def _save_to(final, model, opt, step):
-    from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
+    from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
     from hf_unified_ckpt.options import parse_options
 
@@ -284,7 +284,7 @@ def _save_to(final, model, opt, step):
 
 def _load_from(final, checked_on_read=False):
     """Verify (as `verify` does, or as a resume from the bucket does: `checked_on_read`) and load `final`."""
-    from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
+    from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_checkpoint
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
     from hf_unified_ckpt.options import parse_options
 
@@ -322,7 +322,7 @@ def test_a_part_that_keeps_failing_fails_the_save_naming_it_and_commits_nothing(
     from s3_faults import Fault
 
     from conftest import record_fault
-    from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
+    from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
     from hf_unified_ckpt.errors import UnifiedCheckpointError
 
     run, proxy = faulty
@@ -359,7 +359,7 @@ def test_killed_upload_is_never_picked_and_resume_is_exact(runs, tmp_path):
     import time
 
     from conftest import kill_tree, record_fault, torchrun_popen
-    from hf_unified_ckpt.checkpoint.layout import detect_layout, newest_complete
+    from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 
     _, bucket, out = runs
     store, resumed = store_for(bucket), []
@@ -395,7 +395,7 @@ def test_resume_reads_only_what_it_loads_and_checks_it(s3_bucket):
     """A checkpoint uploaded in parts records a CRC-32 per 256 KiB block; a resume from the bucket does not read the
     tensor files to verify them (`checked_on_read`): each ranged read checks its blocks, so a load fetches about
     what it loads, and a damaged block is refused by name. The `verify` command still reads everything."""
-    from hf_unified_ckpt.checkpoint.load import verify_checkpoint
+    from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
     from hf_unified_ckpt.errors import CorruptCheckpointError
     from hf_unified_ckpt.store.s3 import S3Store
 
@@ -445,7 +445,7 @@ def test_tied_model_files_below_a_part_go_up_whole(runs):
     tensor_files = {n: e for n, e in manifest["files"].items() if n.endswith(".safetensors")}
     assert all(len(e["parts"]) == 1 and e["size"] < 5 * MIB for e in tensor_files.values())
     assert manifest["saved_by"]["upload"]["hand_over_bytes"] > 0
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     with ComponentReader(folder, "model") as reader:
         assert "lm_head.weight" not in reader.keys() and "transformer.wte.weight" in reader.keys()
@@ -483,7 +483,7 @@ def test_each_rank_receives_only_the_hand_overs_of_its_own_parts(three_ranks):
     """Each rank receives exactly the bytes the plan hands over to it (those within the parts it uploads), none of
     the hand-overs between other ranks (an all-gather gave every rank all of them); the files hold the trained
     weights."""
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     tmp, bucket = three_ranks
     ranks = [torch.load(tmp / f"counted.pt.rank{r}", weights_only=False) for r in range(3)]
@@ -535,7 +535,7 @@ def test_a_rank_that_cannot_send_its_bytes_fails_the_save_on_every_rank(three_ra
     import re
 
     from conftest import record_fault
-    from hf_unified_ckpt.checkpoint.layout import newest_complete
+    from hf_unified_ckpt.checkpoint.folder.layout import newest_complete
 
     name = "a rank's hand-over bytes unreadable (bucket, 3 ranks)"
     record_fault(name, survived=False)
@@ -572,7 +572,7 @@ def test_the_output_dir_lease_is_a_conditional_object_in_the_bucket(s3_bucket, c
     """Issue 55, item 4, on a bucket: the lease object is created with a conditional put (SeaweedFS honours
     `If-None-Match: *`: no warning that the prefix is unprotected); a second job is refused naming the first;
     renewing rewrites it; giving it back leaves nothing in the bucket."""
-    from hf_unified_ckpt.checkpoint.lease import Lease, lease_name
+    from hf_unified_ckpt.checkpoint.folder.lease import Lease, lease_name
     from hf_unified_ckpt.errors import OutputDirInUseError
     from hf_unified_ckpt.options import LeaseOptions
 

@@ -22,26 +22,26 @@ import pytest
 import torch
 from torch import nn
 
-import hf_unified_ckpt.checkpoint.save as save_module
+import hf_unified_ckpt.checkpoint.save.saving as save_module
 import hf_unified_ckpt.store.local as local_store_module
 from _runs import THREADS, pin_threads
 from conftest import record_fault
-from hf_unified_ckpt.checkpoint.aggregating import AggregatingWriter
-from hf_unified_ckpt.checkpoint.async_save import AsyncSaver
+from hf_unified_ckpt.checkpoint.write.aggregating import AggregatingWriter
+from hf_unified_ckpt.checkpoint.save.async_save import AsyncSaver
 from hf_unified_ckpt.engines.replicated import ReplicatedEngine
 from hf_unified_ckpt.store.node import host_name
 from hf_unified_ckpt.errors import CorruptCheckpointError, UnifiedCheckpointError
-from hf_unified_ckpt.checkpoint.layout import UNIFIED, UNIFIED_INCOMPLETE, detect_layout, newest_complete
-from hf_unified_ckpt.checkpoint.load import load_checkpoint, verify_checkpoint
+from hf_unified_ckpt.checkpoint.folder.layout import UNIFIED, UNIFIED_INCOMPLETE, detect_layout, newest_complete
+from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_checkpoint
 from hf_unified_ckpt.options import UnifiedCheckpointOptions
-from hf_unified_ckpt.checkpoint.snapshot import Snapshots
-from hf_unified_ckpt.checkpoint.retention import rotate_checkpoints
-from hf_unified_ckpt.checkpoint.save import (SaveRequest, conclude, open_staging, raise_if_failed,
+from hf_unified_ckpt.checkpoint.save.snapshot import Snapshots
+from hf_unified_ckpt.checkpoint.folder.retention import rotate_checkpoints
+from hf_unified_ckpt.checkpoint.save.saving import (SaveRequest, conclude, open_staging, raise_if_failed,
                                   save_checkpoint)
-from hf_unified_ckpt.checkpoint.commit import WRITER_MARK, list_checkpoints
-from hf_unified_ckpt.checkpoint.manifest import MANIFEST_NAME
-from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
-from hf_unified_ckpt.checkpoint.writer import SharedFileWriter, WholeFileWriter
+from hf_unified_ckpt.checkpoint.folder.commit import WRITER_MARK, list_checkpoints
+from hf_unified_ckpt.checkpoint.folder.manifest import MANIFEST_NAME
+from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
+from hf_unified_ckpt.checkpoint.write.writer import SharedFileWriter, WholeFileWriter
 from hf_unified_ckpt.format.parts import VERIFY_BLOCK
 from hf_unified_ckpt.store import (FsspecStore, LocalStore, canonical, join, multipart_of, name_of, parent_of,
                                    positional_writes_of, scheme_of, sibling, store_for)
@@ -484,7 +484,7 @@ def _run_pickled_job(blob: bytes):
 
 
 def _build_job(model, opt, final: str, step: int):
-    """What `AsyncSaver.start` builds (world size 1): the training-thread half of the save (`save.begin`: the
+    """What `AsyncSaver.start` builds (world size 1): the training-thread half of the save (`saving.begin`: the
     staging folder, the plan, the strategy, the assembled files) and the job, filled with host copies by
     `snapshot.Snapshots.take`."""
     engine = ReplicatedEngine(model, opt)
@@ -637,7 +637,7 @@ def test_ranged_reads_check_block_crcs_and_keep_the_last_block(memory_run):
     last block read serves the next read that starts in it, and a damaged block is refused by name."""
     import zlib
 
-    from hf_unified_ckpt.checkpoint.ranged import RangedFile
+    from hf_unified_ckpt.checkpoint.folder.ranged import RangedFile
 
     store = store_for(memory_run)
     header = json.dumps({"t": {"dtype": "U8", "shape": [200], "data_offsets": [0, 200]}}).encode()

@@ -15,7 +15,7 @@ import torch
 from _runs import (assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches, hop_tag, loop_spec,
                    run_spec, spec_of)
 from conftest import torchrun
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 BF16_LOSS_RTOL, BF16_STATE_ATOL = 1e-3, 4e-3  # bf16 autocast, another reduction order: as test_resume_equivalence.py
@@ -85,7 +85,7 @@ def test_tp_checkpoint_is_unified_and_records_the_mesh(tp_runs, kind):
     put together), with the optimizer state, and records its device mesh."""
     from safetensors import safe_open
 
-    from hf_unified_ckpt.checkpoint.safetensors_io import ComponentReader
+    from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     tmp, out = tp_runs
     ckpt = tmp / kind / "checkpoint-6"

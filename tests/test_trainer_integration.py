@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 import hf_unified_ckpt
 from _runs import TokenDataset, build_model, final_state, losses_of, make_args, reset_accelerate_state, train
 from hf_unified_ckpt.errors import CheckpointNotFoundError, UnsupportedCheckpointError
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 
 def _logits(model):

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 import hf_unified_ckpt
 from _runs import build_model, final_state, reset_accelerate_state
-from hf_unified_ckpt.checkpoint.layout import detect_layout
+from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 WORDS = [f"w{i}" for i in range(90)]
 

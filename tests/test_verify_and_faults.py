@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-import hf_unified_ckpt.checkpoint.safetensors_io as sio
+import hf_unified_ckpt.checkpoint.folder.safetensors_io as sio
 from _runs import make_trainer, resign, rewrite_tensor, train
 from conftest import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
 from hf_unified_ckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
-from hf_unified_ckpt.checkpoint.load import verify_checkpoint
+from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def _saved_layers(tmp_path, layers: int, width: int = 2):
 
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
     from hf_unified_ckpt.options import UnifiedCheckpointOptions
-    from hf_unified_ckpt.checkpoint.save import SaveRequest, save_checkpoint
+    from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
 
     model = nn.Sequential(*(nn.Linear(2, width) for _ in range(layers)))
     request = SaveRequest(tmp_path / "checkpoint-1", 1, UnifiedCheckpointOptions(enabled=True), show_progress=False)

@@ -1,4 +1,4 @@
-"""The device path of background copies on a real device (issue 34, part 1.1; `checkpoint/device_copy.py`).
+"""The device path of background copies on a real device (issue 34, part 1.1; `checkpoint/save/device_copy.py`).
 
     python bench/gpu/device_check.py --device cuda|cpu --json FILE [--mb 1024]
 
@@ -33,8 +33,8 @@ def _sync(device: str) -> None:
 def check(device: str, mb: int) -> dict:
     import torch
 
-    from hf_unified_ckpt.checkpoint.persist import Background
-    from hf_unified_ckpt.checkpoint.snapshot import HostBuffers
+    from hf_unified_ckpt.checkpoint.save.persist import Background
+    from hf_unified_ckpt.checkpoint.save.snapshot import HostBuffers
 
     n = mb * 2**20 // 4
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "mb": mb}
@@ -58,7 +58,7 @@ def check(device: str, mb: int) -> dict:
         out[f"{name}_copy_equal"] = all(equal)
         out[f"{name}_buffer_pinned"] = bool(buffers.copy(("w", dtype), live, torch.float32).is_pinned())
     if device == "cuda":  # page-locked in place, not from torch's power-of-two pinned allocator (the fallback)
-        from hf_unified_ckpt.checkpoint.device_copy import _register, _unregister, registered_buffer
+        from hf_unified_ckpt.checkpoint.save.device_copy import _register, _unregister, registered_buffer
 
         out["registered_in_place"] = registered_buffer((7, 1001), torch.float32, _register, _unregister) is not None
     _sync(device)

@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from hf_unified_ckpt.checkpoint import device_copy  # noqa: E402
-from hf_unified_ckpt.checkpoint.persist import lower_priority  # noqa: E402
+from hf_unified_ckpt.checkpoint.save import device_copy  # noqa: E402
+from hf_unified_ckpt.checkpoint.save.persist import lower_priority  # noqa: E402
 
 CHUNK = 64 * 2**20
 

@@ -358,7 +358,7 @@ class DeepSpeedEngine:
         return Strided(numel, size, at)
 
     def confirm_rule(self) -> None:
-        """The save checked on every rank that the rule's pieces are the ones held (`save.plan_save`): owners are
+        """The save checked on every rank that the rule's pieces are the ones held (`saving.plan_save`): owners are
         then computed from the rule, with no gather of fragment sizes."""
         self._rule_confirmed = True
 
@@ -512,7 +512,7 @@ class DeepSpeedEngine:
 
     def master_fragments(self):
         """(name, this rank's fp32 master elements, the bf16 weight elements at the same flat positions) of every
-        trainable parameter that has a master copy and a fragment here (what `save.residual_census` checks), each
+        trainable parameter that has a master copy and a fragment here (what `saving.residual_census` checks), each
         element once over all ranks (under AutoTP a replicated parameter's copies on TP ranks other than 0 are left
         out, as `fragments` leaves them out). Local reads only."""
         if not self.has_master:

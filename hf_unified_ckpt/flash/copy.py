@@ -19,10 +19,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..checkpoint.commit import commit, prepare_staging, staging_dir
-from ..checkpoint.files import crc32_combine
-from ..checkpoint.manifest import MANIFEST_NAME, read_manifest
-from ..checkpoint.retention import rotate_checkpoints
+from ..checkpoint.folder.commit import commit, prepare_staging, staging_dir
+from ..checkpoint.folder.files import crc32_combine
+from ..checkpoint.folder.manifest import MANIFEST_NAME, read_manifest
+from ..checkpoint.folder.retention import rotate_checkpoints
 from ..errors import CorruptCheckpointError
 from ..format.checksum import crc32
 from ..store import join, parent_of, read_bytes, store_for

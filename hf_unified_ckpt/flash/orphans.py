@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from ..checkpoint.commit import list_checkpoints
-from ..checkpoint.layout import detect_layout
+from ..checkpoint.folder.commit import list_checkpoints
+from ..checkpoint.folder.layout import detect_layout
 from ..errors import CorruptCheckpointError
 from ..format.bounded_json import parse_json
 from ..store import is_file, join, listing, read_bytes, remove

@@ -22,8 +22,8 @@ import os
 import sys
 import time
 
-from ..checkpoint.commit import list_checkpoints
-from ..checkpoint.layout import detect_layout, newest_complete
+from ..checkpoint.folder.commit import list_checkpoints
+from ..checkpoint.folder.layout import detect_layout, newest_complete
 from ..store import is_file, join, listing, parent_of, put_bytes, remove
 from ..store.node import Lock, age, pid_alive, private_folder, remove_if_empty
 from .copy import persist_checkpoint

@@ -25,9 +25,9 @@ import time
 import uuid
 
 from .. import dist
-from ..checkpoint.commit import COMMIT_FILE, list_checkpoints
-from ..checkpoint.layout import detect_layout
-from ..checkpoint.writer import spare_sets
+from ..checkpoint.folder.commit import COMMIT_FILE, list_checkpoints
+from ..checkpoint.folder.layout import detect_layout
+from ..checkpoint.write.writer import spare_sets
 from ..errors import UnsupportedCheckpointError
 from ..format.components import MODEL, Role
 from ..options import FlashOptions

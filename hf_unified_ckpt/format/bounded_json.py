@@ -11,7 +11,7 @@ from collections import Counter
 from ..errors import CorruptCheckpointError
 
 #: The largest JSON file read (an index of a million tensors is about 100 MB; a safetensors header is bounded
-#: apart, `checkpoint.safetensors_header.MAX_HEADER`).
+#: apart, `checkpoint.folder.safetensors_header.MAX_HEADER`).
 MAX_JSON_BYTES = 256 * 2**20
 #: The deepest nesting accepted (what this library writes nests 6 deep at most; a trainer state about 4).
 MAX_DEPTH = 64

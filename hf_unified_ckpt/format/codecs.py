@@ -549,7 +549,7 @@ class ResidualCodec:
                  by_rank: Mapping[str, Mapping[int, int]] | None = None):
         self.census = dict(census or {})
         self.by_rank = {name: dict(ranks) for name, ranks in (by_rank or {}).items()}
-        #: A rank-local census (`save.residual_census` with a rule): name -> (this rank, the first of its ties in the
+        #: A rank-local census (`saving.residual_census` with a rule): name -> (this rank, the first of its ties in the
         #: tensor's ties), `by_rank` then holding this rank's counts only.
         self.own_offset: dict[str, tuple[int, int]] = {}
         self.anchor = anchor

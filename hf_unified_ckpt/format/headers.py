@@ -1,4 +1,4 @@
-"""Safetensors dtype names and header specs, without torch (`checkpoint/safetensors_header.py` reads a header
+"""Safetensors dtype names and header specs, without torch (`checkpoint/folder/safetensors_header.py` reads a header
 through the store)."""
 
 from __future__ import annotations

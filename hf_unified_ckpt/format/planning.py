@@ -182,7 +182,7 @@ class PiecewiseEncoder(Encoder, Protocol):
     """An encoder whose stored tensors can be written in place by the ranks holding the pieces of a logical tensor:
     `piecewise` is True. Its first stored tensor keeps the logical name. A code whose units cross pieces (O1/O2's
     blocks) also has `halo(name, first, values)` (what a rank shares of its piece when the save is planned) and
-    `receive_halos(halos)` (every rank's), which `save.census_of_pieces` calls."""
+    `receive_halos(halos)` (every rank's), which `saving.census_of_pieces` calls."""
 
     piecewise: bool
 

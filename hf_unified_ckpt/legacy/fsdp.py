@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.files import read_json
+from ..checkpoint.folder.files import read_json
 from ..format.components import saved_by
 from ..store.pickles import TRUST_OPT_IN, load_pickle
 from ..errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint.safetensors_io import ComponentReader
+from ..checkpoint.folder.safetensors_io import ComponentReader
 from ..engines.conversion import weight_conversion
 from ..engines.hf_model import MODEL_STEM, is_peft_model, live_model_state
 from ..errors import UnsupportedCheckpointError, missing_and_unexpected

@@ -19,12 +19,12 @@ What a store has or has not beyond the `Store` protocol are capabilities, each a
 other libraries open: safetensors files are then read memory-mapped) and `WritableMappings` (a file mapped for
 writing: the memory tier's snapshots). A caller asks for one (`multipart_of`, `local_paths_of`,
 `writable_mappings_of`: the capability, or None) and never calls a method a store lacks; the `Capabilities` flags
-say the same (`multipart`, `local_paths`). Reading tensors is not the store's: `checkpoint/tensor_files.py` reads a
-safetensors file through `read` (ranged), or memory-mapped where the store has local paths (`open_mapped_tensors`).
+say the same (`multipart`, `local_paths`). Reading tensors is not the store's: `checkpoint/folder/tensor_files.py` reads
+a safetensors file through `read` (ranged), or memory-mapped where the store has local paths (`open_mapped_tensors`).
 
 Which ranks call what: every method is local to the calling process (no collective). The save algorithm
-(`checkpoint/save.py`) decides who calls what, in order: rank 0 stages; every writer writes its files or pieces and
-`sync`s them; rank 0 `put`s the indexes and the manifest last; each folder's leader `publish`es.
+(`checkpoint/save/saving.py`) decides who calls what, in order: rank 0 stages; every writer writes its files or pieces
+and `sync`s them; rank 0 `put`s the indexes and the manifest last; each folder's leader `publish`es.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 #: The hidden siblings a store that renames (`stage` / `publish` / `retire`) leaves beside `checkpoint-N` while it
 #: works, `.checkpoint-N.<host>.<pid>.<token><suffix>` (`node.owner_tag`: unique to one save of one process, so two
 #: processes never share one): a save being written, the checkpoint it replaces, one being removed. Those whose
-#: process is gone were left by an interrupted one (`checkpoint.commit.remove_stale`).
+#: process is gone were left by an interrupted one (`checkpoint.folder.commit.remove_stale`).
 STAGING_SUFFIX = ".incomplete"
 SUPERSEDED_SUFFIX = ".superseded"
 DELETING_SUFFIX = ".deleting"
@@ -236,7 +236,7 @@ def writable_mappings_of(store: Store) -> WritableMappings | None:
 def open_mapped_tensors(store: LocalPaths, ref: str):
     """Safetensors file `ref` of a store with local paths, memory-mapped by `safe_open` (a `format.reader
     .FileHandle`). The one place a local file is handed to the safetensors library: tensor reading lives above the
-    store (`checkpoint/tensor_files.py`), the path below it."""
+    store (`checkpoint/folder/tensor_files.py`), the path below it."""
     from safetensors import safe_open  # torch is imported only where tensors are read
 
     from .local_io import open_regular

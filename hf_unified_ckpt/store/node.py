@@ -1,5 +1,5 @@
-"""Facts about this machine that the memory tier (`flash/`) and the output_dir lease (`checkpoint/lease.py`) need,
-read here, below the storage seam: how much memory a snapshot may take, free bytes of a folder, whether a process
+"""Facts about this machine that the memory tier (`flash/`) and the output_dir lease (`checkpoint/folder/lease.py`)
+need, read here, below the storage seam: how much memory a snapshot may take, free bytes of a folder, whether a process
 lives and when it started, who this process is (`Process`, `owner_tag`), an advisory lock, a heartbeat file's age,
 the persister's log file, a folder made this user's own (`private_folder`).
 

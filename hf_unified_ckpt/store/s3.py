@@ -8,8 +8,8 @@ is faster for many small requests but keeps a multipart upload inside one proces
 There are no folders and no rename in S3: a save is written in place and committed by its manifest, put last and
 only if absent; a checkpoint is removed manifest first. Every rank sees the same objects (`seen_by_all_ranks`), and
 the ranks upload their own byte ranges of the shared files as parts (`start_upload` on one rank, `write_part` on
-every rank, `finish_upload` on one rank; `checkpoint/multipart.py` plans who uploads what). S3 wants every part but
-a file's last to be at least 5 MiB.
+every rank, `finish_upload` on one rank; `checkpoint/write/multipart.py` plans who uploads what). S3 wants every part
+but a file's last to be at least 5 MiB.
 
 Endpoint, region and credentials come from where botocore and fsspec look for them: `AWS_*` environment
 variables (`AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` for an on-premises server), `~/.aws/config` and

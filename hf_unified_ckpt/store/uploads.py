@@ -1,5 +1,5 @@
 """Uploads to a store with multipart uploads (`base.MultipartUploads`, S3's): a bounded pool of part uploads
-(`PartUploads`: the parts ranks upload, `checkpoint/multipart.py`) and a file streamed whole by one writer
+(`PartUploads`: the parts ranks upload, `checkpoint/write/multipart.py`) and a file streamed whole by one writer
 (`stream_upload`), both holding at most `part_size * UPLOAD_CONCURRENCY` bytes of parts in flight, the part size
 the store's (`Capabilities.part_size`). Nothing here knows a concrete store: `s3.py` imports this module, never the
 reverse."""

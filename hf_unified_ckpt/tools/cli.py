@@ -13,11 +13,11 @@ import sys
 # `info` and `verify` read file names, JSON and safetensors headers only: keep these imports free of torch,
 # transformers and accelerate (tests/test_imports.py), so the command answers at once. `convert` imports its own.
 from ..errors import UnifiedCheckpointError
-from ..checkpoint.layout import UNIFIED, detect_layout
+from ..checkpoint.folder.layout import UNIFIED, detect_layout
 from ..format.headers import tensor_specs
-from ..checkpoint.safetensors_header import read_safetensors_header
-from ..checkpoint.manifest import spread_hint, verify_folder
-from ..checkpoint.state_check import recorded_state_problems
+from ..checkpoint.folder.safetensors_header import read_safetensors_header
+from ..checkpoint.folder.manifest import spread_hint, verify_folder
+from ..checkpoint.folder.state_check import recorded_state_problems
 from ..store import is_folder, join
 
 

@@ -14,13 +14,13 @@ from ..engines.conversion import WithConversion, weight_conversion
 from ..format.components import MODEL, OPTIMIZER, Component, component
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .export import require_new_folder
-from ..checkpoint.files import read_json
-from ..checkpoint.layout import DEEPSPEED, FSDP, detect_layout
+from ..checkpoint.folder.files import read_json
+from ..checkpoint.folder.layout import DEEPSPEED, FSDP, detect_layout
 from ..legacy import legacy_components, open_legacy
 from ..legacy.sources import TensorSource
 from ..options import parse_options
 from ..format.planning import TensorSpec
-from ..checkpoint.save import SaveRequest, save_checkpoint
+from ..checkpoint.save.saving import SaveRequest, save_checkpoint
 from ..store import as_ref, is_file, is_folder, join, listing, read_bytes, remove
 
 if TYPE_CHECKING:

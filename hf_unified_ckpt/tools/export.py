@@ -22,13 +22,13 @@ from tqdm.auto import tqdm
 from ..format.components import EMA, MASTER, MODEL
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..engines.hf_model import ADAPTER_STEM
-from ..checkpoint.layout import UNIFIED, detect_layout
+from ..checkpoint.folder.layout import UNIFIED, detect_layout
 from ..options import parse_size
 from ..format.planning import TensorSpec, plan_component
-from ..checkpoint.files import read_json, write_json
+from ..checkpoint.folder.files import read_json, write_json
 from ..format.headers import TORCH_DTYPE_NAMES
-from ..checkpoint.manifest import MANIFEST_NAME, verify_folder
-from ..checkpoint.safetensors_io import ComponentReader, write_index, write_shard
+from ..checkpoint.folder.manifest import MANIFEST_NAME, verify_folder
+from ..checkpoint.folder.safetensors_io import ComponentReader, write_index, write_shard
 from ..store import as_ref, is_file, join, listing, local_paths_of, name_of, put_bytes, read_bytes, store_for
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import os
 from torch import nn
 
 from ..errors import UnsupportedCheckpointError
-from ..checkpoint.files import read_json
+from ..checkpoint.folder.files import read_json
 from ..store import as_ref, join
 
 #: The adapter config PEFT writes next to the adapter weights.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist
-from ..checkpoint.layout import detect_layout
+from ..checkpoint.folder.layout import detect_layout
 from ..store import join
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import json
 
 from .. import dist
-from ..checkpoint.rng import capture_rng_state, rng_file_name
+from ..checkpoint.folder.rng import capture_rng_state, rng_file_name
 from ..store.capture import files_written_by, torch_bytes
 
 SCHEDULER_FILE, TRAINER_STATE_FILE, ARGS_FILE, SCALER_FILE = (

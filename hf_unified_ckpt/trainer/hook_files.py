@@ -10,7 +10,7 @@ from __future__ import annotations
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist
-from ..checkpoint.commit import COMMIT_FILE, new_tag
+from ..checkpoint.folder.commit import COMMIT_FILE, new_tag
 from ..errors import UnsupportedCheckpointError
 from ..store import STAGING_SUFFIX, is_file, join, store_for
 

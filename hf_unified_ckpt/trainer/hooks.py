@@ -12,7 +12,7 @@ import transformers
 from transformers import TrainerCallback
 
 from .. import dist
-from ..checkpoint.async_save import AsyncSaver
+from ..checkpoint.save.async_save import AsyncSaver
 from .session import CheckpointSession
 
 SUPPORTED_TRANSFORMERS_MAJOR = 5

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist
-from ..checkpoint.layout import newest_complete
+from ..checkpoint.folder.layout import newest_complete
 from ..errors import UnsupportedCheckpointError
 from ..options import PreemptionOptions
 from ..preemption.watch import PeerLost, Watch

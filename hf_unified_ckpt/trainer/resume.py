@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist
-from ..checkpoint.layout import (DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout,
+from ..checkpoint.folder.layout import (DEEPSPEED, FSDP, HF_TRAINER, UNIFIED, UNIFIED_INCOMPLETE, Layout, detect_layout,
                                  newest_complete)
-from ..checkpoint.load import fetch_small_files, verify_checkpoint
-from ..checkpoint.placement import Placement, judge_path, newest_across_machines, placement_of
-from ..checkpoint.rng import read_rng_file, rng_file_name
+from ..checkpoint.load.loading import fetch_small_files, verify_checkpoint
+from ..checkpoint.load.placement import Placement, judge_path, newest_across_machines, placement_of
+from ..checkpoint.folder.rng import read_rng_file, rng_file_name
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                       UnifiedCheckpointError, UnsupportedCheckpointError)
 from ..legacy import check_readable, open_legacy

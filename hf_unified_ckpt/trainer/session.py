@@ -1,7 +1,7 @@
 """`CheckpointSession`: the plugin's side of one Trainer, the one object its overrides and its callback call, as
 torchtitan's trainer calls its checkpoint manager (load, wait for staging, save, close). It owns the background
-saver (`AsyncSaver`), the memory tier (`flash.tier.FlashTier`), the EMA (`checkpoint.ema.EmaRun`), the preemption handling
-(`preempt.PreemptionRun`) and the resume state, and decides where each save goes: into memory (`flash`), in the
+saver (`AsyncSaver`), the memory tier (`flash.tier.FlashTier`), the EMA (`checkpoint.save.ema.EmaRun`), the preemption
+handling (`preempt.PreemptionRun`) and the resume state, and decides where each save goes: into memory (`flash`), in the
 background (`async_save`) or written inline.
 
 One session per Trainer, created by `hooks.equip` (from `attach` or the mixin's `__init__`) and held as
@@ -32,16 +32,16 @@ from collections.abc import Callable
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist
-from ..checkpoint.async_save import AsyncSaver, Fallback
-from ..checkpoint.ema import EmaRun, ExponentialAverage, WithEma
-from ..checkpoint.layout import UNIFIED
-from ..checkpoint.lease import Lease, take_lease
-from ..checkpoint.load import load_checkpoint
+from ..checkpoint.save.async_save import AsyncSaver, Fallback
+from ..checkpoint.save.ema import EmaRun, ExponentialAverage, WithEma
+from ..checkpoint.folder.layout import UNIFIED
+from ..checkpoint.folder.lease import Lease, take_lease
+from ..checkpoint.load.loading import load_checkpoint
 from ..store.pickles import load_pickle
-from ..checkpoint.placement import judge_path
-from ..checkpoint.retention import rotate_checkpoints
-from ..checkpoint.rng import restore_rng_state
-from ..checkpoint.save import SaveRequest, save_checkpoint, save_model_weights
+from ..checkpoint.load.placement import judge_path
+from ..checkpoint.folder.retention import rotate_checkpoints
+from ..checkpoint.folder.rng import restore_rng_state
+from ..checkpoint.save.saving import SaveRequest, save_checkpoint, save_model_weights
 from ..engines.base import LoadSources
 from ..engines.conversion import WithConversion, live_groups, weight_conversion
 from ..errors import TrainingPreempted
@@ -143,9 +143,9 @@ class CheckpointSession:
 
     def begin(self, resume_from_checkpoint, trial) -> str | None:
         """A `train()` call starts: its state set up, what a save would refuse refused, the output_dir's lease
-        taken (`checkpoint.lease`: another job's live lease refuses this one here), the memory tier's lease taken,
-        the resume folder resolved and verified (`resume.resolve`), the preemption watch started. Returns the folder
-        the Trainer's own `train` resumes from (a local stand-in for one in object storage). Collective."""
+        taken (`checkpoint.folder.lease`: another job's live lease refuses this one here), the memory tier's lease
+        taken, the resume folder resolved and verified (`resume.resolve`), the preemption watch started. Returns the
+        folder the Trainer's own `train` resumes from (a local stand-in for one in object storage). Collective."""
         self._forget_run()
         options, trainer = self.options, self.trainer
         if options.enabled and options.ema:

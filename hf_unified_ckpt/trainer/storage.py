@@ -19,7 +19,7 @@ import tempfile
 import uuid
 
 from .. import dist
-from ..checkpoint.files import read_json
+from ..checkpoint.folder.files import read_json
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..store import as_ref, is_file, join, put_bytes, read_bytes, remove, store_for
 from .capture import SCALER_FILE, TRAINER_STATE_FILE

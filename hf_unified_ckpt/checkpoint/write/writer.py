@@ -1,0 +1,358 @@
+"""Storage writers: how the bytes of a planned file (`planning.FilePlan`: header + write items) land on disk.
+
+The save loop (`save/saving.py`) is the same for every strategy and for sync and async saves: every rank walks the files
+of the plan in the same order, the strategy assembles what it needs for each file (a collective on sharded
+engines), hands the tensors this rank writes to `local_tensors`, and `write` puts them on disk (in a writer thread,
+or in the background after a snapshot).
+
+- `SharedFileWriter` (every rank sees one folder): every rank writes the byte ranges it holds straight into the
+  shared files at their planned offsets. The header rank creates the file at its final size and writes the header;
+  every writer opens it without truncating, `pwrite`s its items, and fsyncs it (in the background while it writes its
+  next file; the save waits for every fsync before it reports its ranges). Sharded tensors (`FilePlan.held`)
+  never cross ranks (through a codec, each rank encodes its own piece where it lies: the bf16 residual element by
+  element, O1/O2 the blocks that start among its elements, completed by a few elements of the next piece shared
+  when the save is planned); only what no rank holds in one contiguous piece (other layouts) is assembled on the
+  header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
+  range it wrote; the ranks combine them into one record per file on the way to rank 0 (`record_tree`), which
+  checks they tile the file.
+  Into the memory tier (whose files are reused: `spare`), an async save's snapshot of a file one rank writes whole
+  is copied straight into the file (`place`, through a mapping kept from save to save), and `write` only checksums
+  it: one copy instead of a copy into host buffers and a `pwrite` of them. A spare file is taken only at exactly
+  the planned size (`take_spare`): no file that may be mapped is ever shrunk.
+- `WholeFileWriter` (machine-local folders: a rank cannot write into another machine's file; or a store without
+  positional writes): each file is written whole by its one writer, streamed in offset order
+  (`safetensors_io.write_shard`: the bytes of safetensors' `save_file`), after its tensors were assembled there.
+
+Which one a save uses follows the store's capabilities (`saving.Staging.in_place`). All bytes go through the store
+(`..store`): this module opens no file itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import os
+import re
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ...format.planning import FilePlan, WriteItem
+from ...store import (PositionalWrites, WritableMaps, as_ref, is_file, join, listing, name_of, positional_writes_of,
+                     store_for, writable_mappings_of)
+from ...format.checksum import crc32
+from ..folder.files import FileRecord, RangeRecord
+from ..folder.safetensors_io import write_shard
+
+
+class StorageWriter(Protocol):
+    """One write strategy: how the bytes of the planned files land in a folder, in one call order — `prepare`
+    (training thread, once), then file by file in plan order `assemble` and, on the ranks it `writes`,
+    `local_tensors` (training thread), then `write` within `syncing` (wherever the executor runs the save), then
+    `finish` (rank 0, before the manifest), or `abort` (the folder's leader, when the save failed)."""
+
+    #: Whether `write` transfers bytes to other ranks' writes (multipart hand-overs, aggregators): every rank then
+    #: writes every file it is handed, in plan order, point to point on the strategy's own group.
+    collective_write: bool
+
+    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+        """Make ready what the writes need; the same report on every rank (`reports.guarded`'s). Collective where
+        the strategy needs it: all ranks must call it."""
+
+    def assemble(self, engine, file: FilePlan) -> None:
+        """Bring together what `file`'s writers need. Collective: all ranks call it, file by file, in plan order."""
+
+    def writes(self, file: FilePlan, rank: int) -> bool:
+        """Whether `rank` writes (part of) `file`."""
+
+    def local_tensors(self, engine, file: FilePlan) -> dict[str, torch.Tensor]:
+        """What this rank writes of `file` (after `assemble`), by logical name, before any codec: whole tensors, or
+        the 1-D piece this rank holds of a tensor in `file.held`. Local reads only (may run in a writer thread)."""
+
+    def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
+        """Write this rank's part of `file` into `folder` from `local_tensors`' result (or a copy of it), encoded
+        through the file's codec here. Durable on return, or (inside `syncing`) by the end of the `syncing`
+        block."""
+
+    def syncing(self) -> contextlib.AbstractContextManager:
+        """A block of `write`s whose fsyncs may run in the background, all done (their errors raised) when the
+        block ends without an exception."""
+
+    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+        """Rank 0, once every rank wrote, before the manifest: complete what the writes began; returns what the
+        manifest records of it (`{"files": {name: entry}, "saved_by": {...}}`, merged into the manifest)."""
+
+    def abort(self, folder: str) -> None:
+        """The folder's leader, after a failed save: drop what the writes began and did not finish."""
+
+
+class LocalWrites:
+    """The steps of a strategy whose writes need nothing prepared, finished or aborted beyond the files (every
+    byte is in the folder once `write` returned): whole files, or pieces in place."""
+
+    collective_write = False
+
+    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+        return True, None
+
+    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+        return {}
+
+    def abort(self, folder: str) -> None:
+        pass
+
+
+class WholeFileWriter(LocalWrites):
+    """Each file is written whole by its one writer (every write item names the same rank); `direct_io` as
+    `SharedFileWriter`'s."""
+
+    def __init__(self, direct_io: bool = False):
+        self.direct_io = direct_io
+
+    def assemble(self, engine, file: FilePlan) -> None:
+        """Assemble the file's tensors on its writer. Collective: all ranks must call it, in plan order."""
+        engine.exchange(file.component, file.tensor_names, owner_of(file))
+
+    def writes(self, file: FilePlan, rank: int) -> bool:
+        return owner_of(file) == rank
+
+    def local_tensors(self, engine, file: FilePlan) -> dict[str, torch.Tensor]:
+        return engine.tensors(file.component, file.tensor_names)
+
+    def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
+        return [write_shard(join(folder, file.name), file.stored_tensors(dict(tensors)), self.direct_io)]
+
+    def syncing(self) -> contextlib.AbstractContextManager:
+        """`write_shard` fsyncs each file itself (its CRC pass overlaps the wait)."""
+        return contextlib.nullcontext()
+
+
+def owner_of(file: FilePlan) -> int:
+    """The one rank that writes `file` whole: its header's writer, which every write item names."""
+    assert not file.pieces, f"{file.name} has several writers; WholeFileWriter writes files whole"
+    return file.header_rank
+
+
+class SharedFileWriter(LocalWrites):
+    """Every rank writes its own byte ranges of the shared files in place (see the module docstring)."""
+
+    def __init__(self, rank: int, direct_io: bool = False, spare: str | None = None):
+        self.rank = rank
+        self.direct_io = direct_io
+        self.spare = spare
+        self._fsyncs: list[Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def assemble(self, engine, file: FilePlan) -> None:
+        """Assemble on the header rank the tensors it writes whole (engines skip those it already holds whole; a
+        file with none asks nothing of the engine: every rank has the same plan). Collective: all ranks must call
+        it, in plan order."""
+        if file.whole_names:
+            engine.exchange(file.component, file.whole_names, file.header_rank)
+
+    def writes(self, file: FilePlan, rank: int) -> bool:
+        return file.writes(rank)
+
+    def local_tensors(self, engine, file: FilePlan) -> Mapping[str, torch.Tensor]:
+        """Whole logical tensors (on the header rank) and this rank's pieces (flat), not yet encoded (`write`
+        encodes them: in the background under async save); a mapping that may compute each whole tensor when it is
+        looked up (`engine.tensors` of the offline converter)."""
+        whole, pieces = {}, {}
+        if self.rank == file.header_rank and file.whole_names:
+            whole = engine.tensors(file.component, file.whole_names)
+        mine = file.pieces_held(self.rank)
+        if mine:
+            pieces = {n: f.values for n, f in engine.fragments(file.component, mine).items()}
+        return collections.ChainMap(pieces, whole)
+
+    def place(self, folder: str, file: FilePlan, tensors: Mapping[str, torch.Tensor],
+              maps: WritableMaps) -> Placed | None:
+        """Copy the header and `tensors` (`local_tensors`' result) straight into file `folder/file.name` through a
+        mapping kept in `maps` (`map_writable`): a snapshot that is already the written file, where this rank
+        writes it whole, without a codec, from host tensors, into the memory tier (`spare`: the file is taken over
+        the spare file of its name where an evicted checkpoint left one). None where not (the caller copies into
+        host buffers), or where the folder is full (that copy's write then fails the same way, and the save goes to
+        its fallback). Local."""
+        ref = join(folder, file.name)
+        items = sorted(file.items_of(self.rank), key=lambda item: item.start)
+        mappings = writable_mappings_of(store_for(ref))
+        if (self.spare is None or file.codec is not None or mappings is None
+                or not writes_whole(file, self.rank, items)
+                or any(tensors[item.name].device.type != "cpu" for item in items)):
+            return None
+        take_spare(self.spare, ref, file.size)
+        try:
+            view = mappings.map_writable(ref, file.size, maps)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return None
+            raise
+        head = file.header_bytes
+        view[:len(head)] = head
+        for item in items:
+            _copy_into(view, len(head) + item.start, item, tensors[item.name])
+        return Placed(ref, view)
+
+    def write(self, folder: str, file: FilePlan, tensors: Mapping | Placed) -> list[FileRecord | RangeRecord]:
+        ref = join(folder, file.name)
+        if isinstance(tensors, Placed):
+            records = tensors.records(ref, file)
+        else:
+            if self.spare is not None and file.writes_alone(self.rank):
+                take_spare(self.spare, ref, file.size)
+            records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
+        self.sync(ref)
+        return records
+
+    def sync(self, ref: str) -> None:
+        """Make file `ref` durable: now, or within `syncing`, in the background while the next file is written
+        (the block's end waits for it)."""
+        store = store_for(ref)
+        if self._pool is None:
+            store.sync(ref)
+        else:
+            self._fsyncs.append(self._pool.submit(store.sync, ref))
+
+    @contextlib.contextmanager
+    def syncing(self) -> Iterator[None]:
+        """Within the block, each written file is fsynced by a helper thread (fsync releases the GIL) while the
+        writer goes on with the next file; leaving the block waits for every fsync and raises the first failure."""
+        self._pool, self._fsyncs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync"), []
+        try:
+            yield
+        finally:
+            self._pool.shutdown(wait=True)
+            fsyncs, self._pool, self._fsyncs = self._fsyncs, None, None
+        for done in fsyncs:
+            done.result()
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A file whose bytes a snapshot copied straight into place (`SharedFileWriter.place`): `view` maps all of
+    file `ref`, header and data."""
+
+    ref: str
+    view: memoryview
+
+    def records(self, ref: str, file: FilePlan) -> list[RangeRecord]:
+        """The record of the placed bytes, written at `ref` first where the save moved elsewhere (its fallback)."""
+        if ref != self.ref:
+            in_place_store(ref).write_at(ref, [(0, self.view)], file.size)
+        return [RangeRecord(file.name, 0, len(self.view), crc32(self.view))]
+
+
+def _copy_into(view: memoryview, offset: int, item: WriteItem, tensor: torch.Tensor) -> None:
+    """Copy `tensor`'s bytes into `view` at `offset` (elementwise where aligned: no contiguous temporary)."""
+    tensor, length = tensor.detach(), item.end - item.start
+    if tensor.nbytes != length:
+        raise ValueError(f"{item.name}: rank {item.rank} holds {tensor.nbytes} bytes of the {length} it was planned "
+                         "to write; the engine's shards changed after the save was planned.")
+    if not length:
+        return
+    target = torch.frombuffer(view, dtype=torch.uint8, count=length, offset=offset)
+    if offset % tensor.element_size() == 0:
+        target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    else:
+        target.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+
+
+def take_spare(spare: str, ref: str, size: int) -> bool:
+    """`reuse_spare` for a file of exactly `size` bytes: a spare file of another size is removed instead of being
+    resized (fresh memory is taken for `ref` then). A file is never shrunk or truncated, because it may still be
+    mapped: by the persister copying it, or by a process holding tensors read from it (a shrunk file drops even
+    the privately written pages of a copy-on-write mapping beyond its new end: SIGBUS, issue 47). Removing a file
+    is safe: its memory lives on until the last mapping of it goes. Returns whether a spare file was used."""
+    store = store_for(ref)
+    while reuse_spare(spare, ref):
+        if store.size(ref) == size:
+            return True
+        store.remove(ref)
+    return False
+
+
+def reuse_spare(spare: str, ref: str) -> bool:
+    """Move a spare file named like `ref` (an evicted checkpoint's, in a set folder of `spare`, the oldest set
+    first) to `ref`, so that writing `ref` overwrites memory already in use instead of taking fresh pages (on a VM
+    that hands free pages back to its host, writing into fresh ones costs several times a copy: measured 2.0 s
+    against 0.2-0.4 s for 600 MB in /dev/shm). Only for a file one rank writes alone (no other process may have
+    opened `ref`). Returns whether a spare file was used; the writers call it through `take_spare`, which takes
+    one of the planned size only."""
+    for source in (join(spare, s, name_of(ref)) for s in spare_sets(spare)):
+        if not is_file(source):
+            continue
+        try:
+            store_for(ref).move(source, ref)
+        except OSError:  # taken meanwhile, or on another filesystem (a save that fell back to durable storage)
+            continue
+        return True
+    return False
+
+
+def spare_sets(spare: str) -> list[str]:
+    """The names of the spare sets (folders, one per evicted checkpoint) in `spare`, the oldest first."""
+    return sorted((n for n, size in listing(spare).items() if size is None), key=natural_order)
+
+
+def natural_order(name: str) -> tuple:
+    """Sort key: `checkpoint-9` before `checkpoint-10`."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],
+                 direct_io: bool = False) -> list[RangeRecord]:
+    """Write `rank`'s items of `file` (and the header, if it is the header rank) at their offsets in file `ref`
+    (`PositionalWrites.write_at`: created if missing, never truncated), each range's CRC-32 computed from memory.
+    The ranges are produced one at a time (`tensors` may compute each on access, a device tensor is copied to the
+    host) while the ones before are written; with `direct_io`, the aligned blocks go to the disk with direct I/O and
+    several writes in flight where the store allows it (`store.direct.write_at_direct`). Returns one record per
+    range written. The caller makes the file durable (`SharedFileWriter.write`)."""
+    ref = as_ref(ref)
+    written = in_place_store(ref).write_at(ref, rank_ranges(file, rank, tensors),
+                                           file.size if rank == file.header_rank else None, direct_io=direct_io)
+    return [RangeRecord(file.name, offset, length, crc) for offset, length, crc in written]
+
+
+def in_place_store(ref: str) -> PositionalWrites:
+    """The store of `ref` as `PositionalWrites` (the strategy that writes pieces in place is chosen only where it
+    has them)."""
+    store = positional_writes_of(store_for(ref))
+    if store is None:
+        raise TypeError(f"{ref}: its store has no positional writes; pieces cannot be written in place there.")
+    return store
+
+
+def rank_ranges(file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[int, memoryview]]:
+    """What `rank` holds of `file`, as (offset in the file, bytes) in offset order: the header on the header rank,
+    then its write items, from `tensors` (by stored name, encoded), each taken (a device tensor copied to the host)
+    when the writer asks for it."""
+    head = file.header_bytes
+    if rank == file.header_rank:
+        yield 0, memoryview(head)
+    for item in sorted(file.items_of(rank), key=lambda item: item.start):
+        yield len(head) + item.start, _item_bytes(item, tensors[item.name])
+
+
+def writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
+    """Whether `rank`'s items (in offset order) and the header tile `file` (from the plan; no tensor is touched)."""
+    end = 0
+    for item in items:
+        if item.start != end:
+            return False
+        end = item.end
+    return rank == file.header_rank and len(file.header_bytes) + end == file.size
+
+
+def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()) if tensor.nbytes else memoryview(b"")
+    if len(data) != item.end - item.start:
+        raise ValueError(f"{item.name}: rank {item.rank} holds {len(data)} bytes of the {item.end - item.start} it "
+                         "was planned to write; the engine's shards changed after the save was planned.")
+    return data
