@@ -921,14 +921,14 @@ def stop_after_save(trainer, step: int, marker: str, mode: str):
 @contextlib.contextmanager
 def record_reuse():
     """Record what this rank's saves did with the memory tier's files: how many files were written over a spare
-    file (`writer.reuse_spare`), written (`SharedFileWriter.write`), of them placed by the snapshot's copy straight
-    into the file (`SharedFileWriter.place`), copied into through a mapping made earlier; and the bytes of the
+    file (`memory_tier.reuse_spare`), written (`MemoryTierWriter.write`), of them placed by the snapshot's copy
+    straight into the file (`MemoryTierWriter.place`), copied into through a mapping made earlier; and the bytes of the
     snapshot's host buffers after each save's snapshot."""
-    from hf_unified_ckpt.checkpoint.write import writer
+    from hf_unified_ckpt.checkpoint.write import memory_tier
     from hf_unified_ckpt.checkpoint.save.snapshot import Snapshots
     from hf_unified_ckpt.store import WritableMaps
 
-    originals = writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take
+    originals = memory_tier.reuse_spare, memory_tier.MemoryTierWriter.write, WritableMaps.view, Snapshots.take
     record = {"spare": 0, "written": 0, "placed": 0, "mapped_before": 0, "host_buffer_bytes": []}
     seen = []
 
@@ -939,7 +939,7 @@ def record_reuse():
 
     def write(self, folder, file, tensors):
         record["written"] += 1
-        record["placed"] += isinstance(tensors, writer.Placed)
+        record["placed"] += isinstance(tensors, memory_tier.Placed)
         return originals[1](self, folder, file, tensors)
 
     def view(self, path, size):
@@ -953,11 +953,12 @@ def record_reuse():
         record["host_buffer_bytes"].append(self.buffers.nbytes())
         return job
 
-    writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take = reuse, write, view, stage
+    tier = memory_tier.MemoryTierWriter
+    memory_tier.reuse_spare, tier.write, WritableMaps.view, Snapshots.take = reuse, write, view, stage
     try:
         yield record
     finally:
-        writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take = originals
+        memory_tier.reuse_spare, tier.write, WritableMaps.view, Snapshots.take = originals
 
 
 @contextlib.contextmanager

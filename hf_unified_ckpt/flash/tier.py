@@ -27,7 +27,7 @@ import uuid
 from .. import dist
 from ..checkpoint.folder.commit import COMMIT_FILE, list_checkpoints
 from ..checkpoint.folder.layout import detect_layout
-from ..checkpoint.write.writer import spare_sets
+from ..checkpoint.write.memory_tier import spare_sets
 from ..errors import UnsupportedCheckpointError
 from ..format.components import MODEL, Role
 from ..options import FlashOptions

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 from multiprocessing.connection import Connection
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -38,6 +39,25 @@ AUTHKEY_ENV = "HF_UNIFIED_CKPT_WRITER_AUTHKEY"
 #: What torchrun tells its workers about its own store; a writer must not inherit it: with it, rank 0's writer would
 #: not host the writers' store but wait for an agent's that does not exist (torch's `_create_c10d_store`).
 LAUNCHER_STORE = ("TORCHELASTIC_USE_AGENT_STORE",)
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Where the half of a background save after its snapshot runs (see the module docstring), in one call order per
+    save: `prepare` (training thread), then `finish` (the background thread); `close` at a run's end."""
+
+    #: Whether the snapshot's host buffers must be in shared memory (another process writes them); then nothing
+    #: is copied straight into place (`snapshot.Snapshots`).
+    shares_memory: bool
+
+    def prepare(self) -> None:
+        """Make ready where the half runs (its group, its processes). Collective: all ranks must call it."""
+
+    def finish(self, started: Started, staged: tuple[bool, object], fallback: str | None) -> Outcome:
+        """Run `saving.finish` there and return its outcome. Collective on the executor's group."""
+
+    def close(self) -> None:
+        """Release what it holds (no save in flight). Local."""
 
 
 class ThreadExecutor:
@@ -133,7 +153,7 @@ def unpack(job: PersistJob, buffers: dict[int, torch.Tensor]) -> PersistJob:
     return job
 
 
-def executor_for(name: str):
+def executor_for(name: str) -> Executor:
     """The executor `unified_checkpoint_async_executor` names (validated by `options.parse_options`)."""
     return {"thread": ThreadExecutor, "process": ProcessExecutor}[name]()
 

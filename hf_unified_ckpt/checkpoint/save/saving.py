@@ -64,6 +64,7 @@ from ..folder.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, cod
 from ..folder.safetensors_io import index_name, write_index
 from ..write.aggregating import AggregatingWriter
 from ..write.multipart import MultipartWriter
+from ..write.memory_tier import MemoryTierWriter
 from ..write.writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class SaveRequest:
     #: where the user turned it off (`unified_checkpoint_direct_io=False`).
     direct_io: bool = True
     #: A folder of files an evicted checkpoint left (the memory tier): a file this rank writes alone takes the place
-    #: of the spare file of the same name and overwrites its memory (`SharedFileWriter`), rather than being created.
+    #: of the spare file of the same name and overwrites its memory (`MemoryTierWriter`), rather than being created.
     spare: str | None = None
 
 
@@ -334,14 +335,17 @@ def paused_gc():
 def choose_writer(staging: Staging, request: SaveRequest) -> StorageWriter:
     """The write strategy of a save, from what its folder's store can do (`Staging.multipart`, `Staging.in_place`)
     and the options: parts of multipart uploads; pieces written in place, or through a few aggregators per file
-    (`unified_checkpoint_aggregate*`; never into the memory tier, whose files one machine's ranks place directly);
-    into machine-local folders, each file by its one writer from the pieces the ranks send it; or whole files."""
+    (`unified_checkpoint_aggregate*`; never into the memory tier, whose files one machine's ranks place directly:
+    `MemoryTierWriter`); into machine-local folders, each file by its one writer from the pieces the ranks send it;
+    or whole files."""
     if staging.multipart:
         return MultipartWriter(dist.rank(), aggregation=request.options.aggregation)
-    if staging.in_place and request.spare is None and request.options.aggregation.mode != "never":
+    if staging.in_place and request.spare is not None:
+        return MemoryTierWriter(dist.rank(), request.spare, request.direct_io)
+    if staging.in_place and request.options.aggregation.mode != "never":
         return AggregatingWriter(dist.rank(), request.options.aggregation, request.direct_io)
     if staging.in_place:
-        return SharedFileWriter(dist.rank(), request.direct_io, request.spare)
+        return SharedFileWriter(dist.rank(), request.direct_io)
     if sends_pieces(staging, request):  # each file's one writer receives its pieces: one aggregator per file
         whole = dataclasses.replace(request.options.aggregation, mode="always", per_file=1)
         return AggregatingWriter(dist.rank(), whole, request.direct_io)

@@ -6,7 +6,7 @@ while they are written.
   shared memory, so that a writer process maps the same pages (`executors.ProcessExecutor`): host memory stays at
   one snapshot.
 - `Snapshots`: what `async_save.AsyncSaver` copies into for each save: straight into the files where the write
-  strategy can place them (the memory tier's reused files, mapped from save to save: `SharedFileWriter.place`),
+  strategy can place them (the memory tier's reused files, mapped from save to save: `writer.PlacesSnapshots`),
   else into the host buffers.
 """
 
@@ -24,7 +24,7 @@ from ...store import WritableMaps
 from .device_copy import PAGE, Transfers, host_buffer
 from .persist import PersistJob, lower_priority
 from ..write.reports import guarded
-from ..write.writer import writes_whole
+from ..write.writer import PlacesSnapshots, writes_whole
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Snapshots:
 
     def __init__(self, shared: bool = False, place: bool = True):
         self.buffers = HostBuffers(shared)
-        self.maps = WritableMaps()  # mappings of the files saves copy into directly (`SharedFileWriter.place`)
+        self.maps = WritableMaps()  # mappings of the files saves copy into directly (`PlacesSnapshots.place`)
         self.place = place
         self.nbytes = 0  # what the last save copied of this rank's tensors (into buffers or files)
 
@@ -172,8 +172,9 @@ class Snapshots:
         return job
 
     def _placed(self, job: PersistJob, file: FilePlan, tensors):
-        place = getattr(job.writer, "place", None) if self.place else None  # SharedFileWriter's
-        return place(job.folder, file, tensors, self.maps) if place is not None else None
+        if self.place and isinstance(job.writer, PlacesSnapshots):
+            return job.writer.place(job.folder, file, tensors, self.maps)
+        return None
 
     def release_mappings(self) -> None:
         """Unmap the files the saves wrote through mappings (a run's end: the memory tier's files may be freed).

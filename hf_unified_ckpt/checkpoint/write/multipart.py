@@ -20,6 +20,7 @@ several of its ranges, each below the smallest part), kept until its sends are d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping
@@ -38,7 +39,7 @@ from .aggregating import agreed_layout
 from ..folder.files import RangeRecord, crc32_combine
 from .hand_overs import Incoming, Sends, copy_held
 from .reports import guarded
-from .writer import SharedFileWriter, rank_ranges
+from .writer import assemble_whole, held_tensors, rank_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +58,18 @@ class PartRecord(RangeRecord):
     blocks: tuple[tuple[int, int, int], ...] = ()
 
 
-class MultipartWriter(SharedFileWriter):
+class MultipartWriter:
     """See the module docstring. Every rank takes part in every file (`writes` is always True): the hand-overs
     are point to point, file by file in plan order. A failure on this rank is raised only after this file's
     transfers, so the other ranks never wait for it; `PersistJob.run` goes on with the remaining files after a
-    failure."""
+    failure. What each rank holds of a file is what it would write in place (`writer.assemble_whole`,
+    `writer.held_tensors`); it never places a snapshot (not `writer.PlacesSnapshots`)."""
 
     collective_write = True
 
     def __init__(self, rank: int, uploads: Mapping[str, str] | None = None,
                  aggregation: AggregationOptions | None = None):
-        super().__init__(rank)
+        self.rank = rank
         self.uploads = dict(uploads or {})
         self.aggregation = aggregation or AggregationOptions(mode="never")
         #: File name -> its index in the save: the tag of its hand-overs.
@@ -96,8 +98,21 @@ class MultipartWriter(SharedFileWriter):
         """Abort the unfinished uploads under `folder`."""
         multipart_store(folder).abort_uploads(folder)
 
+    def assemble(self, engine, file: FilePlan) -> None:
+        """The tensors written whole assembled on the header rank (`writer.assemble_whole`). Collective: all ranks
+        must call it, in plan order."""
+        assemble_whole(engine, file)
+
     def writes(self, file: FilePlan, rank: int) -> bool:
         return True
+
+    def local_tensors(self, engine, file: FilePlan) -> Mapping:
+        return held_tensors(engine, file, self.rank)
+
+    def syncing(self) -> contextlib.AbstractContextManager:
+        """Nothing to fsync: a part is stored once its upload returned (`write`), the file once `finish` completed
+        its upload."""
+        return contextlib.nullcontext()
 
     def part_plan(self, file: FilePlan, ref: str) -> PartPlan | AggregatedFile:
         """`file`'s parts and hand-overs: its aggregators' cells where it is aggregated, else its holders' runs."""
