@@ -1055,23 +1055,23 @@ def record_aggregation():
         saves[-1]["peak"], saves[-1]["assembled"] = self.peak_buffer_bytes, assembled["count"]
         return out
 
-    def finished(self, started, staged, fallback):  # the writer as it ended in the writer process (pickled back)
-        outcome = finish(self, started, staged, fallback)
+    def finished(self, started, snapshot, fallback):  # the writer as it ended in the writer process (pickled back)
+        outcome = run(self, started, snapshot, fallback)
         writer = outcome.writer
-        if isinstance(writer, aggregating.AggregatingWriter) and staged[0]:
+        if isinstance(writer, aggregating.AggregatingWriter) and snapshot[0]:
             saves.append(save_of(writer, process=True))
             for name in writer.plans:
                 add_file(saves[-1], writer, name)
             saves[-1]["peak"] = writer.peak_buffer_bytes  # set by its cells' writes only: 0 unless it aggregated
         return outcome
 
-    finish = executors.ProcessExecutor.finish
-    aggregating.AggregatingWriter.write, executors.ProcessExecutor.finish = write, finished
+    run = executors.ProcessExecutor.run
+    aggregating.AggregatingWriter.write, executors.ProcessExecutor.run = write, finished
     deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = counted(assemble), counted(full_on)
     try:
         yield saves
     finally:
-        aggregating.AggregatingWriter.write, executors.ProcessExecutor.finish = original, finish
+        aggregating.AggregatingWriter.write, executors.ProcessExecutor.run = original, run
         deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = assemble, full_on
 
 

@@ -38,24 +38,24 @@ class HostBuffers:
         self._buffers: dict[object, tuple[torch.Tensor, bool]] = {}  # key -> (buffer, whether pinned)
         self.transfers = Transfers()
         self.shared = shared
-        self._preparing: threading.Thread | None = None
+        self._warming: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def prepare(self, specs: list[tuple[object, tuple[int, ...], torch.dtype, int]], device: torch.device) -> None:
+    def warm_up(self, specs: list[tuple[object, tuple[int, ...], torch.dtype, int]], device: torch.device) -> None:
         """Make the buffers of `specs` ((key, shape, dtype, phase) of the tensors the next copies will take, from
         `device`) in a background thread at the lowest CPU priority: allocated (each `phase` bytes into a page, as
         its bytes lie in their file: written to disk straight from the buffer), their pages faulted in (pinned, for
         a CUDA device), so that the first copies find them ready instead of paying for them while training waits.
-        `copy` waits for a preparation still running; `release` stops it."""
+        `copy` waits for a warm-up still running; `release` stops it."""
         self._join()
         self._stop.clear()
         like = torch.empty(0, device=device)
-        self._preparing = threading.Thread(target=self._allocate, args=(specs, like), daemon=True,
+        self._warming = threading.Thread(target=self._allocate, args=(specs, like), daemon=True,
                                            name="hf_unified_ckpt-host-buffers")
-        self._preparing.start()
+        self._warming.start()
 
     def _allocate(self, specs, like: torch.Tensor) -> None:
-        """The preparation's thread. A failure (memory refused) stops it, logged: the copies make what is missing."""
+        """The warm-up's thread. A failure (memory refused) stops it, logged: the copies make what is missing."""
         lower_priority()
         pin = like.device.type == "cuda" and not self.shared
         try:
@@ -71,12 +71,12 @@ class HostBuffers:
                         "rest as it copies.", e)
 
     def _join(self) -> None:
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
 
     def release(self) -> None:
-        """Free every buffer (the end of a run); a preparation in progress stops first."""
+        """Free every buffer (the end of a run); a warm-up in progress stops first."""
         self._stop.set()
         self._join()
         self._buffers.clear()

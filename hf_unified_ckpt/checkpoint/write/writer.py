@@ -43,16 +43,16 @@ from ..folder.safetensors_io import write_shard
 
 
 class StorageWriter(Protocol):
-    """One write strategy: how the bytes of the planned files land in a folder, in one call order — `prepare`
-    (training thread, once), then file by file in plan order `assemble` and, on the ranks it `writes`,
+    """One write strategy: how the bytes of the planned files land in a folder, in one call order — `set_up`
+    (training thread, once per save), then file by file in plan order `assemble` and, on the ranks it `writes`,
     `local_tensors` (training thread), then `write` within `syncing` (wherever the executor runs the save), then
-    `finish` (rank 0, before the manifest), or `abort` (the folder's leader, when the save failed)."""
+    `complete` (rank 0, before the manifest), or `abort` (the folder's leader, when the save failed)."""
 
     #: Whether `write` transfers bytes to other ranks' writes (multipart hand-overs, aggregators): every rank then
     #: writes every file it is handed, in plan order, point to point on the strategy's own group.
     collective_write: bool
 
-    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+    def set_up(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         """Make ready what the writes need; the same report on every rank (`reports.guarded`'s). Collective where
         the strategy needs it: all ranks must call it."""
 
@@ -75,7 +75,7 @@ class StorageWriter(Protocol):
         """A block of `write`s whose fsyncs may run in the background, all done (their errors raised) when the
         block ends without an exception."""
 
-    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+    def complete(self, folder: str, files: list[FilePlan], records: list) -> dict:
         """Rank 0, once every rank wrote, before the manifest: complete what the writes began; returns what the
         manifest records of it (`{"files": {name: entry}, "saved_by": {...}}`, merged into the manifest)."""
 
@@ -96,15 +96,15 @@ class PlacesSnapshots(Protocol):
 
 
 class LocalWrites:
-    """The steps of a strategy whose writes need nothing prepared, finished or aborted beyond the files (every
+    """The steps of a strategy whose writes need nothing set up, completed or aborted beyond the files (every
     byte is in the folder once `write` returned): whole files, or pieces in place."""
 
     collective_write = False
 
-    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+    def set_up(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         return True, None
 
-    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+    def complete(self, folder: str, files: list[FilePlan], records: list) -> dict:
         return {}
 
     def abort(self, folder: str) -> None:
