@@ -595,7 +595,7 @@ def forget_plans() -> None:
 
 def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, Walk]:
     """One rank's planning on the training thread, as `saving.begin` does it (the staging folder aside): the plan,
-    the writer's prepare (which files are aggregated, their ranges), and the walk of the files (what it assembles,
+    the writer's `set_up` (which files are aggregated, their ranges), and the walk of the files (what it assembles,
     which it writes, the pieces it holds)."""
     with getattr(save_mod, "paused_gc", contextlib.nullcontext)():  # as `saving.begin` plans (since issue 57)
         try:
@@ -604,7 +604,7 @@ def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, Walk]:
             plan = save_mod.plan_save(engine, request, shared=True)
         writer = writer_of(sim.me, request)
         files = plan.files
-        writer.prepare("sim", files)
+        writer.set_up("sim", files)
         mine = []
         for file in files:
             writer.assemble(engine, file)
@@ -617,7 +617,7 @@ def plan_once(sim: SimDist, engine: SimEngine, request) -> tuple[object, Walk]:
 
 def planned_at_write(writer, files: list, rank: int) -> None:
     """The aggregation plans `rank` makes as it writes (`AggregatingWriter.write`: of the files it has a part in,
-    since issue 57's second pass; `prepare` made them all before): counted in the plan's time."""
+    since issue 57's second pass; `set_up` made them all before): counted in the plan's time."""
     plans = getattr(writer, "plans", None)
     if plans is None or not hasattr(plans, "has_part"):
         return

@@ -921,14 +921,14 @@ def stop_after_save(trainer, step: int, marker: str, mode: str):
 @contextlib.contextmanager
 def record_reuse():
     """Record what this rank's saves did with the memory tier's files: how many files were written over a spare
-    file (`writer.reuse_spare`), written (`SharedFileWriter.write`), of them placed by the snapshot's copy straight
-    into the file (`SharedFileWriter.place`), copied into through a mapping made earlier; and the bytes of the
+    file (`memory_tier.reuse_spare`), written (`MemoryTierWriter.write`), of them placed by the snapshot's copy
+    straight into the file (`MemoryTierWriter.place`), copied into through a mapping made earlier; and the bytes of the
     snapshot's host buffers after each save's snapshot."""
-    from hf_unified_ckpt.checkpoint.write import writer
+    from hf_unified_ckpt.checkpoint.write import memory_tier
     from hf_unified_ckpt.checkpoint.save.snapshot import Snapshots
     from hf_unified_ckpt.store import WritableMaps
 
-    originals = writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take
+    originals = memory_tier.reuse_spare, memory_tier.MemoryTierWriter.write, WritableMaps.view, Snapshots.take
     record = {"spare": 0, "written": 0, "placed": 0, "mapped_before": 0, "host_buffer_bytes": []}
     seen = []
 
@@ -939,7 +939,7 @@ def record_reuse():
 
     def write(self, folder, file, tensors):
         record["written"] += 1
-        record["placed"] += isinstance(tensors, writer.Placed)
+        record["placed"] += isinstance(tensors, memory_tier.Placed)
         return originals[1](self, folder, file, tensors)
 
     def view(self, path, size):
@@ -953,11 +953,12 @@ def record_reuse():
         record["host_buffer_bytes"].append(self.buffers.nbytes())
         return job
 
-    writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take = reuse, write, view, stage
+    tier = memory_tier.MemoryTierWriter
+    memory_tier.reuse_spare, tier.write, WritableMaps.view, Snapshots.take = reuse, write, view, stage
     try:
         yield record
     finally:
-        writer.reuse_spare, writer.SharedFileWriter.write, WritableMaps.view, Snapshots.take = originals
+        memory_tier.reuse_spare, tier.write, WritableMaps.view, Snapshots.take = originals
 
 
 @contextlib.contextmanager
@@ -1054,23 +1055,23 @@ def record_aggregation():
         saves[-1]["peak"], saves[-1]["assembled"] = self.peak_buffer_bytes, assembled["count"]
         return out
 
-    def finished(self, started, staged, fallback):  # the writer as it ended in the writer process (pickled back)
-        outcome = finish(self, started, staged, fallback)
+    def finished(self, started, snapshot, fallback):  # the writer as it ended in the writer process (pickled back)
+        outcome = run(self, started, snapshot, fallback)
         writer = outcome.writer
-        if isinstance(writer, aggregating.AggregatingWriter) and staged[0]:
+        if isinstance(writer, aggregating.AggregatingWriter) and snapshot[0]:
             saves.append(save_of(writer, process=True))
             for name in writer.plans:
                 add_file(saves[-1], writer, name)
             saves[-1]["peak"] = writer.peak_buffer_bytes  # set by its cells' writes only: 0 unless it aggregated
         return outcome
 
-    finish = executors.ProcessExecutor.finish
-    aggregating.AggregatingWriter.write, executors.ProcessExecutor.finish = write, finished
+    run = executors.ProcessExecutor.run
+    aggregating.AggregatingWriter.write, executors.ProcessExecutor.run = write, finished
     deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = counted(assemble), counted(full_on)
     try:
         yield saves
     finally:
-        aggregating.AggregatingWriter.write, executors.ProcessExecutor.finish = original, finish
+        aggregating.AggregatingWriter.write, executors.ProcessExecutor.run = original, run
         deepspeed.DeepSpeedEngine._assemble, fsdp._full_on = assemble, full_on
 
 

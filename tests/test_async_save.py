@@ -97,7 +97,7 @@ def test_snapshot_buffers_are_made_ahead_reused_and_released_at_the_end(tmp_path
     saver = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "saver")).saver
     assert len(ready_at_start) == 3 and used
     assert all(ids == {ready_at_start[0][key]} for key, ids in used.items())  # made ahead, then reused
-    assert saver.host_buffer_bytes() == 0 and not saver.in_flight and not saver.prepared  # released at the end
+    assert saver.host_buffer_bytes() == 0 and not saver.in_flight and not saver.warmed_up  # released at the end
 
 
 @pytest.mark.dist

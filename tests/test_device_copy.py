@@ -14,7 +14,7 @@ from hf_unified_ckpt.checkpoint.save.persist import Background
 from hf_unified_ckpt.checkpoint.save.snapshot import HostBuffers
 
 
-def test_a_snapshot_is_taken_before_the_stage_signal_and_its_buffers_are_reused():
+def test_a_snapshot_is_taken_before_the_snapshot_signal_and_its_buffers_are_reused():
     live = torch.arange(1001, dtype=torch.float32)
     buffers = HostBuffers()
     background = Background("test", buffers.transfers)
@@ -25,7 +25,7 @@ def test_a_snapshot_is_taken_before_the_stage_signal_and_its_buffers_are_reused(
         return copy.clone()
 
     background.start(lambda: buffers.copy("w", live), then)
-    background.wait_for_stage()
+    background.wait_for_snapshot()
     live.mul_(-1)  # the optimizer step
     release.set()
     assert torch.equal(background.wait(), torch.arange(1001, dtype=torch.float32))

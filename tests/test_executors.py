@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from hf_unified_ckpt.checkpoint.save.async_save import AsyncSaver
+from hf_unified_ckpt.checkpoint.save.executors import Executor, executor_for
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 from hf_unified_ckpt.checkpoint.save.saving import SaveRequest
 from hf_unified_ckpt.engines.replicated import ReplicatedEngine
 from hf_unified_ckpt.errors import WriterProcessDied
-from hf_unified_ckpt.options import UnifiedCheckpointOptions
+from hf_unified_ckpt.options import ASYNC_EXECUTORS, UnifiedCheckpointOptions
 
 OPTIONS = UnifiedCheckpointOptions(enabled=True, max_shard_size=3000)
 
@@ -55,6 +56,15 @@ def test_the_writer_process_writes_what_the_thread_writes_from_shared_buffers(tm
         thread.close()
         process.close()
     assert process._executor._writer is None
+
+
+def test_each_executor_named_by_the_option_is_an_executor():
+    """`executor_for` returns the `Executor` protocol for every value `unified_checkpoint_async_executor` takes (no
+    process starts before the first save)."""
+    for name in ASYNC_EXECUTORS:
+        executor = executor_for(name)
+        assert isinstance(executor, Executor), name
+        executor.close()
 
 
 def test_a_writer_that_dies_is_a_typed_error_at_the_next_wait_and_the_next_save_works(tmp_path):

@@ -501,7 +501,7 @@ def test_evicted_checkpoints_files_are_kept_as_two_spare_sets_and_taken_oldest_f
     from types import SimpleNamespace
 
     from hf_unified_ckpt.checkpoint.folder.commit import COMMIT_FILE
-    from hf_unified_ckpt.checkpoint.write.writer import reuse_spare
+    from hf_unified_ckpt.checkpoint.write.memory_tier import reuse_spare
     from hf_unified_ckpt.flash.tier import FlashTier
 
     tier = SimpleNamespace(spare=str(tmp_path / "spare"))

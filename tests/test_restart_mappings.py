@@ -118,7 +118,7 @@ def test_a_spare_file_is_taken_only_at_the_planned_size(tmp_path):
     (in a later set) is taken; the file a process still maps keeps its bytes."""
     import mmap
 
-    from hf_unified_ckpt.checkpoint.write.writer import take_spare
+    from hf_unified_ckpt.checkpoint.write.memory_tier import take_spare
 
     spare, target = tmp_path / "spare", tmp_path / "saving" / "optimizer-00001-of-00002.safetensors"
     target.parent.mkdir()

@@ -41,7 +41,9 @@ from hf_unified_ckpt.checkpoint.save.saving import (SaveRequest, conclude, open_
 from hf_unified_ckpt.checkpoint.folder.commit import WRITER_MARK, list_checkpoints
 from hf_unified_ckpt.checkpoint.folder.manifest import MANIFEST_NAME
 from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
-from hf_unified_ckpt.checkpoint.write.writer import SharedFileWriter, WholeFileWriter
+from hf_unified_ckpt.checkpoint.write.memory_tier import MemoryTierWriter
+from hf_unified_ckpt.checkpoint.write.multipart import MultipartWriter
+from hf_unified_ckpt.checkpoint.write.writer import PlacesSnapshots, SharedFileWriter, WholeFileWriter
 from hf_unified_ckpt.format.parts import VERIFY_BLOCK
 from hf_unified_ckpt.store import (FsspecStore, LocalStore, canonical, join, multipart_of, name_of, parent_of,
                                    positional_writes_of, scheme_of, sibling, store_for)
@@ -257,6 +259,22 @@ def test_memory_writes_whole_files_and_local_writes_in_place(memory_run, tmp_pat
         finally:
             save_module.discard(staging.path)
         assert not store_for(final).is_folder(staging.path)
+
+
+def test_only_the_memory_tiers_writer_places_snapshots(tmp_path):
+    """A save into the memory tier (`SaveRequest.spare`) writes in place through its own strategy, the one that
+    places snapshots straight into the files (`PlacesSnapshots`, which `snapshot.Snapshots` asks for); no other
+    strategy passes for one, the multipart uploads' included (composed, not a kind of in-place writer)."""
+    final = str(tmp_path / "checkpoint-1")
+    staging = open_staging(final)
+    try:
+        chosen = save_module.choose_writer(staging, SaveRequest(final, 1, OPTIONS, spare=str(tmp_path / "spare")))
+        assert type(chosen) is MemoryTierWriter and isinstance(chosen, PlacesSnapshots)
+        assert type(chosen.in_place) is SharedFileWriter
+    finally:
+        save_module.discard(staging.path)
+    others = (SharedFileWriter(0), WholeFileWriter(), MultipartWriter(0), AggregatingWriter(0, OPTIONS.aggregation))
+    assert not any(isinstance(writer, PlacesSnapshots) for writer in others)
 
 
 # ---- 2. faults through the same code, on both stores ------------------------------------------------------------

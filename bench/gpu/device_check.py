@@ -6,7 +6,7 @@
    the next work behind the copies, no host wait), then changes the tensor in place at once, as the optimizer
    step does; the copy must hold the values from before the change. Checked for fp32 and for a bf16 tensor copied
    to fp32, with a pinned host buffer on CUDA.
-2. Figures: the time the training thread is held by `wait_for_stage` (a CUDA copy is only queued there), at the
+2. Figures: the time the training thread is held by `wait_for_snapshot` (a CUDA copy is only queued there), at the
    first job (the pinned buffer is allocated then) and at a second one (reused), against a plain synchronous copy
    into pageable memory (`tensor.cpu()`), and the copy's throughput.
 """
@@ -50,7 +50,7 @@ def check(device: str, mb: int) -> dict:
             _sync(device)
             held = time.perf_counter()
             background.start(lambda: buffers.copy(("w", dtype), live, torch.float32), lambda copy: copy.clone())
-            background.wait_for_stage()
+            background.wait_for_snapshot()
             held = time.perf_counter() - held
             live.mul_(-1)  # the optimizer step, queued at once
             equal.append(bool(torch.equal(background.wait(), expected)))

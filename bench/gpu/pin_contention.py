@@ -4,7 +4,7 @@
 
 A training thread runs GPU steps (bf16 matmuls, a host sync per step, a small host allocation and a pageable
 upload, as a Trainer step does) while another thread makes host buffers the sizes of a 953M Llama's weights and
-AdamW moments (fp32; `--gb` scales them), as `snapshot.HostBuffers.prepare` does after the first optimizer step.
+AdamW moments (fp32; `--gb` scales them), as `snapshot.HostBuffers.warm_up` does after the first optimizer step.
 Per way of making them: the seconds the preparation took, and the training time lost during it (the steps' time
 beyond the idle step time). The ways:
 
@@ -127,7 +127,7 @@ def measure(variant: str, sizes: list[int], idle_step: float) -> dict:
     time.sleep(20 * idle_step)
     before = len(steps.times)
     started = time.perf_counter()
-    preparing = threading.Thread(target=prepare, args=(variant, sizes, held))  # as HostBuffers.prepare: nice 19
+    preparing = threading.Thread(target=prepare, args=(variant, sizes, held))  # as HostBuffers.warm_up: nice 19
     preparing.start()
     preparing.join()
     prep_s = time.perf_counter() - started

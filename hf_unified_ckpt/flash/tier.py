@@ -10,7 +10,7 @@ it). The persister itself is `persister.py`; the records both sides read are `la
   storage as without `flash`, said once with the numbers;
 - every save: `final_dir` in memory, `after_commit` (on each machine's lowest rank): the save's `SaveInfo` for
   the persister, then eviction beyond `keep` (never one not durable yet, nor the best);
-- `finish` (training ended): the last and the best checkpoints made durable, waited for; the lease ended, so the
+- `end_training`: the last and the best checkpoints made durable, waited for; the lease ended, so the
   persister frees the memory and exits; `close` stops the heartbeat however `train()` ends.
 """
 
@@ -27,7 +27,7 @@ import uuid
 from .. import dist
 from ..checkpoint.folder.commit import COMMIT_FILE, list_checkpoints
 from ..checkpoint.folder.layout import detect_layout
-from ..checkpoint.write.writer import spare_sets
+from ..checkpoint.write.memory_tier import spare_sets
 from ..errors import UnsupportedCheckpointError
 from ..format.components import MODEL, Role
 from ..options import FlashOptions
@@ -41,7 +41,7 @@ from .orphans import clear, holds_checkpoints, orphaned_runs
 logger = logging.getLogger(__name__)
 
 MEMBERS = "members"
-#: How often `finish` says what it still waits for.
+#: How often `end_training` says what it still waits for.
 REPORT_EVERY = 30.0
 
 
@@ -277,7 +277,7 @@ class FlashTier:
         store.retire(checkpoint, COMMIT_FILE)
 
     # ---- the end -------------------------------------------------------------------------------------------------
-    def finish(self, steps: list[int]) -> None:
+    def end_training(self, steps: list[int]) -> None:
         """Training ended: the memory checkpoints of `steps` (the last, the best) are made durable and waited for;
         then the lease ends and the persister frees the memory and exits. Collective."""
         if not self.started:

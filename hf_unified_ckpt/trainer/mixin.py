@@ -54,7 +54,7 @@ class UnifiedCheckpointMixin:
                                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        return self._uc_session.prepare(super()._prepare_for_training, max_steps, train_dataloader,
+        return self._uc_session.prepare_for_training(super()._prepare_for_training, max_steps, train_dataloader,
                                         resume_from_checkpoint)
 
     def _load_best_model(self):
@@ -63,7 +63,7 @@ class UnifiedCheckpointMixin:
     # ---- save -------------------------------------------------------------------------------------------
     def _finalize_training(self, trial, num_train_samples, start_time):
         """Collective: the in-flight save commits, the memory tier's last and best are made durable."""
-        self._uc_session.finish()
+        self._uc_session.end_training()
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):

@@ -1,23 +1,23 @@
 """`CheckpointSession`: the plugin's side of one Trainer, the one object its overrides and its callback call, as
-torchtitan's trainer calls its checkpoint manager (load, wait for staging, save, close). It owns the background
+torchtitan's trainer calls its checkpoint manager (load, wait for the snapshot, save, close). It owns the background
 saver (`AsyncSaver`), the memory tier (`flash.tier.FlashTier`), the EMA (`checkpoint.save.ema.EmaRun`), the preemption
 handling (`preempt.PreemptionRun`) and the resume state, and decides where each save goes: into memory (`flash`), in the
 background (`async_save`) or written inline.
 
 One session per Trainer, created by `hooks.equip` (from `attach` or the mixin's `__init__`) and held as
 `trainer._uc_session`, the Trainer's only attribute of the plugin; what belongs to one `train()` call is set by
-`begin` and let go by `close`. The calls, in the order a run makes them:
+`open` and let go by `close`. The calls, in the order a run makes them:
 
-- `train` (`Trainer.train`): `begin` (refusals, the memory tier's lease, the resume folder resolved and verified,
+- `train` (`Trainer.train`): `open` (refusals, the memory tier's lease, the resume folder resolved and verified,
   the preemption watch), the Trainer's own `train`, the vote after training, `close`;
-- `prepare` (`_prepare_for_training`): the prepared engine described as a save would (what a save would refuse is
-  refused before the first step; the memory tier started), then `load` of the resume folder into it;
+- `prepare_for_training` (`_prepare_for_training`): the prepared engine described as a save would (what a save
+  would refuse is refused before the first step; the memory tier started), then `load` of the resume folder into it;
 - `load_from_checkpoint`, `load_rng_state`: what is left of the Trainer's own resume;
-- `before_optimizer_step` / `after_optimizer_step` (the callback): `wait_for_staging` (the snapshot and the EMA's
+- `before_optimizer_step` / `after_optimizer_step` (the callback): `wait_for_snapshot` (the save's and the EMA's
   copy taken) and the preemption vote started; the EMA update when due;
 - `step_boundary` (`_maybe_log_save_evaluate`): the preemption vote read;
 - `save` (`_save_checkpoint`): flash, async or sync;
-- `finish` (`_finalize_training`): the save in flight committed; the memory tier's last and best made durable;
+- `end_training` (`_finalize_training`): the save in flight committed; the memory tier's last and best made durable;
 - `load_best_model`, `save_model`: unified under every engine.
 """
 
@@ -126,10 +126,10 @@ class CheckpointSession:
     # ---- one train() call -----------------------------------------------------------------------------------------
     def train(self, native_train: Callable, resume_from_checkpoint, trial, **kwargs):
         """`Trainer.train` (`native_train`), with the resume folder resolved and verified first, and `close`d
-        however it ends (the output_dir's lease given back, also when `begin` refused). Collective: all ranks call
+        however it ends (the output_dir's lease given back, also when `open` refused). Collective: all ranks call
         it."""
         try:
-            path = self.begin(resume_from_checkpoint, trial)
+            path = self.open(resume_from_checkpoint, trial)
             output = native_train(resume_from_checkpoint=path, trial=trial, **kwargs)
             if self.preemption is not None:
                 self.preemption.after_training(trial)
@@ -141,7 +141,7 @@ class CheckpointSession:
         finally:
             self.close()
 
-    def begin(self, resume_from_checkpoint, trial) -> str | None:
+    def open(self, resume_from_checkpoint, trial) -> str | None:
         """A `train()` call starts: its state set up, what a save would refuse refused, the output_dir's lease
         taken (`checkpoint.folder.lease`: another job's live lease refuses this one here), the memory tier's lease
         taken, the resume folder resolved and verified (`resume.resolve`), the preemption watch started. Returns the
@@ -205,7 +205,7 @@ class CheckpointSession:
                 close_store(storage)
 
     # ---- load -----------------------------------------------------------------------------------------------------
-    def prepare(self, native_prepare: Callable, max_steps, train_dataloader, resume_from_checkpoint):
+    def prepare_for_training(self, native_prepare: Callable, max_steps, train_dataloader, resume_from_checkpoint):
         """`_prepare_for_training` (`native_prepare`): the engine prepared, then described as every save will
         describe it (`_preflight`), then the checkpoint the plugin loads itself loaded into it (`load`; the Trainer's
         own prepare is given no checkpoint then). Collective."""
@@ -228,8 +228,8 @@ class CheckpointSession:
         trainer._load_optimizer_and_scheduler(folder)
 
     def load_optimizer_and_scheduler(self, native_load: Callable, checkpoint) -> None:
-        """The base Trainer's `_load_optimizer_and_scheduler` (`native_load`): nothing for a checkpoint `prepare`
-        loaded. Local."""
+        """The base Trainer's `_load_optimizer_and_scheduler` (`native_load`): nothing for a checkpoint
+        `prepare_for_training` loaded. Local."""
         if self._resuming(checkpoint) is not None:
             return None
         return native_load(checkpoint)
@@ -256,7 +256,7 @@ class CheckpointSession:
             self._start_memory_tier(engine)
         if self.ema is not None:
             engine.parameter_fragments()  # refuses an engine the EMA cannot follow (FSDP1)
-            engine_of(self.trainer).step_barrier(self.trainer, self.wait_for_staging)
+            engine_of(self.trainer).step_barrier(self.trainer, self.wait_for_snapshot)
         if options.residual_master_weight and MASTER not in engine.components() and dist.rank() == 0:
             logger.warning("residual_master_weight has no effect in this run: it keeps no fp32 master weights "
                            "apart from its weights (only DeepSpeed bf16 training does), so there is nothing to "
@@ -330,9 +330,9 @@ class CheckpointSession:
             state.best_model_checkpoint = locate_best(self.trainer, self._best_roots(self.flash.durable_root)) or best
 
     def load_from_checkpoint(self, native_load: Callable, resume_from_checkpoint, model=None) -> None:
-        """`_load_from_checkpoint` (`native_load`): nothing for a checkpoint `prepare` loaded. A checkpoint the plain
-        Trainer wrote (single process, DDP), for a model whose weights are converted when loaded (Mixture-of-Experts:
-        per-expert files, experts fused at run time): the weights are put together by the conversion
+        """`_load_from_checkpoint` (`native_load`): nothing for a checkpoint `prepare_for_training` loaded. A
+        checkpoint the plain Trainer wrote (single process, DDP), for a model whose weights are converted when loaded
+        (Mixture-of-Experts: per-expert files, experts fused at run time): the weights are put together by the conversion
         (`legacy.trainer_folder`), where the Trainer's own load skips the experts without an error (transformers
         #48805); the rest of the resume is the Trainer's. Local only."""
         if self._resuming(resume_from_checkpoint):
@@ -390,39 +390,39 @@ class CheckpointSession:
         return engine_of(self.trainer).build(self.trainer).parameter_fragments()
 
     # ---- during training ------------------------------------------------------------------------------------------
-    def wait_for_staging(self) -> None:
+    def wait_for_snapshot(self) -> None:
         """Before an optimizer step: the background save's snapshot and the EMA's copy of the weights are taken.
         Local."""
         self.saver.wait_for_snapshot()
         if self.ema is not None:
-            self.ema.wait_for_copy()
+            self.ema.wait_for_snapshot()
 
     def before_optimizer_step(self) -> None:
-        """`on_pre_optimizer_step`: `wait_for_staging`, then the ranks' vote on a preemption signal starts (read at
+        """`on_pre_optimizer_step`: `wait_for_snapshot`, then the ranks' vote on a preemption signal starts (read at
         the step's end). Collective: all ranks call it."""
-        self.wait_for_staging()
+        self.wait_for_snapshot()
         if self.preemption is not None:
             self.preemption.start_vote()
 
     def after_optimizer_step(self, step: int) -> None:
         """`on_step_end`: the EMA of the weights, when due (before the step's save, if any); after the run's first
-        optimizer step, the background saves' host buffers made ahead (`prepare_background_saves`). Collective
-        (that preparation plans a save): all ranks call it."""
+        optimizer step, the background saves' host buffers made ahead (`warm_up_background_saves`). Collective
+        (that warm-up plans a save): all ranks call it."""
         if self.ema is not None:
             self.ema.after_step(step)
-        self.prepare_background_saves()
+        self.warm_up_background_saves()
 
-    def prepare_background_saves(self) -> None:
+    def warm_up_background_saves(self) -> None:
         """Once the optimizer holds its state: the host buffers of this run's first background save (`async_save`,
-        `flash`) are made in the background (`AsyncSaver.prepare`, once per run), so that the save does not wait
+        `flash`) are made in the background (`AsyncSaver.warm_up`, once per run), so that the save does not wait
         for them. Collective: all ranks call it."""
         trainer, options = self.trainer, self.options
-        if (self.saver.prepared or not options.enabled or trainer.args.save_strategy == "no" or self.saver.in_flight
+        if (self.saver.warmed_up or not options.enabled or trainer.args.save_strategy == "no" or self.saver.in_flight
                 or not (options.async_save or (self.flash is not None and self.flash.active))):
             return
         engine, request = self.engine(), self._request_in(checkpoint_root(trainer), options, show_progress=False)
         on_cpu = trainer.args.device.type == "cpu"
-        self.saver.prepare(engine, request, trainer.args.device,
+        self.saver.warm_up(engine, request, trainer.args.device,
                            placed_whole=on_cpu and self.flash is not None and self.flash.active)
 
     def before_first_step(self) -> None:
@@ -612,7 +612,7 @@ class CheckpointSession:
         if into_memory:
             self._save_to_memory(engine, request, small, rotate)
         elif request.options.async_save and self._background:
-            engine_of(self.trainer).step_barrier(self.trainer, self.wait_for_staging)
+            engine_of(self.trainer).step_barrier(self.trainer, self.wait_for_snapshot)
             self.saver.start(engine, request, small, after_commit=rotate)
         else:
             started = time.monotonic()
@@ -633,7 +633,7 @@ class CheckpointSession:
                                "so are the next saves of this run.", flash.run, why, step, durable)
 
         memory = dataclasses.replace(request, final_dir=flash.final_dir(step), spare=flash.spare, direct_io=False)
-        engine_of(self.trainer).step_barrier(self.trainer, self.wait_for_staging)
+        engine_of(self.trainer).step_barrier(self.trainer, self.wait_for_snapshot)
         self.saver.start(engine, memory, small, after_commit=lambda: flash.after_commit(step, durable, best, limit),
                          fallback=Fallback(durable, rotate, said))
 
@@ -655,7 +655,7 @@ class CheckpointSession:
         if self.ema is not None:
             self.ema.wait()
 
-    def finish(self) -> None:
+    def end_training(self) -> None:
         """After the last step, before the Trainer's end steps that read checkpoint folders (`_load_best_model`,
         the `save_total_limit=1` clean-up): the in-flight save commits, and with `flash` the last and the best
         checkpoints are made durable (the best then names the durable folder). Collective."""
@@ -671,7 +671,7 @@ class CheckpointSession:
         self.wait()
         best = state.best_model_checkpoint
         steps = [s for s in (self.saved_step, state.best_global_step if best else None) if s]
-        flash.finish(sorted(set(steps)) if flash.active else [])
+        flash.end_training(sorted(set(steps)) if flash.active else [])
         if best and same_ref(parent_of(best), flash.root):  # the memory copy is gone: point at the durable one
             durable = join(flash.durable_root, name_of(best))
             state.best_model_checkpoint = durable if is_folder(durable) else None

@@ -59,7 +59,7 @@ class AsyncSaver:
         self._snapshots = Snapshots(shared=shared, place=not shared)
         self._background = Background("save", self._snapshots.buffers.transfers)
         self._in_flight: str | None = None  # the folder of the save in flight
-        self._prepared = False  # this run's host buffers were asked for (`prepare`)
+        self._warmed_up = False  # this run's host buffers were asked for (`warm_up`)
 
     @property
     def in_flight(self) -> bool:
@@ -71,9 +71,9 @@ class AsyncSaver:
         return self._snapshots.nbytes
 
     @property
-    def prepared(self) -> bool:
-        """Whether this run's host buffers were asked for (`prepare`; reset at the run's end)."""
-        return self._prepared
+    def warmed_up(self) -> bool:
+        """Whether this run's host buffers were asked for (`warm_up`; reset at the run's end)."""
+        return self._warmed_up
 
     def host_buffer_bytes(self) -> int:
         """Host memory held by the reused snapshot buffers (the extra memory async_save costs; none for the files
@@ -85,36 +85,36 @@ class AsyncSaver:
         """Begin a save and return once the rest can run in the background. Waits for (and raises the error
         of) the previous save first. Collective: all ranks must call it."""
         self.wait()
-        self._executor.prepare()
+        self._executor.set_up()
         started = begin(engine, request, small_files)
         self._background.start(lambda: self._snapshots.take(engine, started.job, started.files),
-                               lambda staged: self._finish(started, staged, after_commit, fallback),
+                               lambda snapshot: self._finish(started, snapshot, after_commit, fallback),
                                label=started.staging.final)
         self._in_flight = started.staging.final
         return started.staging.final
 
-    def _finish(self, started: Started, staged, after_commit, fallback: Fallback | None) -> str:
+    def _finish(self, started: Started, snapshot, after_commit, fallback: Fallback | None) -> str:
         """The background thread, once the snapshot is taken: the executor runs the rest; then, on the folder's
         leader, `after_commit` of the folder the save went to; a failure is raised (at the next `wait`). Collective
         (the executor's group)."""
-        outcome = self._executor.finish(started, staged, fallback.final_dir if fallback is not None else None)
+        outcome = self._executor.run(started, snapshot, fallback.final_dir if fallback is not None else None)
         if outcome.fell_back is not None:
             if fallback.said is not None:
                 fallback.said(outcome.fell_back)
             after_commit = fallback.after_commit
-        return outcome.concluded(after_commit)
+        return outcome.after_commit_or_raise(after_commit)
 
-    def prepare(self, engine: EngineAdapter, request: SaveRequest, device, placed_whole: bool = False) -> None:
+    def warm_up(self, engine: EngineAdapter, request: SaveRequest, device, placed_whole: bool = False) -> None:
         """Once per run, before its first background save (after the first optimizer step, when the optimizer's
         state exists): the host buffers that save will copy into are made in the background (allocated, faulted
-        in, pinned for a GPU; `snapshot.HostBuffers.prepare`), from the save plan of `request`, so that the first
+        in, pinned for a GPU; `snapshot.HostBuffers.warm_up`), from the save plan of `request`, so that the first
         save blocks training no longer than a later one. Skipped, said once, where they would not fit in the
         memory available (the first save then makes them as it copies, as without this), and where a codec
         stores the tensors (their encoded sizes are known only from the data). Collective (the save plan): all
         ranks must call it."""
-        if self._prepared:
+        if self._warmed_up:
             return
-        self._prepared = True
+        self._warmed_up = True
         specs = snapshot_specs(plan_save(engine, request, shared=True, rank_local=True).files, dist.rank(),
                                placed_whole)
         if not specs:
@@ -125,20 +125,20 @@ class AsyncSaver:
             logger.info("The host buffers of the background saves (%.2f GB on this rank) are not made ahead: %.2f GB "
                         "of memory is available; the first save makes them as it copies.", need / 1e9, room / 1e9)
             return
-        self._snapshots.buffers.prepare(specs, device)
+        self._snapshots.buffers.warm_up(specs, device)
 
     def release_mappings(self) -> None:
         """Release what the saves keep from one to the next (a run's end): the host buffers, the mappings of the
         files they wrote through (the memory tier's files may be freed) and the writer process, if any. Call with
-        no save in flight; the next save (and the next run's `prepare`) makes again what it needs."""
+        no save in flight; the next save (and the next run's `warm_up`) makes again what it needs."""
         self._snapshots.release_mappings()
         self._snapshots.buffers.release()
-        self._prepared = False
+        self._warmed_up = False
         self._executor.close()
 
     def wait_for_snapshot(self) -> None:
         """Block until the in-flight save has copied what it writes (call before the optimizer changes it)."""
-        self._background.wait_for_stage()
+        self._background.wait_for_snapshot()
 
     def wait(self) -> None:
         """Wait for the in-flight save; raise its error (on every rank). Call on all ranks."""

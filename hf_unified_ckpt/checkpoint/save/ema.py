@@ -73,7 +73,7 @@ class BackgroundUpdates:
     """Runs the updates of an `ExponentialAverage` off the training thread, the way an async save takes its
     snapshot (`persist.Background` over `persist.HostBuffers`): `submit` starts a thread that copies the fragments
     into reused host buffers, signals the copy done, then folds the copy into the average at low CPU priority. The
-    next optimizer step waits only for the copy (`wait_for_copy`); a save waits for the whole update (`wait`),
+    next optimizer step waits only for the copy (`wait_for_snapshot`); a save waits for the whole update (`wait`),
     which also raises an update's error."""
 
     def __init__(self, average: ExponentialAverage):
@@ -90,9 +90,9 @@ class BackgroundUpdates:
         return {name: replace(frag, values=self._buffers.copy(name, frag.values, torch.float32, flat=True))
                 for name, frag in fragments.items()}
 
-    def wait_for_copy(self) -> None:
+    def wait_for_snapshot(self) -> None:
         """Block until the update in flight has copied the weights (call before the optimizer changes them)."""
-        self._background.wait_for_stage()
+        self._background.wait_for_snapshot()
 
     def wait(self) -> None:
         """Block until the update in flight is folded in; raise its error, if any."""
@@ -206,9 +206,9 @@ class EmaRun:
         if not self.average.parts:
             self.average.update(self.fragments())
 
-    def wait_for_copy(self) -> None:
+    def wait_for_snapshot(self) -> None:
         """Before an optimizer step: the update in flight has copied the weights. Local only."""
-        self.updates.wait_for_copy()
+        self.updates.wait_for_snapshot()
 
     def wait(self) -> None:
         """The update in flight is done; its error raised. Local only."""

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 from multiprocessing.connection import Connection
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -40,6 +41,25 @@ AUTHKEY_ENV = "HF_UNIFIED_CKPT_WRITER_AUTHKEY"
 LAUNCHER_STORE = ("TORCHELASTIC_USE_AGENT_STORE",)
 
 
+@runtime_checkable
+class Executor(Protocol):
+    """Where the half of a background save after its snapshot runs (see the module docstring), in one call order per
+    save: `set_up` (training thread), then `run` (the background thread); `close` at a run's end."""
+
+    #: Whether the snapshot's host buffers must be in shared memory (another process writes them); then nothing
+    #: is copied straight into place (`snapshot.Snapshots`).
+    shares_memory: bool
+
+    def set_up(self) -> None:
+        """Make ready where the half runs (its group, its processes). Collective: all ranks must call it."""
+
+    def run(self, started: Started, snapshot: tuple[bool, object], fallback: str | None) -> Outcome:
+        """Run `saving.finish` there and return its outcome. Collective on the executor's group."""
+
+    def close(self) -> None:
+        """Release what it holds (no save in flight). Local."""
+
+
 class ThreadExecutor:
     """See the module docstring."""
 
@@ -48,13 +68,13 @@ class ThreadExecutor:
     def __init__(self):
         self._group = None
 
-    def prepare(self) -> None:
+    def set_up(self) -> None:
         """The group of the background collectives. Collective on first call: all ranks must call it."""
         self._group = dist.gloo_group("async-save")
 
-    def finish(self, started: Started, staged: tuple[bool, object], fallback: str | None) -> Outcome:
+    def run(self, started: Started, snapshot: tuple[bool, object], fallback: str | None) -> Outcome:
         """`saving.finish` here (the background thread). Collective on the async-save group."""
-        return finish_in_background(started, staged, group=self._group, fallback=fallback)
+        return finish_in_background(started, snapshot, group=self._group, fallback=fallback)
 
     def close(self) -> None:
         pass
@@ -69,7 +89,7 @@ class ProcessExecutor:
         self._writer: WriterProcess | None = None
         self._shipping = BufferShipping()
 
-    def prepare(self) -> None:
+    def set_up(self) -> None:
         """Start the writer processes where any rank has none alive (all ranks then start new ones, which meet on
         an address rank 0 picks). Collective: all ranks must call it."""
         alive = self._writer is not None and self._writer.alive
@@ -80,13 +100,13 @@ class ProcessExecutor:
         self._writer = WriterProcess(dist.rank(), dist.world_size(), address)
         self._shipping = BufferShipping()  # a new writer holds no buffer yet
 
-    def finish(self, started: Started, staged: tuple[bool, object], fallback: str | None) -> Outcome:
+    def run(self, started: Started, snapshot: tuple[bool, object], fallback: str | None) -> Outcome:
         """Run `saving.finish` in the writer process and return its outcome (the background thread waits). Raises
         `WriterProcessDied` (after removing what the save wrote, on the folder's leader) if the writer died."""
-        job, new, live = self._shipping.pack(started.job if staged[0] else None)
+        job, new, live = self._shipping.pack(started.job if snapshot[0] else None)
         started = dataclasses.replace(started, job=job)
         try:
-            return self._writer.run((started, (True, job) if staged[0] else staged, fallback, new, live))
+            return self._writer.run((started, (True, job) if snapshot[0] else snapshot, fallback, new, live))
         except WriterProcessDied:
             if started.staging.is_leader:
                 discard(started.staging.path, started.writer)
@@ -133,7 +153,7 @@ def unpack(job: PersistJob, buffers: dict[int, torch.Tensor]) -> PersistJob:
     return job
 
 
-def executor_for(name: str):
+def executor_for(name: str) -> Executor:
     """The executor `unified_checkpoint_async_executor` names (validated by `options.parse_options`)."""
     return {"thread": ThreadExecutor, "process": ProcessExecutor}[name]()
 

@@ -5,8 +5,8 @@
   tokenizer) already turned into bytes. Plain and picklable once its files are a list of host tensors: a thread
   runs it, or the writer process of `executors.ProcessExecutor`; the files it writes are the same. Collective only
   where its write strategy says so (`StorageWriter.collective_write`: multipart hand-overs).
-- `Background` (execution): one thread at a time that stages, signals that the copy is taken (the next optimizer
-  step waits only for that), lowers its CPU priority and runs the rest. Shared by `async_save.AsyncSaver` and
+- `Background` (execution): one thread at a time that takes a snapshot, signals that it is taken (the next
+  optimizer step waits only for that), lowers its CPU priority and runs the rest. Shared by `async_save.AsyncSaver` and
   `ema.BackgroundUpdates`.
 
 The host copies themselves are `snapshot.py`'s.
@@ -57,16 +57,16 @@ def write_small_files(folder: str, files: Mapping[str, bytes]) -> list[FileRecor
 
 
 class Background:
-    """Runs one `stage` then `then(staged)` at a time in a thread (see the module docstring). `wait` joins it and
-    returns `then`'s result, or raises what `stage` or `then` raised. With the `transfers` of the host buffers the
-    stage copies into, device copies are ordered: marked at `start`, the optimizer step queued behind them at
-    `wait_for_stage`, and `then` runs once they are done (`device_copy.Transfers`)."""
+    """Runs one `take` (the snapshot) then `then(snapshot)` at a time in a thread (see the module docstring). `wait`
+    joins it and returns `then`'s result, or raises what `take` or `then` raised. With the `transfers` of the host
+    buffers `take` copies into, device copies are ordered: marked at `start`, the optimizer step queued behind them
+    at `wait_for_snapshot`, and `then` runs once they are done (`device_copy.Transfers`)."""
 
     def __init__(self, name: str, transfers: Transfers | None = None):
         self.name = name
         self._transfers = transfers or Transfers()
-        self._staged = threading.Event()
-        self._staged.set()
+        self._taken = threading.Event()
+        self._taken.set()
         self._thread: threading.Thread | None = None
         self._result: tuple[bool, object] | None = None
 
@@ -74,35 +74,35 @@ class Background:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def start(self, stage: Callable[[], object], then: Callable[[object], object], label: str = "") -> None:
+    def start(self, take: Callable[[], object], then: Callable[[object], object], label: str = "") -> None:
         """Start a job; the caller has waited for the previous one (`wait`)."""
         assert self._thread is None, "one background job at a time: wait() for the previous one first"
-        self._staged.clear()
+        self._taken.clear()
         self._transfers.begin()
         label = name_of(label) if label else ""  # a checkpoint's reference: its folder's name
-        self._thread = threading.Thread(target=self._run, args=(stage, then), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(take, then), daemon=True,
                                         name=f"hf_unified_ckpt-{self.name}{'-' + label if label else ''}")
         self._thread.start()
 
-    def _run(self, stage, then) -> None:
+    def _run(self, take, then) -> None:
         try:
             try:
-                staged = stage()
+                snapshot = take()
             finally:
                 try:
                     self._transfers.end()
                 finally:
-                    self._staged.set()
+                    self._taken.set()
             self._transfers.settle()
             lower_priority()
-            self._result = (True, then(staged))
+            self._result = (True, then(snapshot))
         except BaseException as e:  # handed to wait(), on the training thread
             self._result = (False, e)
 
-    def wait_for_stage(self) -> None:
-        """Block until the job in flight has taken its copy (call before the optimizer changes the originals); copies
-        from a CUDA device are then queued ahead of whatever the training stream does next."""
-        self._staged.wait()
+    def wait_for_snapshot(self) -> None:
+        """Block until the job in flight has taken its snapshot (call before the optimizer changes the originals);
+        copies from a CUDA device are then queued ahead of whatever the training stream does next."""
+        self._taken.wait()
         self._transfers.fence()
 
     def wait(self):

@@ -9,7 +9,7 @@ It is cut once, where the snapshot is taken:
   `checkpoint-N` itself, committed by its manifest); ranks that cannot see it (their machine has its own local folder)
   create their own; every rank computes the same shard plan (`plan_save`: from the engine's partition rule, cached
   across saves, where it has one: `rule_plan`; else from a census of every rank's pieces); the write strategy is
-  chosen from the store's capabilities and the options, and prepared (`choose_writer`: pieces in place where every
+  chosen from the store's capabilities and the options, and set up (`choose_writer`: pieces in place where every
   rank sees the folder and the store writes at offsets, or through a few aggregators per file where a file would
   have many writers (`aggregating.py`); parts of multipart uploads on an object store; into machine-local folders,
   each file by its one writer from the pieces the others send it); file by file, the tensors no rank holds in one
@@ -18,11 +18,11 @@ It is cut once, where the snapshot is taken:
   `PersistJob` with the small files as bytes;
 - after it, `finish`, wherever the executor runs it (collective on its group): every rank writes its files
   (`PersistJob.run`); the ranks agree on success by an all-reduce and their records reach rank 0 as one record
-  per file (`conclude`, `record_tree`; a failure gathers every rank's `Failure`); rank 0 finishes the
+  per file (`conclude`, `record_tree`; a failure gathers every rank's `Failure`); rank 0 completes the
   strategy, writes the index files and the manifest (last); the leader of every other folder copies rank 0's small
   files and manifest into it; every leader publishes its staging folder as `checkpoint-N` (`Store.publish`: a
   rename, or nothing where the manifest is the commit). The `Outcome` is the same on every rank; its leader then
-  runs `after_commit` (rotation).
+  runs `after_commit` (rotation), and every rank raises its error if it failed (`Outcome.after_commit_or_raise`).
 
 Any failure on any rank aborts the save on every rank: the staging folders are removed and nothing is committed.
 With machine-local folders, each folder holds the manifest, the small files and its machine's share of the
@@ -64,6 +64,7 @@ from ..folder.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, cod
 from ..folder.safetensors_io import index_name, write_index
 from ..write.aggregating import AggregatingWriter
 from ..write.multipart import MultipartWriter
+from ..write.memory_tier import MemoryTierWriter
 from ..write.writer import SharedFileWriter, StorageWriter, WholeFileWriter
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class SaveRequest:
     #: where the user turned it off (`unified_checkpoint_direct_io=False`).
     direct_io: bool = True
     #: A folder of files an evicted checkpoint left (the memory tier): a file this rank writes alone takes the place
-    #: of the spare file of the same name and overwrites its memory (`SharedFileWriter`), rather than being created.
+    #: of the spare file of the same name and overwrites its memory (`MemoryTierWriter`), rather than being created.
     spare: str | None = None
 
 
@@ -274,13 +275,13 @@ def save_checkpoint(engine: EngineAdapter, request: SaveRequest, small_files: Sm
     """
     started = begin(engine, request, small_files, lazily=True)
     started.job.files = started.live_files(engine)
-    return finish(started, (True, started.job)).concluded(after_commit)
+    return finish(started, (True, started.job)).after_commit_or_raise(after_commit)
 
 
 @dataclass
 class Started:
     """A save whose training-thread half is done (`begin`): its request, staging folder, plan, write strategy
-    (prepared), the files this rank writes, assembled (or, for the synchronous save, assembled as they are
+    (set up), the files this rank writes, assembled (or, for the synchronous save, assembled as they are
     walked), and the job that will write them, holding the small files (its tensors come with the snapshot).
     Picklable once `files` is a list: the process executor sends it to its writer."""
 
@@ -298,8 +299,8 @@ class Started:
 
 def begin(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, lazily: bool = False) -> Started:
     """The half of a save that runs on the training thread: the staging folder (`open_staging`), the plan
-    (`plan_save`), the write strategy chosen from the store's capabilities and prepared (`choose_writer`,
-    `StorageWriter.prepare`), the files this rank writes, assembled on their writers in plan order (`lazily`: as
+    (`plan_save`), the write strategy chosen from the store's capabilities and set up (`choose_writer`,
+    `StorageWriter.set_up`), the files this rank writes, assembled on their writers in plan order (`lazily`: as
     `Started.files` is walked, which must then happen on this thread), and the job with `small_files`.
     Collective: all ranks must call it."""
     staging = open_staging(as_ref(request.final_dir))
@@ -308,7 +309,7 @@ def begin(engine: EngineAdapter, request: SaveRequest, small_files: SmallFiles, 
         plan = plan_save(engine, request, shared=staging.in_place or gathered,
                          rank_local=not (staging.multipart or gathered))
         writer = choose_writer(staging, request)
-        raise_if_failed([writer.prepare(staging.path, plan.files)], staging, writer)
+        raise_if_failed([writer.set_up(staging.path, plan.files)], staging, writer)
         show = request.show_progress and dist.rank() == 0
         files = assembled_files(engine, writer, plan.files, f"Saving {name_of(staging.final)}", show)
         files = files if lazily else list(files)
@@ -334,14 +335,17 @@ def paused_gc():
 def choose_writer(staging: Staging, request: SaveRequest) -> StorageWriter:
     """The write strategy of a save, from what its folder's store can do (`Staging.multipart`, `Staging.in_place`)
     and the options: parts of multipart uploads; pieces written in place, or through a few aggregators per file
-    (`unified_checkpoint_aggregate*`; never into the memory tier, whose files one machine's ranks place directly);
-    into machine-local folders, each file by its one writer from the pieces the ranks send it; or whole files."""
+    (`unified_checkpoint_aggregate*`; never into the memory tier, whose files one machine's ranks place directly:
+    `MemoryTierWriter`); into machine-local folders, each file by its one writer from the pieces the ranks send it;
+    or whole files."""
     if staging.multipart:
         return MultipartWriter(dist.rank(), aggregation=request.options.aggregation)
-    if staging.in_place and request.spare is None and request.options.aggregation.mode != "never":
+    if staging.in_place and request.spare is not None:
+        return MemoryTierWriter(dist.rank(), request.spare, request.direct_io)
+    if staging.in_place and request.options.aggregation.mode != "never":
         return AggregatingWriter(dist.rank(), request.options.aggregation, request.direct_io)
     if staging.in_place:
-        return SharedFileWriter(dist.rank(), request.direct_io, request.spare)
+        return SharedFileWriter(dist.rank(), request.direct_io)
     if sends_pieces(staging, request):  # each file's one writer receives its pieces: one aggregator per file
         whole = dataclasses.replace(request.options.aggregation, mode="always", per_file=1)
         return AggregatingWriter(dist.rank(), whole, request.direct_io)
@@ -370,34 +374,43 @@ class Outcome:
     def committed(self) -> bool:
         return all(ok for ok, _ in self.reports)
 
-    def concluded(self, after_commit: Callable[[], None] | None = None) -> str:
-        """Run `after_commit` on the folder's leader if the save committed, then raise its error if it failed (on
-        every rank). Returns the committed folder."""
+    def run_after_commit(self, after_commit: Callable[[], None] | None) -> None:
+        """Run `after_commit` (rotation) on the folder's leader if the save committed; nothing otherwise. Local."""
         if self.committed and self.staging.is_leader and after_commit is not None:
             after_commit()
+
+    def raise_if_failed(self) -> str:
+        """Raise the save's error if it failed (on every rank: `raise_if_failed`, which first has the folder's
+        leader remove what it wrote); returns the committed folder."""
         raise_if_failed(self.reports, self.staging, self.writer)
         return self.staging.final
 
+    def after_commit_or_raise(self, after_commit: Callable[[], None] | None = None) -> str:
+        """How a save's caller ends it, in one call (the async driver's one entry into this module after the
+        executor): `run_after_commit`, then `raise_if_failed`. Returns the committed folder."""
+        self.run_after_commit(after_commit)
+        return self.raise_if_failed()
 
-def finish(started: Started, staged: tuple[bool, object], group=None, fallback: str | None = None) -> Outcome:
+
+def finish(started: Started, snapshot: tuple[bool, object], group=None, fallback: str | None = None) -> Outcome:
     """The half of a save that runs after its snapshot, wherever an executor runs it (inline, a thread, a writer
-    process): write this rank's files (`staged`: (True, the `PersistJob`) or (False, the snapshot's `Failure`)),
+    process): write this rank's files (`snapshot`: (True, the `PersistJob`) or (False, the snapshot's `Failure`)),
     conclude, and where a folder ran out of space and `fallback` names another folder, write the same snapshot
     there. Collective (on `group`): all its ranks must call it."""
-    outcome = guarded(staged[1].run) if staged[0] else staged
+    outcome = guarded(snapshot[1].run) if snapshot[0] else snapshot
     reports = conclude(started, outcome, group=group)
-    if fallback is not None and staged[0] and out_of_space(reports):
-        return _save_elsewhere(started, staged[1], fallback, group, reports)
+    if fallback is not None and snapshot[0] and out_of_space(reports):
+        return _save_elsewhere(started, snapshot[1], fallback, group, reports)
     return Outcome(reports, started.staging, writer=started.writer)
 
 
-def finish_in_background(started: Started, staged: tuple[bool, object], group=None,
+def finish_in_background(started: Started, snapshot: tuple[bool, object], group=None,
                          fallback: str | None = None) -> Outcome:
     """`finish` for a background executor: a collective that fails (another rank died) is this save's failure, an
     outcome raised at the next wait (as every other failure), not an exception of a thread. Collective (on
     `group`)."""
     try:
-        return finish(started, staged, group=group, fallback=fallback)
+        return finish(started, snapshot, group=group, fallback=fallback)
     except Exception as e:
         return Outcome([(False, Failure.of(e))], started.staging, writer=started.writer)
 
@@ -477,7 +490,7 @@ def open_staging(final: str, group=None) -> Staging:
 
 
 def conclude(started: Started, outcome: tuple[bool, object], group=None) -> list:
-    """Share every rank's outcome; if all wrote their files, rank 0 finishes the write strategy and writes the
+    """Share every rank's outcome; if all wrote their files, rank 0 completes the write strategy and writes the
     indexes and the manifest, and each folder's leader commits its folder (rank 0's small files and manifest are
     copied into the folders of other machines first). Returns the reports every rank then checks with
     `raise_if_failed` (the same on all ranks).
@@ -491,7 +504,7 @@ def conclude(started: Started, outcome: tuple[bool, object], group=None) -> list
     transfers with it failed: `AggregatingWriter`) with the collective's error.
 
     Collective (on `group`): all its ranks must call it."""
-    group = group if group is not None else dist.cpu_group()  # object collectives never staged in GPU memory
+    group = group if group is not None else dist.cpu_group()  # object collectives never held in GPU memory
     try:
         failed = dist.all_reduce_ints([int(not outcome[0])], "sum", group=group)[0]
     except Exception as e:  # a peer is gone: without its status no rank has the sum, so none goes on to commit
@@ -543,14 +556,14 @@ def assembled_files(engine: EngineAdapter, writer: StorageWriter, files: list[Fi
 
 
 def _finalize(started: Started, gathered: tuple[list, list]) -> dict[str, bytes]:
-    """Rank 0: finish the write strategy (`StorageWriter.finish`: multipart uploads completed), check the ranges
+    """Rank 0: complete the write strategy (`StorageWriter.complete`: multipart uploads completed), check the ranges
     the ranks wrote and make each file's record (`gathered`: `record_tree.reduce_records`' rows, combined on the
     way, and every other record), write the indexes and the manifest (last) into its staging folder. Returns
     the bytes of the small files every folder holds (empty when all ranks share one folder)."""
     plan, staging = started.plan, started.staging
     shards = {f for cplan in plan.components.values() for f in cplan.files}
     rows, records = gathered
-    written = started.writer.finish(staging.path, plan.files, records)
+    written = started.writer.complete(staging.path, plan.files, records)
     combined, covered = record_tree.file_records(rows, plan.files)
     ranges = [r for r in records if isinstance(r, RangeRecord)]
     if ranges:
@@ -579,7 +592,7 @@ def _finalize(started: Started, gathered: tuple[list, list]) -> dict[str, bytes]
 
 
 def _add_to_manifest(manifest: dict, written: dict) -> None:
-    """Merge what the write strategy reported (`StorageWriter.finish`) into the manifest's file entries and
+    """Merge what the write strategy reported (`StorageWriter.complete`) into the manifest's file entries and
     `saved_by`."""
     for name, entry in written.get("files", {}).items():
         manifest["files"][name].update(entry)

@@ -6,7 +6,7 @@ while they are written.
   shared memory, so that a writer process maps the same pages (`executors.ProcessExecutor`): host memory stays at
   one snapshot.
 - `Snapshots`: what `async_save.AsyncSaver` copies into for each save: straight into the files where the write
-  strategy can place them (the memory tier's reused files, mapped from save to save: `SharedFileWriter.place`),
+  strategy can place them (the memory tier's reused files, mapped from save to save: `writer.PlacesSnapshots`),
   else into the host buffers.
 """
 
@@ -24,7 +24,7 @@ from ...store import WritableMaps
 from .device_copy import PAGE, Transfers, host_buffer
 from .persist import PersistJob, lower_priority
 from ..write.reports import guarded
-from ..write.writer import writes_whole
+from ..write.writer import PlacesSnapshots, writes_whole
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +38,24 @@ class HostBuffers:
         self._buffers: dict[object, tuple[torch.Tensor, bool]] = {}  # key -> (buffer, whether pinned)
         self.transfers = Transfers()
         self.shared = shared
-        self._preparing: threading.Thread | None = None
+        self._warming: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def prepare(self, specs: list[tuple[object, tuple[int, ...], torch.dtype, int]], device: torch.device) -> None:
+    def warm_up(self, specs: list[tuple[object, tuple[int, ...], torch.dtype, int]], device: torch.device) -> None:
         """Make the buffers of `specs` ((key, shape, dtype, phase) of the tensors the next copies will take, from
         `device`) in a background thread at the lowest CPU priority: allocated (each `phase` bytes into a page, as
         its bytes lie in their file: written to disk straight from the buffer), their pages faulted in (pinned, for
         a CUDA device), so that the first copies find them ready instead of paying for them while training waits.
-        `copy` waits for a preparation still running; `release` stops it."""
+        `copy` waits for a warm-up still running; `release` stops it."""
         self._join()
         self._stop.clear()
         like = torch.empty(0, device=device)
-        self._preparing = threading.Thread(target=self._allocate, args=(specs, like), daemon=True,
+        self._warming = threading.Thread(target=self._allocate, args=(specs, like), daemon=True,
                                            name="hf_unified_ckpt-host-buffers")
-        self._preparing.start()
+        self._warming.start()
 
     def _allocate(self, specs, like: torch.Tensor) -> None:
-        """The preparation's thread. A failure (memory refused) stops it, logged: the copies make what is missing."""
+        """The warm-up's thread. A failure (memory refused) stops it, logged: the copies make what is missing."""
         lower_priority()
         pin = like.device.type == "cuda" and not self.shared
         try:
@@ -71,12 +71,12 @@ class HostBuffers:
                         "rest as it copies.", e)
 
     def _join(self) -> None:
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
 
     def release(self) -> None:
-        """Free every buffer (the end of a run); a preparation in progress stops first."""
+        """Free every buffer (the end of a run); a warm-up in progress stops first."""
         self._stop.set()
         self._join()
         self._buffers.clear()
@@ -147,7 +147,7 @@ class Snapshots:
 
     def __init__(self, shared: bool = False, place: bool = True):
         self.buffers = HostBuffers(shared)
-        self.maps = WritableMaps()  # mappings of the files saves copy into directly (`SharedFileWriter.place`)
+        self.maps = WritableMaps()  # mappings of the files saves copy into directly (`PlacesSnapshots.place`)
         self.place = place
         self.nbytes = 0  # what the last save copied of this rank's tensors (into buffers or files)
 
@@ -172,8 +172,9 @@ class Snapshots:
         return job
 
     def _placed(self, job: PersistJob, file: FilePlan, tensors):
-        place = getattr(job.writer, "place", None) if self.place else None  # SharedFileWriter's
-        return place(job.folder, file, tensors, self.maps) if place is not None else None
+        if self.place and isinstance(job.writer, PlacesSnapshots):
+            return job.writer.place(job.folder, file, tensors, self.maps)
+        return None
 
     def release_mappings(self) -> None:
         """Unmap the files the saves wrote through mappings (a run's end: the memory tier's files may be freed).

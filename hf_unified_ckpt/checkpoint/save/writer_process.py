@@ -37,15 +37,15 @@ def serve(conn: Connection) -> None:
             return
         if message is None:
             return
-        started, staged, fallback, new, live = message
+        started, snapshot, fallback, new, live = message
         buffers = {number: new.get(number, buffers.get(number)) for number in live}
-        if staged[0]:
-            unpack(staged[1], buffers)
+        if snapshot[0]:
+            unpack(snapshot[1], buffers)
         try:
-            answer = (True, finish_in_background(started, staged, fallback=fallback))
+            answer = (True, finish_in_background(started, snapshot, fallback=fallback))
         except BaseException as e:  # sent back with its type
             answer = (False, _sendable(e))
-        del started, staged, message, new  # the job's views go; the buffers stay mapped for the next job
+        del started, snapshot, message, new  # the job's views go; the buffers stay mapped for the next job
         conn.send(answer)
 
 

@@ -1,7 +1,7 @@
 """`AggregatingWriter`: files the ranks hold in pieces are written by a few aggregator ranks, each a large aligned
 range, from bytes the holders send it point-to-point (a folder every rank sees: `Staging.in_place`).
 
-Which files are aggregated, and the numbering of their aggregators, is decided in `prepare`, the same on every rank;
+Which files are aggregated, and the numbering of their aggregators, is decided in `set_up`, the same on every rank;
 each aggregated file's plan (`format.aggregation`: its ranges, their aggregators, cells of at most half of
 `unified_checkpoint_aggregate_buffer`) is made when a rank that has a part in it first needs it
 (`AggregationPlans`); the files it does not aggregate
@@ -78,7 +78,7 @@ class AggregatingWriter(LocalWrites):
         self.tags: dict[str, int] = {}
         self.peak_buffer_bytes = 0
 
-    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+    def set_up(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         """Agree on the layout (ranks per machine, the folder's block size: one all-reduce), plan which files are
         aggregated and how (the same on every rank), and make the `aggregate` gloo group where any is (with the
         default group's timeout). Collective: all ranks must call it."""
@@ -123,7 +123,7 @@ class AggregatingWriter(LocalWrites):
         Point-to-point on the `aggregate` gloo group for an aggregated file (every rank calls it, in plan order)."""
         if file.name not in self.plans:
             return self.in_place.write(folder, file, tensors) if file.writes(self.rank) else []
-        group = dist.gloo_group(GROUP, timeout=dist.default_timeout())  # made in `prepare`, or here in a writer process
+        group = dist.gloo_group(GROUP, timeout=dist.default_timeout())  # made in `set_up`, or here in a writer process
         if not self.plans.has_part(file.name, self.rank):  # holds none of its bytes, aggregates none of its ranges
             return []
         plan = self.plans[file.name]

@@ -1,15 +1,15 @@
 """`MultipartWriter`: every rank uploads the bytes it holds of the shared files, as parts of one multipart upload
 per file (object stores: `Capabilities.multipart`).
 
-The strategy's steps (`writer.StorageWriter`): `prepare` (training thread): rank 0 begins one upload per file
-(`begin_uploads`: its IDs are sent to all ranks, and uploads that a crashed save left under the run are aborted
+The strategy's steps (`writer.StorageWriter`): `set_up` (training thread): rank 0 starts one upload per file
+(`start_uploads`: its IDs are sent to all ranks, and uploads that a crashed save left under the run are aborted
 first). Each file's part plan (`format.parts`) is the
 same on every rank: a rank holding a run of at least the store's smallest part uploads it itself; smaller runs are
 handed over to the rank that uploads the part they join, point to point (`hand_overs`: each rank sends exactly its
 hand-overs, to their uploaders only, and receives only those within its own parts, on a gloo group of its own, so
 it never meets training's collectives). Each rank reports one `PartRecord` per part it uploaded
-(offset, length, CRC-32, part number, tag); `finish`: rank 0 completes every upload from them before it puts the
-manifest (`finish_uploads`) and records the parts in it (`uploaded`); `abort`: a failed save aborts them.
+(offset, length, CRC-32, part number, tag); `complete`: rank 0 completes every upload from them before it puts the
+manifest (`complete_uploads`) and records the parts in it (`uploaded`); `abort`: a failed save aborts them.
 
 Memory: a part's buffer is made once a sending slot is free (its own bytes copied in, the hand-overs received
 straight into it), and at most `store.uploads.UPLOAD_CONCURRENCY` parts exist at once: the extra host memory per
@@ -20,6 +20,7 @@ several of its ranges, each below the smallest part), kept until its sends are d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping
@@ -38,7 +39,7 @@ from .aggregating import agreed_layout
 from ..folder.files import RangeRecord, crc32_combine
 from .hand_overs import Incoming, Sends, copy_held
 from .reports import guarded
-from .writer import SharedFileWriter, rank_ranges
+from .writer import assemble_whole, held_tensors, rank_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +58,18 @@ class PartRecord(RangeRecord):
     blocks: tuple[tuple[int, int, int], ...] = ()
 
 
-class MultipartWriter(SharedFileWriter):
+class MultipartWriter:
     """See the module docstring. Every rank takes part in every file (`writes` is always True): the hand-overs
     are point to point, file by file in plan order. A failure on this rank is raised only after this file's
     transfers, so the other ranks never wait for it; `PersistJob.run` goes on with the remaining files after a
-    failure."""
+    failure. What each rank holds of a file is what it would write in place (`writer.assemble_whole`,
+    `writer.held_tensors`); it never places a snapshot (not `writer.PlacesSnapshots`)."""
 
     collective_write = True
 
     def __init__(self, rank: int, uploads: Mapping[str, str] | None = None,
                  aggregation: AggregationOptions | None = None):
-        super().__init__(rank)
+        self.rank = rank
         self.uploads = dict(uploads or {})
         self.aggregation = aggregation or AggregationOptions(mode="never")
         #: File name -> its index in the save: the tag of its hand-overs.
@@ -75,29 +77,42 @@ class MultipartWriter(SharedFileWriter):
         #: The files uploaded by aggregators, one part per cell (`format.aggregation`), by name.
         self.aggregated: dict[str, AggregatedFile] = {}
 
-    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
-        """Begin one upload per file (rank 0, the IDs sent to all) and make the gloo group of the hand-overs here,
+    def set_up(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+        """Start one upload per file (rank 0, the IDs sent to all) and make the gloo group of the hand-overs here,
         on the training thread. Collective: all ranks must call it."""
         dist.gloo_group(GROUP, timeout=dist.default_timeout())  # a peer that hangs fails the hand-overs in time
         self.tags = {f.name: i for i, f in enumerate(files)}
         self.aggregated = aggregated_uploads(folder, files, self.aggregation)
-        status = guarded(lambda: begin_uploads(folder, files)) if dist.rank() == 0 else (True, None)
+        status = guarded(lambda: start_uploads(folder, files)) if dist.rank() == 0 else (True, None)
         status = dist.broadcast_object(status)
         if status[0]:
             self.uploads = status[1]
         return status
 
-    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+    def complete(self, folder: str, files: list[FilePlan], records: list) -> dict:
         """Rank 0: complete every upload from the parts the ranks reported; what the manifest records of them."""
-        finish_uploads(folder, self.uploads, records)
+        complete_uploads(folder, self.uploads, records)
         return uploaded(files, records, store_for(folder).capabilities, self.aggregated)
 
     def abort(self, folder: str) -> None:
         """Abort the unfinished uploads under `folder`."""
         multipart_store(folder).abort_uploads(folder)
 
+    def assemble(self, engine, file: FilePlan) -> None:
+        """The tensors written whole assembled on the header rank (`writer.assemble_whole`). Collective: all ranks
+        must call it, in plan order."""
+        assemble_whole(engine, file)
+
     def writes(self, file: FilePlan, rank: int) -> bool:
         return True
+
+    def local_tensors(self, engine, file: FilePlan) -> Mapping:
+        return held_tensors(engine, file, self.rank)
+
+    def syncing(self) -> contextlib.AbstractContextManager:
+        """Nothing to fsync: a part is stored once its upload returned (`write`), the file once `complete` completed
+        its upload."""
+        return contextlib.nullcontext()
 
     def part_plan(self, file: FilePlan, ref: str) -> PartPlan | AggregatedFile:
         """`file`'s parts and hand-overs: its aggregators' cells where it is aggregated, else its holders' runs."""
@@ -169,8 +184,8 @@ def _part_record(name: str, part, data: bytes, rank: int) -> PartRecord:
     return PartRecord(name, part.start, len(data), crc, part.number, rank=rank, blocks=tuple(blocks))
 
 
-def begin_uploads(staging: str, files: list[FilePlan]) -> dict[str, str]:
-    """Rank 0: abort the uploads a crashed save left under the run, then begin one upload per file of this save;
+def start_uploads(staging: str, files: list[FilePlan]) -> dict[str, str]:
+    """Rank 0: abort the uploads a crashed save left under the run, then start one upload per file of this save;
     file name -> upload ID."""
     store = multipart_store(staging)
     parent = staging.rstrip("/").rpartition("/")[0]
@@ -182,7 +197,7 @@ def begin_uploads(staging: str, files: list[FilePlan]) -> dict[str, str]:
         return {f.name: upload for f, upload in zip(files, ids)}
 
 
-def finish_uploads(staging: str, uploads: Mapping[str, str], records: list) -> None:
+def complete_uploads(staging: str, uploads: Mapping[str, str], records: list) -> None:
     """Rank 0: complete every file's upload from the parts the ranks reported (before the manifest)."""
     store = multipart_store(staging)
     parts: dict[str, list[tuple[int, str]]] = {name: [] for name in uploads}

@@ -15,10 +15,8 @@ or in the background after a snapshot).
   header rank first. Each rank reports a `RangeRecord` (offset, length, CRC-32 computed from memory) per
   range it wrote; the ranks combine them into one record per file on the way to rank 0 (`record_tree`), which
   checks they tile the file.
-  Into the memory tier (whose files are reused: `spare`), an async save's snapshot of a file one rank writes whole
-  is copied straight into the file (`place`, through a mapping kept from save to save), and `write` only checksums
-  it: one copy instead of a copy into host buffers and a `pwrite` of them. A spare file is taken only at exactly
-  the planned size (`take_spare`): no file that may be mapped is ever shrunk.
+  The memory tier's strategy (`memory_tier.MemoryTierWriter`) writes through this one, and also places
+  snapshots (`PlacesSnapshots`) and reuses spare files.
 - `WholeFileWriter` (machine-local folders: a rank cannot write into another machine's file; or a store without
   positional writes): each file is written whole by its one writer, streamed in offset order
   (`safetensors_io.write_shard`: the bytes of safetensors' `save_file`), after its tensors were assembled there.
@@ -31,35 +29,30 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import os
-import re
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ...format.planning import FilePlan, WriteItem
-from ...store import (PositionalWrites, WritableMaps, as_ref, is_file, join, listing, name_of, positional_writes_of,
-                     store_for, writable_mappings_of)
-from ...format.checksum import crc32
+from ...store import PositionalWrites, WritableMaps, as_ref, join, positional_writes_of, store_for
 from ..folder.files import FileRecord, RangeRecord
 from ..folder.safetensors_io import write_shard
 
 
 class StorageWriter(Protocol):
-    """One write strategy: how the bytes of the planned files land in a folder, in one call order — `prepare`
-    (training thread, once), then file by file in plan order `assemble` and, on the ranks it `writes`,
+    """One write strategy: how the bytes of the planned files land in a folder, in one call order — `set_up`
+    (training thread, once per save), then file by file in plan order `assemble` and, on the ranks it `writes`,
     `local_tensors` (training thread), then `write` within `syncing` (wherever the executor runs the save), then
-    `finish` (rank 0, before the manifest), or `abort` (the folder's leader, when the save failed)."""
+    `complete` (rank 0, before the manifest), or `abort` (the folder's leader, when the save failed)."""
 
     #: Whether `write` transfers bytes to other ranks' writes (multipart hand-overs, aggregators): every rank then
     #: writes every file it is handed, in plan order, point to point on the strategy's own group.
     collective_write: bool
 
-    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+    def set_up(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         """Make ready what the writes need; the same report on every rank (`reports.guarded`'s). Collective where
         the strategy needs it: all ranks must call it."""
 
@@ -82,7 +75,7 @@ class StorageWriter(Protocol):
         """A block of `write`s whose fsyncs may run in the background, all done (their errors raised) when the
         block ends without an exception."""
 
-    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+    def complete(self, folder: str, files: list[FilePlan], records: list) -> dict:
         """Rank 0, once every rank wrote, before the manifest: complete what the writes began; returns what the
         manifest records of it (`{"files": {name: entry}, "saved_by": {...}}`, merged into the manifest)."""
 
@@ -90,16 +83,28 @@ class StorageWriter(Protocol):
         """The folder's leader, after a failed save: drop what the writes began and did not finish."""
 
 
+@runtime_checkable
+class PlacesSnapshots(Protocol):
+    """A write strategy whose snapshot may be the written file itself (the memory tier's:
+    `memory_tier.MemoryTierWriter`): the background save asks it to `place` each file before it copies into host
+    buffers (`snapshot.Snapshots`), and hands what it placed to its `write`."""
+
+    def place(self, folder: str, file: FilePlan, tensors: Mapping[str, torch.Tensor], maps: WritableMaps):
+        """Copy `tensors` (`local_tensors`' result) straight into file `folder/file.name`, through a mapping kept in
+        `maps`; returns what `write` takes instead of tensors (a `memory_tier.Placed`), or None where the file is
+        not placed (the caller copies into host buffers). Local."""
+
+
 class LocalWrites:
-    """The steps of a strategy whose writes need nothing prepared, finished or aborted beyond the files (every
+    """The steps of a strategy whose writes need nothing set up, completed or aborted beyond the files (every
     byte is in the folder once `write` returned): whole files, or pieces in place."""
 
     collective_write = False
 
-    def prepare(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
+    def set_up(self, folder: str, files: list[FilePlan]) -> tuple[bool, object]:
         return True, None
 
-    def finish(self, folder: str, files: list[FilePlan], records: list) -> dict:
+    def complete(self, folder: str, files: list[FilePlan], records: list) -> dict:
         return {}
 
     def abort(self, folder: str) -> None:
@@ -140,71 +145,25 @@ def owner_of(file: FilePlan) -> int:
 class SharedFileWriter(LocalWrites):
     """Every rank writes its own byte ranges of the shared files in place (see the module docstring)."""
 
-    def __init__(self, rank: int, direct_io: bool = False, spare: str | None = None):
+    def __init__(self, rank: int, direct_io: bool = False):
         self.rank = rank
         self.direct_io = direct_io
-        self.spare = spare
         self._fsyncs: list[Future] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     def assemble(self, engine, file: FilePlan) -> None:
-        """Assemble on the header rank the tensors it writes whole (engines skip those it already holds whole; a
-        file with none asks nothing of the engine: every rank has the same plan). Collective: all ranks must call
-        it, in plan order."""
-        if file.whole_names:
-            engine.exchange(file.component, file.whole_names, file.header_rank)
+        """`assemble_whole`. Collective: all ranks must call it, in plan order."""
+        assemble_whole(engine, file)
 
     def writes(self, file: FilePlan, rank: int) -> bool:
         return file.writes(rank)
 
     def local_tensors(self, engine, file: FilePlan) -> Mapping[str, torch.Tensor]:
-        """Whole logical tensors (on the header rank) and this rank's pieces (flat), not yet encoded (`write`
-        encodes them: in the background under async save); a mapping that may compute each whole tensor when it is
-        looked up (`engine.tensors` of the offline converter)."""
-        whole, pieces = {}, {}
-        if self.rank == file.header_rank and file.whole_names:
-            whole = engine.tensors(file.component, file.whole_names)
-        mine = file.pieces_held(self.rank)
-        if mine:
-            pieces = {n: f.values for n, f in engine.fragments(file.component, mine).items()}
-        return collections.ChainMap(pieces, whole)
+        return held_tensors(engine, file, self.rank)
 
-    def place(self, folder: str, file: FilePlan, tensors: Mapping[str, torch.Tensor],
-              maps: WritableMaps) -> Placed | None:
-        """Copy the header and `tensors` (`local_tensors`' result) straight into file `folder/file.name` through a
-        mapping kept in `maps` (`map_writable`): a snapshot that is already the written file, where this rank
-        writes it whole, without a codec, from host tensors, into the memory tier (`spare`: the file is taken over
-        the spare file of its name where an evicted checkpoint left one). None where not (the caller copies into
-        host buffers), or where the folder is full (that copy's write then fails the same way, and the save goes to
-        its fallback). Local."""
+    def write(self, folder: str, file: FilePlan, tensors: Mapping) -> list[FileRecord | RangeRecord]:
         ref = join(folder, file.name)
-        items = sorted(file.items_of(self.rank), key=lambda item: item.start)
-        mappings = writable_mappings_of(store_for(ref))
-        if (self.spare is None or file.codec is not None or mappings is None
-                or not writes_whole(file, self.rank, items)
-                or any(tensors[item.name].device.type != "cpu" for item in items)):
-            return None
-        take_spare(self.spare, ref, file.size)
-        try:
-            view = mappings.map_writable(ref, file.size, maps)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                return None
-            raise
-        head = file.header_bytes
-        view[:len(head)] = head
-        for item in items:
-            _copy_into(view, len(head) + item.start, item, tensors[item.name])
-        return Placed(ref, view)
-
-    def write(self, folder: str, file: FilePlan, tensors: Mapping | Placed) -> list[FileRecord | RangeRecord]:
-        ref = join(folder, file.name)
-        if isinstance(tensors, Placed):
-            records = tensors.records(ref, file)
-        else:
-            if self.spare is not None and file.writes_alone(self.rank):
-                take_spare(self.spare, ref, file.size)
-            records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
+        records = write_ranges(ref, file, self.rank, file.encoded(tensors, self.rank), direct_io=self.direct_io)
         self.sync(ref)
         return records
 
@@ -231,76 +190,25 @@ class SharedFileWriter(LocalWrites):
             done.result()
 
 
-@dataclass(frozen=True)
-class Placed:
-    """A file whose bytes a snapshot copied straight into place (`SharedFileWriter.place`): `view` maps all of
-    file `ref`, header and data."""
-
-    ref: str
-    view: memoryview
-
-    def records(self, ref: str, file: FilePlan) -> list[RangeRecord]:
-        """The record of the placed bytes, written at `ref` first where the save moved elsewhere (its fallback)."""
-        if ref != self.ref:
-            in_place_store(ref).write_at(ref, [(0, self.view)], file.size)
-        return [RangeRecord(file.name, 0, len(self.view), crc32(self.view))]
+def assemble_whole(engine, file: FilePlan) -> None:
+    """Assemble on `file`'s header rank the tensors it writes whole (engines skip those it already holds whole; a
+    file with none asks nothing of the engine: every rank has the same plan), where the ranks write their pieces of
+    shared files themselves (in place, or as parts of uploads). Collective: all ranks must call it, in plan order."""
+    if file.whole_names:
+        engine.exchange(file.component, file.whole_names, file.header_rank)
 
 
-def _copy_into(view: memoryview, offset: int, item: WriteItem, tensor: torch.Tensor) -> None:
-    """Copy `tensor`'s bytes into `view` at `offset` (elementwise where aligned: no contiguous temporary)."""
-    tensor, length = tensor.detach(), item.end - item.start
-    if tensor.nbytes != length:
-        raise ValueError(f"{item.name}: rank {item.rank} holds {tensor.nbytes} bytes of the {length} it was planned "
-                         "to write; the engine's shards changed after the save was planned.")
-    if not length:
-        return
-    target = torch.frombuffer(view, dtype=torch.uint8, count=length, offset=offset)
-    if offset % tensor.element_size() == 0:
-        target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-    else:
-        target.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-
-
-def take_spare(spare: str, ref: str, size: int) -> bool:
-    """`reuse_spare` for a file of exactly `size` bytes: a spare file of another size is removed instead of being
-    resized (fresh memory is taken for `ref` then). A file is never shrunk or truncated, because it may still be
-    mapped: by the persister copying it, or by a process holding tensors read from it (a shrunk file drops even
-    the privately written pages of a copy-on-write mapping beyond its new end: SIGBUS, issue 47). Removing a file
-    is safe: its memory lives on until the last mapping of it goes. Returns whether a spare file was used."""
-    store = store_for(ref)
-    while reuse_spare(spare, ref):
-        if store.size(ref) == size:
-            return True
-        store.remove(ref)
-    return False
-
-
-def reuse_spare(spare: str, ref: str) -> bool:
-    """Move a spare file named like `ref` (an evicted checkpoint's, in a set folder of `spare`, the oldest set
-    first) to `ref`, so that writing `ref` overwrites memory already in use instead of taking fresh pages (on a VM
-    that hands free pages back to its host, writing into fresh ones costs several times a copy: measured 2.0 s
-    against 0.2-0.4 s for 600 MB in /dev/shm). Only for a file one rank writes alone (no other process may have
-    opened `ref`). Returns whether a spare file was used; the writers call it through `take_spare`, which takes
-    one of the planned size only."""
-    for source in (join(spare, s, name_of(ref)) for s in spare_sets(spare)):
-        if not is_file(source):
-            continue
-        try:
-            store_for(ref).move(source, ref)
-        except OSError:  # taken meanwhile, or on another filesystem (a save that fell back to durable storage)
-            continue
-        return True
-    return False
-
-
-def spare_sets(spare: str) -> list[str]:
-    """The names of the spare sets (folders, one per evicted checkpoint) in `spare`, the oldest first."""
-    return sorted((n for n, size in listing(spare).items() if size is None), key=natural_order)
-
-
-def natural_order(name: str) -> tuple:
-    """Sort key: `checkpoint-9` before `checkpoint-10`."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+def held_tensors(engine, file: FilePlan, rank: int) -> Mapping[str, torch.Tensor]:
+    """What `rank` writes of `file` after `assemble_whole`: whole logical tensors (on the header rank) and its pieces
+    (flat), not yet encoded (`write` encodes them: in the background under async save); a mapping that may compute
+    each whole tensor when it is looked up (`engine.tensors` of the offline converter). Local."""
+    whole, pieces = {}, {}
+    if rank == file.header_rank and file.whole_names:
+        whole = engine.tensors(file.component, file.whole_names)
+    mine = file.pieces_held(rank)
+    if mine:
+        pieces = {n: f.values for n, f in engine.fragments(file.component, mine).items()}
+    return collections.ChainMap(pieces, whole)
 
 
 def write_ranges(ref: str | os.PathLike, file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor],
