@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import math
 import os
+import re
 import time
 
 import torch
@@ -842,56 +843,33 @@ def slow_snapshot(seconds: float):
         Snapshots.take = original
 
 
-@contextlib.contextmanager
 def die_at_commit(when: str, nth: int):
-    """This process dies as under kill -9 (no cleanup, no exception) at its `nth` folder commit, "before" or
-    "after" the rename that commits its folder."""
-    import hf_unified_ckpt.checkpoint.save.saving as save_module
+    """This process dies as under kill -9 (no cleanup, no exception) at its `nth` folder commit (the store's
+    `publish` of a `checkpoint-N` folder), "before" or "after" the rename that commits its folder."""
+    from faulty_store import die, injected, on
+    from faulty_store import nth as nth_call
+    from hf_unified_ckpt.store import name_of
 
-    original, calls = save_module.commit, [0]
+    def dying(call):
+        if when == "before":
+            die()
+        call.proceed()
+        die()
 
-    def dying(staging, final):
-        calls[0] += 1
-        if calls[0] == nth and when == "before":
-            os._exit(9)
-        original(staging, final)
-        if calls[0] == nth and when == "after":
-            os._exit(9)
-
-    save_module.commit = dying
-    try:
-        yield
-    finally:
-        save_module.commit = original
+    return injected(on("publish", nth_call(nth, lambda call: re.fullmatch(r"checkpoint-\d+", name_of(call.args[1]))),
+                       dying))
 
 
-@contextlib.contextmanager
 def memory_full_from(step: int):
     """Writes into the memory tier's checkpoints of `step` and later fail with ENOSPC (a full tmpfs), on every
     rank: what a full `/dev/shm` does, without filling the real one (it is RAM)."""
-    import errno
-    import re
+    from faulty_store import fail_with, injected, no_space, on
 
-    from hf_unified_ckpt.store.local import LocalStore
-
-    originals = LocalStore.write_whole, LocalStore.write_at, LocalStore.map_writable
-
-    def full(ref) -> bool:
-        match = re.search(r"/hf_unified_ckpt/.*checkpoint-(\d+)", str(ref))
+    def full(call) -> bool:
+        match = re.search(r"/hf_unified_ckpt/.*checkpoint-(\d+)", call.ref)
         return match is not None and int(match.group(1)) >= step
 
-    def wrap(original):
-        def write(self, ref, *args, **kwargs):
-            if full(ref):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ref))
-            return original(self, ref, *args, **kwargs)
-        return write
-
-    LocalStore.write_whole, LocalStore.write_at, LocalStore.map_writable = map(wrap, originals)
-    try:
-        yield
-    finally:
-        LocalStore.write_whole, LocalStore.write_at, LocalStore.map_writable = originals
+    return injected(on(("write_whole", "write_at", "map_writable"), full, fail_with(no_space)))
 
 
 def stop_after_save(trainer, step: int, marker: str, mode: str):
@@ -1120,21 +1098,18 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
     "kill_aggregator" dies as under kill -9 once its first cell of that file is written ("died" in `seen`: when,
     saved by `keep` first);
     "kill_sender" dies before it sends any piece of a file it does not aggregate; "enospc": its cell writes into
-    that file fail with ENOSPC (`LocalStore.write_at`; "fired": when first); "slow": every cell write of that save sleeps 0.1 s
-    ("slow_until": when the last ended); "encode": encoding its pieces of that file raises ("fired");
+    that file fail with ENOSPC (the store's `write_at`; "fired": when first); "slow": every cell write of that save
+    sleeps 0.1 s ("slow_until": when the last ended); "encode": encoding its pieces of that file raises ("fired");
     "fail_aggregator": its first cell of the first file where bytes are announced to it (`unknown_bytes`) fails
     before any is received (`copy_held`; "fired"). On rank 0, "committed":
-    when the save's folder was committed (`saving.commit`)."""
-    import errno
-
-    import hf_unified_ckpt.checkpoint.save.saving as save_module
+    when the save's folder was committed (the store's `publish`). The cell writes and the commit are faulted
+    through the store (`faulty_store`), the rest by rebinding the aggregating writer's own functions."""
+    from faulty_store import injected, no_space
     from hf_unified_ckpt import dist
     from hf_unified_ckpt.checkpoint.write import aggregating
     from hf_unified_ckpt.format.planning import FilePlan
-    from hf_unified_ckpt.store.local import LocalStore
 
-    originals = (aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit,
-                 aggregating.copy_held)
+    originals = (aggregating.AggregatingWriter.write, FilePlan.encoded, aggregating.copy_held)
     armed = {}  # the file the fault hits, once chosen
 
     def write(self, folder, file, tensors):
@@ -1153,14 +1128,15 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
                     _die(seen, keep)
         return originals[0](self, folder, file, tensors)
 
-    def write_at(self, ref, *args, **kwargs):
-        hit = armed and str(ref).startswith(armed["folder"]) and (fault == "slow" or str(ref).endswith(armed["name"]))
+    def write_at(call):
+        ref = call.ref
+        hit = armed and ref.startswith(armed["folder"]) and (fault == "slow" or ref.endswith(armed["name"]))
         if hit and fault == "enospc":
             seen.setdefault("fired", time.time())
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ref))
+            raise no_space(ref)
         if hit and fault == "slow":
             time.sleep(0.1)
-        written = originals[1](self, ref, *args, **kwargs)
+        written = call.proceed()
         if hit and fault == "slow":
             seen["slow_until"], seen["slow_writes"] = time.time(), seen.get("slow_writes", 0) + 1
         if hit and fault == "kill_aggregator":
@@ -1172,26 +1148,28 @@ def aggregation_fault(fault: str, rank: int, step: int, seen: dict, keep=lambda:
             armed["writing"] = False
             seen.setdefault("fired", time.time())
             raise RuntimeError(f"injected: aggregating {armed['name']} failed on rank {rank}")
-        return originals[4](buffer, start, held)
+        return originals[2](buffer, start, held)
 
     def encoded(self, tensors, r):
         if fault == "encode" and armed and self.name == armed["name"] and r == rank:
             seen.setdefault("fired", time.time())
             raise RuntimeError(f"injected: encoding {self.name} failed on rank {r}")
-        return originals[2](self, tensors, r)
+        return originals[1](self, tensors, r)
 
-    def commit(staging, final):
-        originals[3](staging, final)
-        if f"checkpoint-{step}" in str(final):
+    def committed(call):
+        call.proceed()
+        if f"checkpoint-{step}" in str(call.args[1]):
             seen["committed"] = time.time()
 
-    (aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit,
-     aggregating.copy_held) = (write, write_at, encoded, commit, copy_held)
+    def store_faults(call):
+        return {"write_at": write_at, "publish": committed}.get(call.method, lambda c: c.proceed())(call)
+
+    aggregating.AggregatingWriter.write, FilePlan.encoded, aggregating.copy_held = write, encoded, copy_held
     try:
-        yield
+        with injected(store_faults):
+            yield
     finally:
-        (aggregating.AggregatingWriter.write, LocalStore.write_at, FilePlan.encoded, save_module.commit,
-         aggregating.copy_held) = originals
+        aggregating.AggregatingWriter.write, FilePlan.encoded, aggregating.copy_held = originals
 
 
 def _timeout_s(group) -> float:

@@ -8,10 +8,9 @@ import os
 import pytest
 import torch
 
-import hf_unified_ckpt.checkpoint.save.saving as save_module
-import hf_unified_ckpt.checkpoint.write.writer as writer_module
 from _runs import final_state, run_spec, train
 from conftest import record_fault, torchrun
+from faulty_store import fail_with, injected, no_space, on
 from hf_unified_ckpt.errors import UnifiedCheckpointError
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 
@@ -27,22 +26,14 @@ def test_async_checkpoints_are_complete_and_resume_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _fail_writes_of(step: int, monkeypatch):
-    real = writer_module.write_ranges
-
-    def write_ranges(path, *args, **kwargs):
-        if f".checkpoint-{step}." in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(writer_module, "write_ranges", write_ranges)
+def _fail_writes_of(step: int):
+    return injected(on("write_at", lambda call: f".checkpoint-{step}." in call.ref, fail_with(no_space)))
 
 
 @pytest.mark.parametrize("failing_step,surfaces_at", [(6, "end of training"), (3, "the next save")])
-def test_background_error_surfaces_and_nothing_is_committed(tmp_path, monkeypatch, failing_step, surfaces_at):
+def test_background_error_surfaces_and_nothing_is_committed(tmp_path, failing_step, surfaces_at):
     record_fault(f"ENOSPC (async, surfaces at {surfaces_at})", survived=False)
-    _fail_writes_of(failing_step, monkeypatch)
-    with pytest.raises(UnifiedCheckpointError, match="No space left on device.*") as e:
+    with _fail_writes_of(failing_step), pytest.raises(UnifiedCheckpointError, match="No space left on device.*") as e:
         train(tmp_path, max_steps=6, save_steps=3, **ASYNC)
     assert f"checkpoint-{failing_step}" in str(e.value) and "nothing was committed" in str(e.value)
     assert not (tmp_path / f"checkpoint-{failing_step}").exists()
@@ -53,18 +44,18 @@ def test_background_error_surfaces_and_nothing_is_committed(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("config", ["", "async_save"])
-def test_read_only_output_folder_is_a_clear_error(tmp_path, monkeypatch, config):
-    """As root, chmod cannot make a folder read-only here; the failure is injected where the folder is created."""
+def test_read_only_output_folder_is_a_clear_error(tmp_path, config):
+    """As root, chmod cannot make a folder read-only here; the failure is injected where the save's staging folder
+    is created (`make_folder`; not the Trainer hook files' `.checkpoint-6.hooks.` folder)."""
     record_fault(f"read-only output folder ({config or 'sync'})", survived=False)
-    real = save_module.prepare_staging
 
-    def prepare_staging(staging):
-        if "checkpoint-6" in os.path.basename(staging):
-            raise OSError(errno.EROFS, "Read-only file system", str(staging))
-        return real(staging)
+    def staging_of_six(call) -> bool:
+        name = os.path.basename(os.path.normpath(call.ref))
+        return name.startswith(".checkpoint-6.") and not name.startswith(".checkpoint-6.hooks.")
 
-    monkeypatch.setattr(save_module, "prepare_staging", prepare_staging)
-    with pytest.raises(UnifiedCheckpointError, match="Read-only file system"):
+    read_only = on("make_folder", staging_of_six, fail_with(lambda ref: OSError(errno.EROFS, "Read-only file system",
+                                                                                  ref)))
+    with injected(read_only), pytest.raises(UnifiedCheckpointError, match="Read-only file system"):
         train(tmp_path, max_steps=6, save_steps=3, unified_checkpoint_config=config)
     assert newest_complete(tmp_path).global_step == 3 and not (tmp_path / "checkpoint-6").exists()
     record_fault(f"read-only output folder ({config or 'sync'})", survived=True)

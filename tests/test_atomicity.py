@@ -1,7 +1,6 @@
 """Atomic: a save killed at any point leaves no folder that resume picks; resume picks the previous complete
 checkpoint and continues exactly. Also: an injected write failure (full disk) raises and commits nothing."""
 
-import errno
 import os
 import subprocess
 import sys
@@ -9,12 +8,12 @@ import sys
 import pytest
 import torch
 
-import hf_unified_ckpt.checkpoint.write.writer as writer_module
 from _runs import final_state, train
 from hf_unified_ckpt.errors import UnifiedCheckpointError
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 from conftest import record_fault
+from faulty_store import fail_with, injected, no_space, nth, on
 from kill_worker import ASYNC_POINTS, COMPRESSED_POINTS, EMA_POINTS, KILLED, POINTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -105,20 +104,10 @@ def test_runs_compute_alike_whatever_threads_the_caller_set(tmp_path, monkeypatc
     assert [k for k in states[0] if not torch.equal(states[0][k], states[1][k])] == []
 
 
-def test_full_disk_during_save_raises_and_commits_nothing(tmp_path, monkeypatch):
+def test_full_disk_during_save_raises_and_commits_nothing(tmp_path):
     record_fault("ENOSPC (sync)", survived=False)
-    real = writer_module.write_ranges
-    written = []
-
-    def failing(path, *args, **kwargs):
-        if ".checkpoint-6." in str(path) and len(written) == 2:  # second save, after two of its files
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        if ".checkpoint-6." in str(path):
-            written.append(path)
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(writer_module, "write_ranges", failing)
-    with pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
+    full = on("write_at", nth(3, lambda call: ".checkpoint-6." in call.ref), fail_with(no_space))  # after two files
+    with injected(full), pytest.raises(UnifiedCheckpointError, match="nothing was committed") as e:
         train(tmp_path, max_steps=6, save_steps=3, unified_checkpoint_max_shard_size="40KB")
     assert "No space left on device" in str(e.value) and "checkpoint-6" in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]  # no staging folder left either

@@ -561,17 +561,13 @@ def test_a_snapshot_copied_into_memory_files_is_saved_elsewhere_when_memory_runs
     written from the memory files' mappings (their folder already discarded). checkpoint-6 there verifies and holds
     the trained weights, bit for bit."""
     from _runs import record_reuse, train
-    from hf_unified_ckpt.store.local import LocalStore
+    from faulty_store import fail_with, injected, no_space, on
 
-    put = LocalStore.put
+    def memory_state_of_six(call) -> bool:
+        return memory in call.ref and "checkpoint-6" in call.ref and call.ref.endswith("trainer_state.json")
 
-    def full(self, ref, data, exclusive=False):
-        if memory in str(ref) and "checkpoint-6" in str(ref) and str(ref).endswith("trainer_state.json"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ref))
-        return put(self, ref, data, exclusive)
-
-    monkeypatch.setattr(LocalStore, "put", full)
-    with record_reuse() as reuse, caplog.at_level("WARNING", logger="hf_unified_ckpt"):
+    with (injected(on("put", memory_state_of_six, fail_with(no_space))), record_reuse() as reuse,
+          caplog.at_level("WARNING", logger="hf_unified_ckpt")):
         trainer, _ = train(tmp_path / "out", **{**FLASH, "unified_checkpoint_memory_dir": memory,
                                                 "unified_checkpoint_memory_keep": 1,
                                                 "unified_checkpoint_persist_every": 100})

@@ -433,13 +433,15 @@ def test_a_failed_direct_write_is_raised_after_every_write_ended(tmp_path, monke
     assert len(calls) >= 3
 
 
-def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_the_writes(tmp_path, monkeypatch):
+def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_the_writes(tmp_path):
     """`PersistJob.run` writes the small files while its writer thread writes the tensor files, adds their records
-    after the tensors'; when the small files fail, the error is raised only once every tensor write and fsync has
-    finished (the failed save then removes a staging folder nothing writes into any more)."""
+    after the tensors'; when the small files fail (their store's `put`), the error is raised only once every tensor
+    write and fsync has finished (the failed save then removes a staging folder nothing writes into any more)."""
     import contextlib
     import threading
     import time
+
+    from faulty_store import fail_with, injected, no_space, on
 
     import hf_unified_ckpt.checkpoint.save.persist as persist
 
@@ -468,25 +470,21 @@ def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_t
             finally:
                 self.synced = len(self.finished)
 
-    writer, seen = SlowWriter(), {}
+    writer, seen, small = SlowWriter(), {}, {"rng_state_0.pth": b"rng"}
 
-    def small_files(folder, files):
-        seen["writes done"], seen["thread"] = list(writer.finished), threading.current_thread()
-        return ["record of rng_state_0.pth"]
+    def first_small_file(call):
+        seen.setdefault("writes done", list(writer.finished))
+        seen.setdefault("thread", threading.current_thread())
+        return call.proceed()
 
-    monkeypatch.setattr(persist, "write_small_files", small_files)
-    records = persist.PersistJob(str(tmp_path), writer, [(f, {}) for f in ["a", "b"]]).run()
-    assert records == ["record of a", "record of b", "record of rng_state_0.pth"]
+    with injected(on("put", lambda call: True, first_small_file)):
+        records = persist.PersistJob(str(tmp_path), writer, [(f, {}) for f in ["a", "b"]], small).run()
+    assert records[:2] == ["record of a", "record of b"] and [r.name for r in records[2:]] == ["rng_state_0.pth"]
     assert seen["writes done"] == [] and seen["thread"] is threading.main_thread()  # overlapped, not after
 
     writer = SlowWriter()
-
-    def failing(folder, files):
-        raise OSError("No space left on device")
-
-    monkeypatch.setattr(persist, "write_small_files", failing)
-    with pytest.raises(OSError, match="No space left"):
-        persist.PersistJob(str(tmp_path), writer, [(f, {}) for f in ["a", "b", "c"]]).run()
+    with injected(on("put", lambda call: True, fail_with(no_space))), pytest.raises(OSError, match="No space left"):
+        persist.PersistJob(str(tmp_path), writer, [(f, {}) for f in ["a", "b", "c"]], small).run()
     assert writer.finished == ["a", "b", "c"] and writer.synced == 3  # all written before the fsync wait ended
 
 

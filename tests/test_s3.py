@@ -397,7 +397,7 @@ def test_resume_reads_only_what_it_loads_and_checks_it(s3_bucket):
     what it loads, and a damaged block is refused by name. The `verify` command still reads everything."""
     from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
     from hf_unified_ckpt.errors import CorruptCheckpointError
-    from hf_unified_ckpt.store.s3 import S3Store
+    from faulty_store import injected, recording
 
     model, opt = _fault_model()
     final = _save_to(join(s3_bucket, "checkpoint-1"), model, opt, 1)
@@ -406,23 +406,18 @@ def test_resume_reads_only_what_it_loads_and_checks_it(s3_bucket):
     block = VERIFY_BLOCK
     assert all(e["blocks"]["size"] == block and len(e["blocks"]["crc32"]) == -(-e["size"] // block)
                for e in tensor_files.values())
-    fetched, real = [], S3Store.read
+    calls = []
 
-    def counting(self, ref, offset=0, length=None):
-        data = real(self, ref, offset, length)
-        fetched.append((ref.rsplit("/", 1)[1], len(data)))
-        return data
+    def fetched() -> list[tuple[str, int]]:  # (file name, bytes) of each read since the last clear
+        return [(c.ref.rsplit("/", 1)[1], len(c.result)) for c in calls]
 
-    S3Store.read = counting
-    try:
+    with injected(recording(calls, "read"), ref=final):
         verify_checkpoint(final, checked_on_read=True)
-        assert sum(n for name, n in fetched if name in tensor_files) < 4096 * len(tensor_files)  # headers only
-        fetched.clear()
+        assert sum(n for name, n in fetched() if name in tensor_files) < 4096 * len(tensor_files)  # headers only
+        calls.clear()
         _same(_load_from(final, checked_on_read=True), _state_of(model, opt))
-        loaded = sum(n for name, n in fetched if name in tensor_files)  # headers + blocks of every tensor, once
+        loaded = sum(n for name, n in fetched() if name in tensor_files)  # headers + blocks of every tensor, once
         assert loaded <= 1.1 * sum(e["size"] for e in tensor_files.values()), loaded
-    finally:
-        S3Store.read = real
     victim = sorted(n for n in tensor_files if n.startswith("optimizer"))[0]
     data = bytearray(read_bytes(join(final, victim)))
     data[len(data) // 2] ^= 0x40

@@ -26,6 +26,7 @@ import hf_unified_ckpt.checkpoint.save.saving as save_module
 import hf_unified_ckpt.store.local as local_store_module
 from _runs import THREADS, pin_threads
 from conftest import record_fault
+from faulty_store import injected, recording
 from hf_unified_ckpt.checkpoint.write.aggregating import AggregatingWriter
 from hf_unified_ckpt.checkpoint.save.async_save import AsyncSaver
 from hf_unified_ckpt.engines.replicated import ReplicatedEngine
@@ -160,7 +161,7 @@ def _in_place(run: str) -> bool:
 
 # ---- 1. the round trip through memory:// ------------------------------------------------------------------------
 
-def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path, monkeypatch):
+def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path):
     run = remote_run
     store = store_for(run)
     assert not store.capabilities.positional_writes and not store.capabilities.local_paths
@@ -209,18 +210,16 @@ def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path, monk
     _assert_equal_states(_load(join(run, "checkpoint-1")), states[1])
 
     # lazy reads: whole tensors, and a row slice that reads exactly its rows' bytes (one ranged read)
-    reads = []
-    real_read = store.read
-    monkeypatch.setattr(store, "read", lambda ref, offset=0, length=None: (reads.append((ref, offset, length)),
-                                                                            real_read(ref, offset, length))[1])
+    calls = []
     weights = {n[len("model/"):]: t for n, t in states[3].items() if n.startswith("model/")}
-    with ComponentReader(three, "model") as reader:
+    with injected(recording(calls, "read"), ref=run), ComponentReader(three, "model") as reader:
         assert sorted(reader.keys()) == sorted(NAMES)
         assert all(torch.equal(reader.get(n), weights[n]) for n in NAMES)
         embedding = reader.get_slice("2.weight")
         assert embedding.get_shape() == [11, 7] and embedding.get_dtype() == "F32"
-        reads.clear()
+        calls.clear()
         assert torch.equal(embedding[3:8], weights["2.weight"][3:8])
+        reads = [(c.ref, c.arg(1, "offset", 0), c.arg(2, "length")) for c in calls]
         if uploaded:  # read by whole blocks, each checked against its CRC (here the file is one block, kept)
             assert all(offset % VERIFY_BLOCK == 0 for _, offset, _ in reads) and len(reads) <= 1
         else:
@@ -230,7 +229,6 @@ def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path, monk
         assert embedding[8:3].shape == (0, 7)
         assert torch.equal(embedding[1:9:3], weights["2.weight"][1:9:3])
         assert torch.equal(reader.get_slice("0.bias")[4:11], weights["0.bias"][4:11])
-    monkeypatch.undo()
 
     assert rotate_checkpoints(run, limit=1) == [join(run, "checkpoint-1"), join(run, "checkpoint-2")]
     assert store.list(run) == {"checkpoint-3": None}
