@@ -3,7 +3,7 @@
     python bench/bench_s3_reshard.py [--reps 5] [--size 50m] [--nproc 2] [--json] [--out PATH]
 
 LOOPBACK FIGURES against SeaweedFS on this machine (client and server share its CPU cores), not a per-node S3
-figure. This script starts the server (tests/s3_server.py), saves a checkpoint of a plain stack of nn.Linear layers
+figure. This script starts the server (tests/support/s3_server.py), saves a checkpoint of a plain stack of nn.Linear layers
 (odd sizes, fp32, `--size` parameters) and AdamW after one step from ONE process into the bucket, then launches
 `torchrun --nproc_per_node N` (gloo, CPU) where every rank builds the same model, shards it with FSDP2
 (`fully_shard` per layer and at the root) and, per repetition, contenders alternating (each after a barrier and
@@ -61,7 +61,7 @@ def one_step(model, opt):
 def parent(args) -> dict:
     import torch
 
-    from s3_server import SeaweedS3
+    from support.s3_server import SeaweedS3
 
     from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
@@ -102,7 +102,7 @@ def worker(args) -> None:
     from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_checkpoint
     from hf_unified_ckpt.engines.fsdp import FSDPEngine
     from hf_unified_ckpt.options import parse_options
-    from faulty_store import injected
+    from support.faulty_store import injected
     from hf_unified_ckpt.store import store_for
 
     dist.init_process_group("gloo")
@@ -111,7 +111,7 @@ def worker(args) -> None:
     options = parse_options(unified_checkpoint=True)
     fetched = [0]
 
-    def counting(call):  # a store hook (tests/faulty_store.py): every byte read from the bucket, counted
+    def counting(call):  # a store hook (tests/support/faulty_store.py): every byte read from the bucket, counted
         data = call.proceed()
         if call.method == "read":
             fetched[0] += len(data)

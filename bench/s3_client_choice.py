@@ -2,7 +2,7 @@
 
     python bench/s3_client_choice.py [--mib 256] [--reps 5] [--json]     (obstore: pip install obstore)
 
-Starts SeaweedFS on loopback (tests/s3_server.py), then per repetition, contenders alternating, uploads the same
+Starts SeaweedFS on loopback (tests/support/s3_server.py), then per repetition, contenders alternating, uploads the same
 bytes from memory as one object: s3fs `pipe_file` (multipart, 16 MiB parts, 4 in flight) and obstore `put`
 (multipart, the same part size and concurrency); then a ranged GET of 8 MiB at 32 random offsets with each. Prints
 the medians and obstore / s3fs. Then checks what the plugin needs beyond speed: can a *second process* upload a
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from s3_server import SeaweedS3
+    from support.s3_server import SeaweedS3
 
     import s3fs
 

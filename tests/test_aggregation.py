@@ -19,8 +19,9 @@ import math
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, run_spec, spec_of
-from conftest import torchrun
+from support.specs import run_spec, spec_of
+from support.states import assert_resumed_matches
+from support.launches import torchrun
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 from hf_unified_ckpt.format.aggregation import (UNKNOWN, AggregationLayout, aggregate, wants_aggregation,
                                                 writers_of)

@@ -2,7 +2,7 @@
 aggregator, a sender whose encoding fails, an aggregator that fails mid-file where bytes are announced to it (bf16
 residual master weights' ties) — 3 real ranks (gloo, CPU), aggregation forced on (the word `aggregate`, 8 KiB ranges
 and 4 KiB cells: every rank aggregates cells of both files; `unified_checkpoint_aggregators=1` where a pure sender is
-wanted), each fault injected on one rank in the step-6 save (`_runs.aggregation_fault`), after checkpoint-3
+wanted), each fault injected on one rank in the step-6 save (`support.faults.aggregation_fault`), after checkpoint-3
 committed.
 
 Three launches: one whose faults are exceptions (in place, out of space, a failed encoding, a slow aggregator, a
@@ -16,9 +16,10 @@ import re
 
 import pytest
 
-from _runs import spec_of
-from conftest import record_fault, torchrun
-from fork_launch import GRACE
+from support.specs import spec_of
+from support.faults import record_fault
+from support.launches import torchrun
+from support.fork_launch import GRACE
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
 from test_aggregation import FORCED

@@ -8,9 +8,12 @@ import os
 import pytest
 import torch
 
-from _runs import final_state, run_spec, train
-from conftest import record_fault, torchrun
-from faulty_store import fail_with, injected, no_space, on
+from support.specs import run_spec
+from support.states import final_state
+from support.trainers import train
+from support.faults import record_fault
+from support.launches import torchrun
+from support.faulty_store import fail_with, injected, no_space, on
 from hf_unified_ckpt.errors import UnifiedCheckpointError
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 

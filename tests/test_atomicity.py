@@ -1,22 +1,22 @@
 """Atomic: a save killed at any point leaves no folder that resume picks; resume picks the previous complete
 checkpoint and continues exactly. Also: an injected write failure (full disk) raises and commits nothing."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from _runs import final_state, train
+from support.states import final_state
+from support.trainers import train
 from hf_unified_ckpt.errors import UnifiedCheckpointError
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
-from conftest import record_fault
-from faulty_store import fail_with, injected, no_space, nth, on
-from kill_worker import ASYNC_POINTS, COMPRESSED_POINTS, EMA_POINTS, KILLED, POINTS
+from support.faults import record_fault
+from support.paths import WORKERS
+from support.faulty_store import fail_with, injected, no_space, nth, on
+from support.workers.kill_worker import ASYNC_POINTS, COMPRESSED_POINTS, EMA_POINTS, KILLED, POINTS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def killed(tmp_path_factory):
     """Every kill point's run, one after another, each in a process of its own forked from one worker that imported
     the training stack once (`kill_worker.py`); the caller's thread settings: train() pins them."""
     root = tmp_path_factory.mktemp("killed")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "kill_worker.py"), str(root), *ALL_POINTS],
+    proc = subprocess.run([sys.executable, str(WORKERS / "kill_worker.py"), str(root), *ALL_POINTS],
                           capture_output=True, text=True, timeout=900)
     return root, proc
 

@@ -17,11 +17,13 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 import hf_unified_ckpt
-from _runs import TokenDataset, build_model, make_args, reset_accelerate_state
+from support.env import reset_accelerate_state
+from support.models import TokenDataset, build_model
+from support.trainers import make_args
 from hf_unified_ckpt.errors import TrainingPreempted, UnsupportedCheckpointError
 from hf_unified_ckpt.store import read_bytes
-from parity import _Recorder
-from parity_trainers import hooked_trainer
+from support.parity import _Recorder
+from support.parity_trainers import hooked_trainer
 
 HOOK_FILES = ["before_base.txt", "extra_state.json"]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from _runs import train
+from support.paths import ROOT
+from support.trainers import train
 from hf_unified_ckpt.tools.cli import main as cli
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _info(path, capsys):

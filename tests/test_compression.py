@@ -17,8 +17,9 @@ import math
 import pytest
 import torch
 
-from _runs import resign, rewrite_tensor, train
-from conftest import torchrun
+from support.faults import resign, rewrite_tensor
+from support.trainers import train
+from support.launches import torchrun
 from hf_unified_ckpt.tools.cli import _info, main as cli_main
 from hf_unified_ckpt.format.codecs import (CHUNK, CODE_BOOKS, MomentCodec, ResidualCodec, count_ties, dequantize, quantize,
                                     rebuild_master, residual_of)
@@ -468,7 +469,8 @@ def test_training_continues_after_a_compressed_resume(engines):
 
 def test_a_compressed_checkpoint_resumes_in_one_process(engines, tmp_path):
     tmp, out = engines
-    from _runs import RecordAt, make_trainer
+    from support.callbacks import RecordAt
+    from support.trainers import make_trainer
 
     trainer = make_trainer(tmp_path / "single")
     at = RecordAt(trainer, 3)
@@ -511,7 +513,7 @@ def test_codec_metadata_that_disagrees_with_the_stored_codes_is_refused_before_a
     by a resume, before any moment is decoded (`dequantize` allocates what the metadata says)."""
     import shutil
 
-    from _runs import make_trainer
+    from support.trainers import make_trainer
     from hf_unified_ckpt.errors import CorruptCheckpointError
     from hf_unified_ckpt.format import codecs
 

@@ -13,8 +13,8 @@ allowed BF16_LOSS_RTOL = 1e-3 and BF16_STATE_ATOL = 4e-3 (one bf16 ulp at magnit
 import pytest
 import torch
 
-from _runs import run_spec
-from conftest import torchrun
+from support.specs import run_spec
+from support.launches import torchrun
 
 LOSS_RTOL = 1e-5
 STATE_ATOL = 1e-5
@@ -108,7 +108,7 @@ def test_deepspeed_resume_matches_uninterrupted(ds_matrix, cell):
 def test_deepspeed_checkpoint_is_unified_and_loads_with_from_pretrained(ds_matrix, stage):
     from transformers import AutoModelForCausalLM
 
-    from _runs import TokenDataset
+    from support.models import TokenDataset
     from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
     ckpt = ds_matrix["tmp"] / stage / "checkpoint-6"

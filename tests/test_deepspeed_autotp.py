@@ -1,13 +1,13 @@
 """Real DeepSpeed AutoTP (`tensor_parallel.autotp_size: 2` in the DeepSpeed config) through the plain Trainer on
 CPU with gloo: ZeRO-1 and ZeRO-2, 2 processes (TP=2) and 4 (TP=2 x data-parallel 2), fp32 and bf16, untied and
 tied embeddings; every AutoTP run asserts its linears really are AutoTP layers holding a slice
-(`_runs.assert_autotp`). AutoTP splits the Llama's q/k/v/gate/up/lm_head by rows (vocab 97: 49/48, intermediate
+(`support.states.assert_autotp`). AutoTP splits the Llama's q/k/v/gate/up/lm_head by rows (vocab 97: 49/48, intermediate
 37: 19/18) and o_proj/down_proj by columns; a tied embedding shares the vocabulary-parallel head's slice.
 
 Resume equivalence at each hop against the uninterrupted run of the engine that saved: the same topology is
 bit-exact; across engines and world sizes LOSS_RTOL = STATE_ATOL = 1e-5 (fp32) and 1e-3 / 4e-3 (bf16), as in
 test_tensor_parallel.py. DeepSpeed keeps AutoTP's process groups for the whole process, so each launch runs its
-DeepSpeed runs without AutoTP first (`_runs._reset_deepspeed_autotp`).
+DeepSpeed runs without AutoTP first (`support.env._reset_deepspeed_autotp`).
 """
 
 import math
@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from _runs import (assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches, hop_tag, loop_spec,
-                   run_spec, spec_of)
-from conftest import torchrun
+from support.specs import hop_tag, loop_spec, run_spec, spec_of
+from support.states import assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches
+from support.launches import torchrun
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
@@ -93,7 +93,7 @@ def test_autotp_trains_like_one_process(autotp_runs):
 def test_autotp_checkpoint_is_unified_and_records_the_mesh(autotp_runs, kind):
     """Full tensors by name (row and column slices put together), fp32 master weights and optimizer moments equal
     to DeepSpeed's own gathered state, and the mesh recorded. With `residual_master_weight` (and ties planted in
-    every tensor, `_runs.PlantTies`), the master weights are stored as the residual, each tie counted once although
+    every tensor, `support.callbacks.PlantTies`), the master weights are stored as the residual, each tie counted once although
     TP ranks hold copies of the replicated parameters, and rebuild bit for bit."""
     from safetensors import safe_open
 

@@ -7,14 +7,14 @@ and 10 overflow and are skipped, the scale doubles and halves), and the test che
 save, so a resume that restarted the scaler would skip other steps and fail.
 
 DeepSpeed's CPU accelerator reports fp16 as unsupported on CPUs without AVX512-FP16/AMX-FP16 (this one); the test
-worker lifts that check (`_runs.fp16_on_cpu`, test-only) so the fp16 code path runs as it does on a GPU.
+worker lifts that check (`support.env.fp16_on_cpu`, test-only) so the fp16 code path runs as it does on a GPU.
 """
 
 import pytest
 import torch
 
-from _runs import assert_resumed_matches
-from conftest import torchrun
+from support.states import assert_resumed_matches
+from support.launches import torchrun
 
 MAX_STEPS, SAVE_STEPS = 10, 2
 SAVED_AT = 4  # after the first overflow: scale 2^19, last overflow at iteration 3, hysteresis 1

@@ -16,7 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.paths import ROOT
+
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), ROOT / "bench" / "results" / "HISTORY.md"]
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)

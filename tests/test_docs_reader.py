@@ -1,4 +1,4 @@
-"""The on-disk format page is enough to read a checkpoint: `tests/format_reader.py`, written from `docs/format.md`
+"""The on-disk format page is enough to read a checkpoint: `tests/support/format_reader.py`, written from `docs/format.md`
 alone (json, zlib, safetensors, torch; nothing of the plugin), reads checkpoints the plugin wrote and gets the same
 tensors, `torch.equal` and of the same dtype, as the plugin's own reader (`ComponentReader`, codecs decoded):
 
@@ -16,19 +16,18 @@ import ast
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from _runs import train
-from conftest import kill_tree, torchrun_popen
-from format_reader import FormatError, UnsupportedFormat, optimizer_value, read_checkpoint
+from support.paths import ROOT, SUPPORT
+from support.trainers import train
+from support.launches import kill_tree, torchrun_popen
+from support.format_reader import FormatError, UnsupportedFormat, optimizer_value, read_checkpoint
 from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 from hf_unified_ckpt.errors import UnsupportedCheckpointError
 
-TESTS = Path(__file__).resolve().parent
-DOC = TESTS.parent / "docs" / "format.md"
+DOC = ROOT / "docs" / "format.md"
 #: What the independent reader may import (format.md: "Reference reader and tests").
 ALLOWED_IMPORTS = {"__future__", "json", "math", "os", "zlib", "dataclasses", "torch", "safetensors"}
 SMALL = {"max_steps": 2, "save_steps": 2}
@@ -93,7 +92,7 @@ def read_alike(folder):
 
 
 def test_the_reader_imports_nothing_of_the_plugin():
-    tree = ast.parse((TESTS / "format_reader.py").read_text())
+    tree = ast.parse((SUPPORT / "format_reader.py").read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}

@@ -6,8 +6,9 @@ a checkpoint without an EMA resumed with one says so once."""
 import pytest
 import torch
 
-from _runs import RecordWeights, make_trainer
-from conftest import torchrun
+from support.callbacks import RecordWeights
+from support.trainers import make_trainer
+from support.launches import torchrun
 from hf_unified_ckpt.tools.cli import _info, main as cli
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader

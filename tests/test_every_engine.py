@@ -14,8 +14,10 @@ test_resume_equivalence.py (measured ~1e-7, allowed LOSS_RTOL = STATE_ATOL = 1e-
 import pytest
 import torch
 
-from _runs import BEST, TokenDataset, assert_resumed_matches, run_spec
-from conftest import torchrun
+from support.models import TokenDataset
+from support.specs import BEST, run_spec
+from support.states import assert_resumed_matches
+from support.launches import torchrun
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5

@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from faulty_store import fail_with, faulty_store, injected, on, recording
+from support.faulty_store import fail_with, faulty_store, injected, on, recording
 from hf_unified_ckpt.store import (LocalPaths, MultipartUploads, PositionalWrites, Store, WritableMappings, join,
                                    put_bytes, read_bytes, store_for)
 

@@ -3,11 +3,10 @@ torchrun launches killed with SIGKILL, torchrun --max-restarts, two machines sim
 
 The memory folder is a fresh folder in /dev/shm (a tmpfs, as users have it); these runs hold a few MB there.
 Nothing fills /dev/shm (it is RAM): a full memory folder is an ENOSPC injected into the writes of memory
-checkpoints (`_runs.memory_full_from`). Tolerance when the world size changes: fp32 reduction order, as in
+checkpoints (`support.faults.memory_full_from`). Tolerance when the world size changes: fp32 reduction order, as in
 test_resume_equivalence.py (LOSS_RTOL = STATE_ATOL = 1e-5); the same engine and world size must be bit-exact.
 """
 
-import errno
 import os
 import shutil
 import signal
@@ -18,8 +17,10 @@ import uuid
 import pytest
 import torch
 
-from _runs import _wait_until, assert_loop_options, assert_resumed_matches, loop_spec, run_spec
-from conftest import torchrun, torchrun_machines, torchrun_popen
+from support.callbacks import _wait_until
+from support.specs import loop_spec, run_spec
+from support.states import assert_loop_options, assert_resumed_matches
+from support.launches import torchrun, torchrun_machines, torchrun_popen
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
 from hf_unified_ckpt.flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FILE, LOCK_FILE, RUN_FILE, SAVES,
@@ -543,7 +544,8 @@ def test_snapshots_of_tied_bf16_and_lora_models_go_straight_into_memory_files(tm
     """One process, memory_keep=1: every file of every save of a tied-embedding GPT-2 under bf16, and of a LoRA
     model, is copied straight into its memory file (no host buffer), the last save over step 2's files; the durable
     checkpoint verifies, and memory is freed at the end."""
-    from _runs import record_reuse, train
+    from support.records import record_reuse
+    from support.trainers import train
 
     with record_reuse() as reuse:
         train(tmp_path / "out", model_kind=kind, **{**FLASH, "unified_checkpoint_memory_dir": memory,
@@ -560,8 +562,9 @@ def test_a_snapshot_copied_into_memory_files_is_saved_elsewhere_when_memory_runs
     left, then memory runs out for one of its small files (ENOSPC): the save goes to output_dir, its tensor files
     written from the memory files' mappings (their folder already discarded). checkpoint-6 there verifies and holds
     the trained weights, bit for bit."""
-    from _runs import record_reuse, train
-    from faulty_store import fail_with, injected, no_space, on
+    from support.records import record_reuse
+    from support.trainers import train
+    from support.faulty_store import fail_with, injected, no_space, on
 
     def memory_state_of_six(call) -> bool:
         return memory in call.ref and "checkpoint-6" in call.ref and call.ref.endswith("trainer_state.json")

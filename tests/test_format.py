@@ -441,7 +441,7 @@ def test_small_files_are_written_while_the_tensors_are_and_a_failure_waits_for_t
     import threading
     import time
 
-    from faulty_store import fail_with, injected, no_space, on
+    from support.faulty_store import fail_with, injected, no_space, on
 
     import hf_unified_ckpt.checkpoint.save.persist as persist
 

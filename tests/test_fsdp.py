@@ -1,13 +1,15 @@
 """Real FSDP (FSDP2 `fully_shard` and FSDP1 FlatParameter) through the Trainer on CPU (gloo), with the test-only
-`fsdp_on_cpu` shim; every FSDP run asserts its parameters really are sharded (`_runs.assert_sharded`), so a
+`fsdp_on_cpu` shim; every FSDP run asserts its parameters really are sharded (`support.states.assert_sharded`), so a
 silent fallback to DDP fails. Tolerances as in test_resume_equivalence.py (fp32 reduction order: measured
 ~1e-7, allowed LOSS_RTOL = STATE_ATOL = 1e-5)."""
 
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, hop_tag, run_spec, spec_of
-from conftest import record_fault, torchrun
+from support.specs import hop_tag, run_spec, spec_of
+from support.states import assert_resumed_matches
+from support.faults import record_fault
+from support.launches import torchrun
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5
@@ -108,7 +110,7 @@ def test_cross_engine_chain(fsdp_runs, link):
 def test_fsdp_checkpoint_loads_with_from_pretrained(fsdp_runs, name):
     from transformers import AutoModelForCausalLM
 
-    from _runs import TokenDataset
+    from support.models import TokenDataset
 
     tmp, out = fsdp_runs
     ckpt = tmp / name / "checkpoint-6"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import ROOT
+
 sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 
 import run_all  # noqa: E402

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from _runs import train
+from support.paths import ROOT
+from support.trainers import train
 from hf_unified_ckpt.checkpoint.folder.files import file_crc32
 from hf_unified_ckpt.checkpoint.folder.manifest import verify_folder
 from hf_unified_ckpt.errors import CorruptCheckpointError, UnifiedCheckpointError
 from hf_unified_ckpt.tools.cli import main as cli
 
-ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = "unified_checkpoint.json"
 
 

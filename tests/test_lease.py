@@ -19,14 +19,15 @@ from hf_unified_ckpt.checkpoint.folder.lease import Lease, lease_name
 from hf_unified_ckpt.errors import OutputDirInUseError
 from hf_unified_ckpt.options import LeaseOptions
 from hf_unified_ckpt.store.node import Process, start_ticks
+from support.paths import WORKERS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = str(WORKERS / "lease_worker.py")
 
 
 def _holder(root, tmp_path, seconds=None) -> subprocess.Popen:
     """A process of its own holding the lease of `root` (for `seconds`, or until killed)."""
     ready = tmp_path / f"ready-{time.monotonic_ns()}"
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "lease_worker.py"), "hold", str(root), str(ready),
+    proc = subprocess.Popen([sys.executable, WORKER, "hold", str(root), str(ready),
                              *([str(seconds)] if seconds is not None else [])])
     deadline = time.monotonic() + 120
     while not ready.exists():
@@ -65,7 +66,7 @@ def test_a_second_job_is_refused_before_its_first_step_and_a_dead_ones_lease_is_
     """A live process holds the lease: train() raises OutputDirInUseError before its first step, naming that
     process's host, pid and start time and the ways out, and writes nothing. Killed (its lease left behind, its pid
     dead), the next train() takes the lease over, holds it while it trains, and gives it back at the end."""
-    from _runs import make_trainer
+    from support.trainers import make_trainer
 
     out = tmp_path / "out"
     holder = _holder(out, tmp_path)
@@ -174,7 +175,7 @@ def test_a_save_over_a_symlinked_checkpoint_replaces_the_link_and_never_removes_
     """Item 11: checkpoint-2 is a symbolic link to a folder elsewhere. Saving step 2 again commits a real
     checkpoint-2 and returns (no `OSError: Cannot call rmtree on a symbolic link`); the link's target is left as it
     was. Rotation removes a symlinked checkpoint as a link, never its target."""
-    from _runs import make_trainer
+    from support.trainers import make_trainer
     from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
     from hf_unified_ckpt.checkpoint.folder.retention import rotate_checkpoints
 
@@ -202,7 +203,7 @@ def test_two_jobs_started_together_one_runs_the_other_is_refused_never_a_torn_co
     from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
 
     races = 20
-    jobs = [subprocess.Popen([sys.executable, os.path.join(HERE, "lease_worker.py"), "train", str(tmp_path),
+    jobs = [subprocess.Popen([sys.executable, WORKER, "train", str(tmp_path),
                               str(races)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]
     try:

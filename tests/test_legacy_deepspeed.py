@@ -14,8 +14,9 @@ import shutil
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, run_spec
-from conftest import torchrun
+from support.specs import run_spec
+from support.states import assert_resumed_matches
+from support.launches import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
 from hf_unified_ckpt.errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
@@ -250,7 +251,7 @@ def test_a_partition_file_that_pickles_code_is_refused_unless_the_folder_is_trus
     the global, the file and the opt-in; nothing runs, nothing is written, the run's other checkpoints stay as they
     were. Trusted (`--trust-pickles`, `trust_pickles`), it is unpickled whole, as DeepSpeed would: the code runs and
     the folder converts and resumes."""
-    from hostile import WritesMarker, refused_unless_trusted
+    from support.hostile import WritesMarker, refused_unless_trusted
 
     run, marker = tmp_path / "run", tmp_path / "marker"
     shutil.copytree(legacy[0] / "z2" / "checkpoint-3", run / "checkpoint-3")
@@ -270,7 +271,7 @@ def test_files_deepspeed_alone_would_unpickle_are_vetted_before_it_loads_the_fol
     opens whole, MoE experts' files included, which this library's reader never opens: every `.pt` file of the step
     folder is checked first, statically (nothing runs), and one that pickles code is refused naming it and the
     opt-in; a clean folder passes, and a trusted one is left to DeepSpeed."""
-    from hostile import WritesMarker
+    from support.hostile import WritesMarker
 
     from hf_unified_ckpt.legacy import open_legacy
 

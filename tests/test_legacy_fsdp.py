@@ -9,8 +9,9 @@ import shutil
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, run_spec
-from conftest import torchrun
+from support.specs import run_spec
+from support.states import assert_resumed_matches
+from support.launches import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
@@ -116,7 +117,7 @@ def test_a_dcp_metadata_file_that_pickles_code_is_refused_unless_the_folder_is_t
     runs it and the folder converts."""
     import pickle
 
-    from hostile import WritesMarker, refused_unless_trusted
+    from support.hostile import WritesMarker, refused_unless_trusted
 
     run, marker = tmp_path / "run", tmp_path / "marker"
     shutil.copytree(legacy[0] / "f2sharded" / "checkpoint-3", run / "checkpoint-3")

@@ -13,8 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _runs import assert_resumed_matches, build_model, run_spec
-from conftest import torchrun
+from support.models import build_model
+from support.specs import run_spec
+from support.states import assert_resumed_matches
+from support.launches import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
 from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import torchrun
+from support.launches import torchrun
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 BF16 = {"bf16": True}

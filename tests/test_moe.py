@@ -2,7 +2,7 @@
 `save_pretrained`), under every engine, on 1 and 2 real ranks (gloo, CPU): one launch of 2 processes, the
 single-process runs in this process.
 
-Models (`_runs.MOE`, built locally): Qwen3-MoE (also with tied embeddings, saved alone, resumed under FSDP2) (5 experts: 3 + 2 FSDP2 rows at 2 ranks, and every ZeRO partition
+Models (`support.models.MOE`, built locally): Qwen3-MoE (also with tied embeddings, saved alone, resumed under FSDP2) (5 experts: 3 + 2 FSDP2 rows at 2 ranks, and every ZeRO partition
 boundary cuts an expert), the same with square experts (intermediate = hidden: conversions that decide a
 transposition by comparing shapes, transformers #47031), Qwen3-MoE loaded with `from_pretrained` from the
 per-expert files `save_pretrained` wrote (under ZeRO-3: partitioned at load by zero.Init, with accelerate's MoE
@@ -26,9 +26,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _runs import (MOE, assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches, build_model,
-                   loop_spec, run_spec)
-from conftest import torchrun
+from support.models import MOE, build_model
+from support.specs import loop_spec, run_spec
+from support.states import assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches
+from support.launches import torchrun
 
 LOSS_RTOL = STATE_ATOL = 1e-5
 BF16_LOSS_RTOL, BF16_STATE_ATOL = 5e-3, 8e-3
@@ -282,7 +283,7 @@ def test_a_conversion_that_interleaves_is_refused_in_train_before_the_first_step
     tensor and the model type, before anything trains; nothing is written."""
     from transformers.core_model_loading import Interleave, WeightConverter
 
-    from _runs import make_trainer
+    from support.trainers import make_trainer
     from hf_unified_ckpt.errors import UnsupportedCheckpointError
 
     trainer = make_trainer(tmp_path / "run")

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs import assert_resumed_matches, train
-from conftest import record_fault, torchrun_machines
+from support.states import assert_resumed_matches
+from support.trainers import train
+from support.faults import record_fault
+from support.launches import torchrun_machines
 from hf_unified_ckpt.errors import CorruptCheckpointError
 from hf_unified_ckpt.checkpoint.folder.manifest import read_manifest
 

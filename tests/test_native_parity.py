@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from conftest import torchrun
-from parity import run_pair
+from support.launches import torchrun
+from support.parity import run_pair
 
 BEST = dict(max_steps=6, save_steps=2, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True)
 HIGHER = dict(BEST, greater_is_better=True)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from _runs import train
+from support.trainers import train
 from hf_unified_ckpt.checkpoint.folder.layout import DEEPSPEED, UNIFIED
 from hf_unified_ckpt.checkpoint.load.placement import Placement, Sighting, judge
 from hf_unified_ckpt.checkpoint.folder.manifest import MANIFEST_NAME, read_manifest

@@ -22,13 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs import THREADS, assert_resumed_matches
+from support.paths import WORKERS
+from support.env import THREADS
+from support.states import assert_resumed_matches
 from hf_unified_ckpt import detect_layout
 from hf_unified_ckpt.checkpoint.folder.layout import UNIFIED
 
 pytestmark = pytest.mark.dist
 
-TESTS = Path(__file__).resolve().parent
 MAX_STEPS, SAVE_STEPS = 8, 3
 GRACE = 30.0  # torchrun's SIGTERM-to-SIGKILL wait, the default preemption_grace_period
 
@@ -38,7 +39,7 @@ def launch(name: str, runs: list[dict], workdir: Path, nproc: int = 2) -> subpro
     spec.write_text(json.dumps({"name": name, "runs": runs}))
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(TESTS / "preempt_worker.py"), str(spec)]
+           str(WORKERS / "preempt_worker.py"), str(spec)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -311,7 +312,8 @@ def test_zero3_preempted_mid_step_resumes_exactly(tmp_path):
 def test_a_preemption_checkpoint_of_two_ranks_resumes_on_one_process(caught, tmp_path):
     """The checkpoint saved on preemption is an ordinary unified one: resumed at another world size (DDP × 2 → one
     process, the global batch kept), it follows the uninterrupted run within fp32 reduction-order differences."""
-    from _runs import final_state, losses_of, make_trainer
+    from support.states import final_state
+    from support.trainers import losses_of, make_trainer
 
     step = result(caught, "mid_step")["preempted"]["step"]
     trainer = make_trainer(tmp_path / "one", max_steps=MAX_STEPS, save_steps=SAVE_STEPS)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from _runs import make_trainer
+from support.trainers import make_trainer
 from hf_unified_ckpt import TrainingPreempted, UnifiedCheckpointArguments
 from hf_unified_ckpt.errors import UnsupportedCheckpointError
 from hf_unified_ckpt.preemption.requeue import requeue, requeue_command
@@ -252,7 +252,8 @@ def test_a_vote_that_arrives_as_its_timed_wait_runs_out_is_taken_not_a_lost_peer
 def test_preempted_then_resumed_equals_the_uninterrupted_run(tmp_path, kind, extra):
     """What users run: a tied-embedding model, a LoRA adapter, bf16 autocast; preempted mid-step 3 and resumed with
     "auto" in a new Trainer, the weights equal the uninterrupted run's bit for bit (one process, same threads)."""
-    from _runs import final_state, losses_of
+    from support.states import final_state
+    from support.trainers import losses_of
 
     reference = make_trainer(tmp_path / "reference", kind, max_steps=6, save_steps=4, **extra)
     reference.train()

@@ -5,7 +5,7 @@ Each test trains a recipe for 6 steps with a unified checkpoint every 3 (that ru
 baseline), resumes checkpoint-3 on another engine and/or number of processes with the same global batch
 (per-device batch x processes), checks that the resumed losses of steps 4-6 and the final weights match the
 baseline's, and loads the final checkpoint for inference (`from_pretrained`, or `PeftModel.from_pretrained` on the
-same tiny base model for LoRA) and generates. FSDP runs go through tests/recipe_runner.py, which keeps FSDP on CPU
+same tiny base model for LoRA) and generates. FSDP runs go through tests/support/workers/recipe_runner.py, which keeps FSDP on CPU
 (accelerate would silently run DDP) and asserts that the model was really sharded; the recipes run unchanged.
 
 Tolerance: the number of processes or the engine changes the fp32 reduction order (measured about 1e-7), so as in
@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs import THREADS
-from conftest import _free_port
+from support.paths import ROOT, WORKERS
+from support.env import THREADS
+from support.launches import _free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "examples" / "recipes"
-RUNNER = ROOT / "tests" / "recipe_runner.py"
+RUNNER = WORKERS / "recipe_runner.py"
 RUNNER_CHECK_LINE = "recipe_runner: FSDP sharded the model"
 LOSS_RTOL = STATE_ATOL = 1e-5
 GLOBAL_BATCH = 8  # per_device_train_batch_size 4 in the YAMLs x 2 processes

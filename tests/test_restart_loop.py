@@ -22,8 +22,8 @@ import time
 import pytest
 import torch
 
-from _runs import assert_resumed_matches
-from conftest import torchrun, torchrun_popen
+from support.states import assert_resumed_matches
+from support.launches import torchrun, torchrun_popen
 from test_flash import SPLIT, _kill_launcher_and_workers, _persisters, _spec, run_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]

@@ -23,10 +23,11 @@ import time
 import pytest
 import torch
 
-from _runs import THREADS, build_model
-from mapped_files import tensors_in_files
+from support.paths import WORKERS
+from support.env import THREADS
+from support.models import build_model
+from support.mapped_files import tensors_in_files
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.dist  # launches torchrun
@@ -36,7 +37,7 @@ def test_nothing_loaded_on_resume_stays_in_a_checkpoint_file(tmp_path):
     cases = ["ddp-ema", "zero3-bf16", "fsdp2"]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(TESTS, "owned_worker.py"), str(tmp_path), *cases],
+                           str(WORKERS / "owned_worker.py"), str(tmp_path), *cases],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     for case in cases:

@@ -12,8 +12,8 @@ makes). Same topology must be bit-exact.
 import pytest
 import torch
 
-from _runs import run_spec
-from conftest import torchrun
+from support.specs import run_spec
+from support.launches import torchrun
 
 LOSS_RTOL = 1e-5
 STATE_ATOL = 1e-5

@@ -17,14 +17,14 @@ the rule, the cache, the halos and the bench's rows, and one broken run both fal
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import torchrun
+from support.paths import ROOT
+from support.launches import torchrun
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 O1 = {"ckpt_quant_stage": "O1"}
 ENGINES = {"z2": {"zero": 2}, "z3": {"zero": 3, "overrides": O1}, "f2": {"fsdp": 2}}

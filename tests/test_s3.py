@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 
-from _runs import BEST, assert_resumed_matches, loop_spec, run_spec
-from conftest import torchrun
+from support.specs import BEST, loop_spec, run_spec
+from support.states import assert_resumed_matches
+from support.launches import torchrun
 from hf_unified_ckpt.checkpoint.folder.manifest import MANIFEST_NAME
 from hf_unified_ckpt.format.parts import VERIFY_BLOCK
 from hf_unified_ckpt.store import join, listing, read_bytes, store_for
@@ -149,7 +150,7 @@ def test_best_model_rotation_and_save_model_with_the_bucket(runs):
 
 
 def _single_trainer(tmp_path, storage, **overrides):
-    from _runs import make_trainer
+    from support.trainers import make_trainer
 
     return make_trainer(tmp_path / "out", "llama", unified_checkpoint_storage=storage, **overrides)
 
@@ -157,7 +158,7 @@ def _single_trainer(tmp_path, storage, **overrides):
 def test_unwritable_storage_is_refused_before_the_first_step(s3_bucket, tmp_path, monkeypatch):
     """Read-only credentials and a missing bucket are refused by train() before anything trains; the error names
     the URL and what to check, never a secret."""
-    from s3_server import READ_ONLY_KEY, READ_ONLY_SECRET, SECRET_KEY
+    from support.s3_server import READ_ONLY_KEY, READ_ONLY_SECRET, SECRET_KEY
 
     from hf_unified_ckpt.errors import UnsupportedCheckpointError
 
@@ -187,7 +188,7 @@ def test_unwritable_storage_is_refused_before_the_first_step(s3_bucket, tmp_path
     ("gs://bucket/run", "not supported yet: only s3://"), ("az://container/run", "not supported yet"),
 ])
 def test_bad_storage_urls_are_refused_when_the_arguments_are_built(value, words, tmp_path):
-    from _runs import make_args
+    from support.trainers import make_args
 
     with pytest.raises(ValueError, match=words) as e:
         make_args(tmp_path, unified_checkpoint_storage=value)
@@ -197,7 +198,7 @@ def test_bad_storage_urls_are_refused_when_the_arguments_are_built(value, words,
 @pytest.mark.dist
 def test_no_credential_is_written_anywhere(runs, s3_server):
     """The access key and secret appear in no object of the bucket (training_args.bin included)."""
-    from s3_server import ACCESS_KEY, SECRET_KEY
+    from support.s3_server import ACCESS_KEY, SECRET_KEY
 
     _, bucket, _ = runs
     store = store_for(bucket)
@@ -239,7 +240,7 @@ def faulty(s3_server, s3_session_bucket):
     """(run prefix, proxy): a store registered as `s3faulty://` that talks to the real server through the proxy."""
     import uuid
 
-    from s3_faults import FaultyProxy
+    from support.s3_faults import FaultyProxy
 
     from hf_unified_ckpt.store import S3Store, register_store
 
@@ -299,9 +300,9 @@ def _same(a, b):
 
 
 def test_throttling_and_dropped_connections_are_retried(faulty):
-    from s3_faults import Fault
+    from support.s3_faults import Fault
 
-    from conftest import record_fault
+    from support.faults import record_fault
 
     run, proxy = faulty
     record_fault("S3 503 SlowDown and dropped connections", survived=False)
@@ -319,9 +320,9 @@ def test_throttling_and_dropped_connections_are_retried(faulty):
 
 
 def test_a_part_that_keeps_failing_fails_the_save_naming_it_and_commits_nothing(faulty):
-    from s3_faults import Fault
+    from support.s3_faults import Fault
 
-    from conftest import record_fault
+    from support.faults import record_fault
     from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
     from hf_unified_ckpt.errors import UnifiedCheckpointError
 
@@ -358,7 +359,8 @@ def test_killed_upload_is_never_picked_and_resume_is_exact(runs, tmp_path):
     checkpoint-3 bit-exactly like the uninterrupted run, and its first save aborts the uploads the kill left."""
     import time
 
-    from conftest import kill_tree, record_fault, torchrun_popen
+    from support.faults import record_fault
+    from support.launches import kill_tree, torchrun_popen
     from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 
     _, bucket, out = runs
@@ -397,7 +399,7 @@ def test_resume_reads_only_what_it_loads_and_checks_it(s3_bucket):
     what it loads, and a damaged block is refused by name. The `verify` command still reads everything."""
     from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
     from hf_unified_ckpt.errors import CorruptCheckpointError
-    from faulty_store import injected, recording
+    from support.faulty_store import injected, recording
 
     model, opt = _fault_model()
     final = _save_to(join(s3_bucket, "checkpoint-1"), model, opt, 1)
@@ -455,7 +457,7 @@ def three_ranks(tmp_path_factory, s3_session_bucket):
     """One launch of 3 ranks, tiny GPT-2 under ZeRO-3, one step and one save each: every file is below a part, so
     each is uploaded by the rank holding most of it and the other two hand their bytes over. "counted" records per
     rank and file the bytes received against the plan's; in "unreadable" rank 1 cannot produce its bytes (every rank
-    must see the save fail: `_runs._refused` checks the error on each)."""
+    must see the save fail: `support.specs._refused` checks the error on each)."""
     import uuid
 
     bucket = join(s3_session_bucket, f"three-{uuid.uuid4().hex[:8]}")
@@ -529,7 +531,7 @@ def test_a_rank_that_cannot_send_its_bytes_fails_the_save_on_every_rank(three_ra
     (the receivers did not fail over the missing bytes), and nothing is committed or left uploading."""
     import re
 
-    from conftest import record_fault
+    from support.faults import record_fault
     from hf_unified_ckpt.checkpoint.folder.layout import newest_complete
 
     name = "a rank's hand-over bytes unreadable (bucket, 3 ranks)"

@@ -24,9 +24,9 @@ from torch import nn
 
 import hf_unified_ckpt.checkpoint.save.saving as save_module
 import hf_unified_ckpt.store.local as local_store_module
-from _runs import THREADS, pin_threads
-from conftest import record_fault
-from faulty_store import injected, recording
+from support.env import THREADS, pin_threads
+from support.faults import record_fault
+from support.faulty_store import injected, recording
 from hf_unified_ckpt.checkpoint.write.aggregating import AggregatingWriter
 from hf_unified_ckpt.checkpoint.save.async_save import AsyncSaver
 from hf_unified_ckpt.engines.replicated import ReplicatedEngine

@@ -1,7 +1,7 @@
 """Real tensor parallelism (transformers' TP plan: `from_pretrained(..., distributed_config=DistributedConfig(...))`,
 DTensor parameters, colwise Shard(0) and rowwise Shard(1) linears, a vocab-parallel embedding) through the Trainer
 on CPU with gloo, at 2 processes (TP=2) and 4 (FSDP2 x TP, 2 x 2), fp32 and bf16 (autocast), with the test-only
-`tp_on_cpu` shim; every TP run asserts its linears really are sharded (`_runs.assert_tensor_parallel`).
+`tp_on_cpu` shim; every TP run asserts its linears really are sharded (`support.states.assert_tensor_parallel`).
 
 Resume equivalence at each hop against the uninterrupted run of the engine that saved: TP=2 -> TP=2 is bit-exact
 (same reduction order); across engines and world sizes the fp32 reduction order changes (measured ~1e-7), allowed
@@ -12,9 +12,9 @@ Sizes do not divide evenly (vocab 97, intermediate 37).
 import pytest
 import torch
 
-from _runs import (assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches, hop_tag, loop_spec,
-                   run_spec, spec_of)
-from conftest import torchrun
+from support.specs import hop_tag, loop_spec, run_spec, spec_of
+from support.states import assert_from_pretrained_equals, assert_loop_options, assert_resumed_matches
+from support.launches import torchrun
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 LOSS_RTOL = STATE_ATOL = 1e-5

@@ -9,7 +9,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_unified_ckpt
-from _runs import TokenDataset, build_model, final_state, losses_of, make_args, reset_accelerate_state, train
+from support.env import reset_accelerate_state
+from support.models import TokenDataset, build_model
+from support.states import final_state
+from support.trainers import losses_of, make_args, train
 from hf_unified_ckpt.errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 

@@ -9,7 +9,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import hf_unified_ckpt
-from _runs import build_model, final_state, reset_accelerate_state
+from support.env import reset_accelerate_state
+from support.models import build_model
+from support.states import final_state
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 
 WORDS = [f"w{i}" for i in range(90)]

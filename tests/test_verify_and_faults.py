@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import hf_unified_ckpt.checkpoint.folder.safetensors_io as sio
-from _runs import make_trainer, resign, rewrite_tensor, train
-from conftest import torchrun
+from support.faults import resign, rewrite_tensor
+from support.trainers import make_trainer, train
+from support.launches import torchrun
 from hf_unified_ckpt.tools.cli import main as cli
 from hf_unified_ckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
@@ -199,7 +200,7 @@ def test_a_small_file_that_pickles_code_is_refused_by_name(ckpt, name, tmp_path,
     """A `scheduler.pt` or `rng_state_0.pth` holding a pickle whose unpickling runs code (it writes a marker file),
     its manifest record re-signed as a forger would: the resume unpickles it with `weights_only` while it checks the
     folder, refusing it before any tensor is read with an error that names the file and the global; nothing runs."""
-    from hostile import WritesMarker
+    from support.hostile import WritesMarker
 
     marker = tmp_path / "marker"
     state = torch.load(ckpt / name, weights_only=False)

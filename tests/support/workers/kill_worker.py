@@ -1,5 +1,5 @@
 """Train 9 steps saving at 3 and 6; die (os._exit, no clean-up: what SIGKILL leaves) at POINT during the
-step-6 save, once per POINT, each run in ROOT/POINT:   python tests/kill_worker.py ROOT POINT [POINT ...]
+step-6 save, once per POINT, each run in ROOT/POINT:   python tests/support/workers/kill_worker.py ROOT POINT [POINT ...]
 
 The training stack is imported once; each run is a child process forked from this one (nothing has trained here and
 no process group exists), so each dies alone; its exit status is written to ROOT/POINT.status."""
@@ -8,11 +8,12 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(__file__, "..", "..", "..")))  # tests/: `import support.x`
 
 import hf_unified_ckpt.store.local as local_store  # noqa: E402
-from _runs import freeze_imports, train  # noqa: E402
-from faulty_store import KILLED, Call, die, injected, nth, on  # noqa: E402
+from support.env import freeze_imports  # noqa: E402
+from support.trainers import train  # noqa: E402
+from support.faulty_store import Call, KILLED, die, injected, nth, on  # noqa: E402
 
 #: A reference inside the step-6 save's staging folder (not the Trainer hook files' `.checkpoint-6.hooks.` one).
 IN_SAVE = re.compile(r"/\.checkpoint-6\.(?!hooks\.)[^/]*/(?P<name>[^/]+)$")

@@ -1,6 +1,6 @@
 """torchrun worker for the preemption tests: the runs of a JSON spec, one after another in this launch.
 
-    torchrun --standalone --nproc_per_node N tests/preempt_worker.py spec.json
+    torchrun --standalone --nproc_per_node N tests/support/workers/preempt_worker.py spec.json
 
 A run is {"output_dir", "phase", "signal_ranks", "signals", "resume", "zero", "overrides", "result", "exit",
 "slow_steps", "progress", "vote_every"} (the ranks' voting interval, fixed: 1 by default, 0 for the measured one). `phase` says where the test sends the signals to this process (a real `os.kill`, caught
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(__file__, "..", "..", "..")))  # tests/: `import support.x`
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -27,8 +27,10 @@ import hf_unified_ckpt.checkpoint.save.persist as persist  # noqa: E402
 import hf_unified_ckpt.preemption.watch as preemption  # noqa: E402
 import hf_unified_ckpt.dist as plugin_dist  # noqa: E402
 import hf_unified_ckpt.trainer.session as session  # noqa: E402
-from _runs import (TokenDataset, disable_deepspeed_jit, free_process_group_users, freeze_imports, losses_of, make_trainer, record,  # noqa: E402
-                   zero_config)
+from support.env import disable_deepspeed_jit, free_process_group_users, freeze_imports  # noqa: E402
+from support.models import TokenDataset  # noqa: E402
+from support.states import record  # noqa: E402
+from support.trainers import losses_of, make_trainer, zero_config  # noqa: E402
 from hf_unified_ckpt import TrainingPreempted  # noqa: E402
 
 

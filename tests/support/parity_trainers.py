@@ -139,7 +139,7 @@ def build_trainer(kind: str, recorder, model, training_args, train_set, eval_set
                                                train_dataset=Dataset.from_dict({"text": texts}),
                                                processing_class=local_tokenizer())
     if kind == "dpo":
-        from _runs import build_model
+        from support.models import build_model
         from trl import DPOTrainer
         pref = Dataset.from_dict({"prompt": texts[:24], "chosen": texts[24:], "rejected": texts[:24][::-1]})
         return recording(DPOTrainer, recorder)(model=model, ref_model=build_model("llama", seed=1), args=training_args,

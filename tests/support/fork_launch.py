@@ -1,12 +1,12 @@
-"""The tests' launcher of multi-rank runs: what `torchrun --standalone --nproc_per_node N tests/dist_worker.py spec`
+"""The tests' launcher of multi-rank runs: what `torchrun --standalone --nproc_per_node N tests/support/workers/dist_worker.py spec`
 does for a worker, without each worker importing the training stack again.
 
-    python tests/fork_launch.py N spec.json          # one launch
-    python tests/fork_launch.py --serve SOCKET PID   # a server of launches for process PID (conftest.torchrun's)
+    python tests/support/fork_launch.py N spec.json          # one launch
+    python tests/support/fork_launch.py --serve SOCKET PID   # a server of launches for process PID (support.launches.torchrun's)
 
 Every worker of a torchrun launch imports torch, transformers' Trainer, accelerate, DeepSpeed and PEFT: about 6.5 s
 per process on the 2-core VM, the larger part of a launch of a few short runs. Here one process imports them once
-(`_runs.freeze_imports`), then forks the N ranks. With `--serve`, that process stays (one per test session) and
+(`support.env.freeze_imports`), then forks the N ranks. With `--serve`, that process stays (one per test session) and
 forks a launcher per request, which forks the ranks: a launch then starts in a fraction of a second.
 
 Each rank is a real process with its own interpreter state from the fork on, in a session of its own, with the
@@ -16,7 +16,7 @@ the store hosted by the launcher as torchrun's agent hosts it: `TORCHELASTIC_USE
 stops the others (SIGTERM, SIGKILL after `GRACE` s) and exits with that rank's status.
 
 What is torchrun's own (restarts, its signal forwarding, kills of the launcher) is tested with torchrun itself
-(`conftest.torchrun(..., launcher_args=...)`, `torchrun_popen`, `torchrun_machines`, the recipes' launchers).
+(`support.launches.torchrun(..., launcher_args=...)`, `torchrun_popen`, `torchrun_machines`, the recipes' launchers).
 `HF_UC_TEST_LAUNCHER=torchrun` sends every launch to torchrun.
 """
 
@@ -30,10 +30,10 @@ import sys
 import time
 import uuid
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: `import support.x`
 
-import dist_worker  # noqa: E402  (torch)
-from _runs import freeze_imports  # noqa: E402
+from support.workers import dist_worker  # noqa: E402  (torch)
+from support.env import freeze_imports  # noqa: E402
 
 #: Seconds between the SIGTERM and the SIGKILL of the ranks still running after one failed.
 GRACE = 5.0

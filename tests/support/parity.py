@@ -10,7 +10,7 @@ A scenario is a dict: `model` ("llama", "gpt2", "lora", "regression", "growing")
 in `on_save`; `wait` first calls `hf_unified_ckpt.wait_for_saves()`), `trainer` (`parity_trainers.py`: "plain",
 "sft", "dpo", "grpo", or "hooked", a user's subclass with its own `_save_checkpoint` and load hooks).
 
-Every run computes with `_runs.THREADS` threads, so both runs of a scenario round alike.
+Every run computes with `support.env.THREADS` threads, so both runs of a scenario round alike.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from _runs import (TokenDataset, build_model, disable_deepspeed_jit, final_state, fsdp_args, fsdp_on_cpu, make_args,
-                   reset_accelerate_state, zero_config, assert_sharded)
-from parity_trainers import TRL_ARGS, build_trainer, checkpoint_files, config_class, model_card
+from support.env import disable_deepspeed_jit, fsdp_on_cpu, reset_accelerate_state
+from support.models import TokenDataset, build_model
+from support.states import assert_sharded, final_state
+from support.trainers import fsdp_args, make_args, zero_config
+from support.parity_trainers import TRL_ARGS, build_trainer, checkpoint_files, config_class, model_card
 
 #: Log keys that measure time, not training: never compared.
 TIMING = ("runtime", "per_second", "step_time")
@@ -137,7 +139,7 @@ def _read_on_save(recorder: _Recorder, wait: bool):
 
 
 def _sharded_while_training(holder: dict):
-    """FSDP really sharded the model (`_runs.assert_sharded`), checked at the first step of each run."""
+    """FSDP really sharded the model (`support.states.assert_sharded`), checked at the first step of each run."""
     from transformers import TrainerCallback
 
     class Sharded(TrainerCallback):

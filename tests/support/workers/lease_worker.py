@@ -1,8 +1,8 @@
 """A job for the output_dir lease tests, in a process of its own.
 
-    python tests/lease_worker.py hold ROOT READY [SECONDS]   take the lease of ROOT (as `train()` does), touch READY,
+    python tests/support/workers/lease_worker.py hold ROOT READY [SECONDS]   take the lease of ROOT (as `train()` does), touch READY,
                                                               hold it SECONDS (forever by default), then give it back
-    python tests/lease_worker.py train ROOT RACES            RACES times: build a Trainer on ROOT/race-I, touch
+    python tests/support/workers/lease_worker.py train ROOT RACES            RACES times: build a Trainer on ROOT/race-I, touch
                                                               ROOT/ready-I-<pid>, wait for ROOT/go-I, train 4 steps
                                                               saving each; prints RACE I RAN or RACE I REFUSED <message>
 """
@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(__file__, "..", "..", "..")))  # tests/: `import support.x`
 
 
 def _wait_for(path: str) -> None:
@@ -31,7 +31,8 @@ def hold(root: str, ready: str, seconds: float | None) -> None:
 
 def train(root: str, races: int) -> None:
     """Race `races` times: build a Trainer on ROOT/race-I, touch ROOT/ready-I-<pid>, wait for ROOT/go-I, train."""
-    from _runs import make_trainer, pin_threads
+    from support.env import pin_threads
+    from support.trainers import make_trainer
     from hf_unified_ckpt.errors import OutputDirInUseError
 
     pin_threads()

@@ -28,7 +28,7 @@ def refused_unless_trusted(run: Path, hostile: Path, marker: Path, out: Path, ca
     """The checks both legacy engines' malicious-pickle tests make of `run/checkpoint-3`, whose file `hostile`
     writes `marker` when unpickled: `convert` and a one-process resume refuse it, naming the global, the file and
     both opt-ins; nothing runs, `out` is not written, `run` is unchanged; `convert --trust-pickles` runs it."""
-    from _runs import run_spec
+    from support.specs import run_spec
 
     from hf_unified_ckpt.tools.cli import main as cli
 

@@ -1,13 +1,13 @@
 """Test helper: run a recipe script unchanged with FSDP really applied on CPU, and check it was.
 
-    torchrun --standalone --nproc_per_node 2 tests/recipe_runner.py examples/recipes/dpo.py --config ... \
+    torchrun --standalone --nproc_per_node 2 tests/support/workers/recipe_runner.py examples/recipes/dpo.py --config ... \
         --fsdp "full_shard auto_wrap" --fsdp_config '{...}'
-    accelerate launch --config_file configs/accelerate/fsdp2.yaml tests/recipe_runner.py examples/recipes/sft.py ...
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml tests/support/workers/recipe_runner.py examples/recipes/sft.py ...
 
 accelerate applies FSDP only on GPUs and silently trains with DDP on CPU (DESIGN.md section 5). This runner enters
-the test-only shim `_runs.fsdp_on_cpu()` (FSDP kept as configured, device cpu), wraps `transformers.Trainer.train`
+the test-only shim `support.env.fsdp_on_cpu()` (FSDP kept as configured, device cpu), wraps `transformers.Trainer.train`
 in this process only so that, when training ends and before the recipe leaves the process group, every rank asserts
-that the model really is sharded (`_runs.assert_sharded`: DTensor parameters, fewer local elements than the model
+that the model really is sharded (`support.states.assert_sharded`: DTensor parameters, fewer local elements than the model
 has), and then runs the recipe as `__main__` with the remaining arguments. Rank 0 prints RUNNER_CHECK_LINE once the
 check passed, so a test can tell the check ran.
 """
@@ -18,9 +18,10 @@ import os
 import runpy
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(__file__, "..", "..", "..")))  # tests/: `import support.x`
 
-from _runs import assert_sharded, freeze_imports, fsdp_on_cpu  # noqa: E402
+from support.env import freeze_imports, fsdp_on_cpu  # noqa: E402
+from support.states import assert_sharded  # noqa: E402
 
 RUNNER_CHECK_LINE = "recipe_runner: FSDP sharded the model"
 

@@ -1,6 +1,6 @@
 """torchrun worker: run the Trainer runs listed in a JSON spec, one after another in this launch.
 
-    torchrun --standalone --nproc_per_node N tests/dist_worker.py spec.json
+    torchrun --standalone --nproc_per_node N tests/support/workers/dist_worker.py spec.json
 
 The spec is {"runs": [...], "deterministic": bool}; each run is {"output_dir", "model", "optim", "resume", "overrides", "result"}; rank 0 saves the run's record
 (losses, final weights, optimizer state) with torch.save to "result".
@@ -10,17 +10,18 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(__file__, "..", "..", "..")))  # tests/: `import support.x`
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _runs import free_process_group_users, freeze_imports, run_spec  # noqa: E402
+from support.env import free_process_group_users, freeze_imports  # noqa: E402
+from support.specs import run_spec  # noqa: E402
 
 
 def run_parity(run: dict, world: int) -> dict:
     """A native-parity scenario (`parity.py`): natively, then with the plugin, in `run["output_dir"]`."""
-    from parity import run_pair
+    from support.parity import run_pair
 
     return run_pair(run["parity"], run["output_dir"], world)
 

@@ -1,6 +1,6 @@
 """torchrun worker (issue 47): after a resume's load, nothing training keeps lies in a checkpoint file.
 
-    torchrun --standalone --nproc_per_node 2 tests/owned_worker.py ROOT CASE [CASE ...]
+    torchrun --standalone --nproc_per_node 2 tests/support/workers/owned_worker.py ROOT CASE [CASE ...]
 
 Per case (an engine and its options, `CASES`): train 2 steps saving checkpoint-2 into ROOT/CASE, then resume from
 it with a callback that, once the load is done (`on_train_begin`), truncates every tensor file of checkpoint-2 to
@@ -14,14 +14,14 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(__file__, "..", "..", "..")))  # tests/: `import support.x`
 
 import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from _runs import (disable_deepspeed_jit, free_process_group_users, freeze_imports, fsdp_args,  # noqa: E402
-                   fsdp_on_cpu, make_trainer, zero_config)
-from mapped_files import tensors_in_files  # noqa: E402
+from support.env import disable_deepspeed_jit, free_process_group_users, freeze_imports, fsdp_on_cpu  # noqa: E402
+from support.trainers import fsdp_args, make_trainer, zero_config  # noqa: E402
+from support.mapped_files import tensors_in_files  # noqa: E402
 
 #: case -> (TrainingArguments overrides, whether it needs the FSDP shim on CPU)
 CASES = {
