@@ -1,7 +1,7 @@
 """An independent reader of unified checkpoints, written from `docs/format.md` alone.
 
 It imports json, math, os, zlib, dataclasses, safetensors and torch, and nothing of `hf_unified_ckpt`: the point is that
-the format page is enough to read a checkpoint. `tests/test_docs_reader.py` checks that it gets the same tensors as
+the format page is enough to read a checkpoint. `tests/architecture/test_docs_reader.py` checks that it gets the same tensors as
 the plugin's own reader.
 
     ckpt = read_checkpoint("output/checkpoint-1000")     # verifies the manifest, sizes and CRC-32s first

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # tests/architecture/ -> the repository
 PACKAGE = ROOT / "hf_unified_ckpt"
 DOC = ROOT / "docs" / "architecture.md"
 RULES_HEADING = "## Rules between the layers"

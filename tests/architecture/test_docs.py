@@ -22,7 +22,7 @@ DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), ROOT / "bench" / "results" / "HISTORY.md"]
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-TEST_REF = re.compile(r"tests/(test_\w+\.py)(?:::(test_\w+))?")
+TEST_REF = re.compile(r"tests/((?:\w+/)*test_\w+\.py)(?:::(test_\w+))?")  # tests/<kind>/test_x.py
 BARE_TEST = re.compile(r"`(test_\w+)(?:\[[^`]*\])?`")
 RUNS_MARK = "<!-- test: runs -->"
 
@@ -98,8 +98,9 @@ def test_every_relative_link_resolves():
 
 
 def _defined_tests() -> dict[str, set[str]]:
-    return {f.name: set(re.findall(r"^def (test_\w+)\(", f.read_text(), re.M))
-            for f in (ROOT / "tests").glob("test_*.py")}
+    """Each test module's top-level tests, by its path under tests/ (`unit/test_store.py`)."""
+    return {f.relative_to(ROOT / "tests").as_posix(): set(re.findall(r"^def (test_\w+)\(", f.read_text(), re.M))
+            for f in (ROOT / "tests").rglob("test_*.py")}
 
 
 def test_every_test_the_docs_name_exists():
