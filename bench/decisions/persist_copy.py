@@ -1,7 +1,7 @@
 """How the persister's copy of one memory-tier file into durable storage costs CPU (issue 32; a diagnostic, no
 target): the CPU it takes is CPU training does not get on a machine whose cores all train.
 
-    python bench/persist_copy.py [--mb 600] [--reps 3] [--durable DIR]
+    python bench/decisions/persist_copy.py [--mb 600] [--reps 3] [--durable DIR]
 
 A `--mb` MB file of random bytes is written into /dev/shm (its pages in use, as a committed memory checkpoint's
 are), then copied into `--durable` (default: the working folder's filesystem, `.` ) and fsynced, four ways,
@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from hf_unified_ckpt.store import store_for  # noqa: E402
 from hf_unified_ckpt.store.direct import write_whole_direct  # noqa: E402

@@ -1,6 +1,6 @@
 """Which S3 client the object-store backend uses (issue 31): s3fs or obstore, measured on the test server.
 
-    python bench/s3_client_choice.py [--mib 256] [--reps 5] [--json]     (obstore: pip install obstore)
+    python bench/decisions/s3_client_choice.py [--mib 256] [--reps 5] [--json]     (obstore: pip install obstore)
 
 Starts SeaweedFS on loopback (tests/support/s3_server.py), then per repetition, contenders alternating, uploads the same
 bytes from memory as one object: s3fs `pipe_file` (multipart, 16 MiB parts, 4 in flight) and obstore `put`
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the test support package: `support.s3_server`
 
 PART = 16 * 2**20
 CONCURRENCY = 4

@@ -1,7 +1,7 @@
 """Flash memory reuse (issue 32): a unified save into /dev/shm written over the spare files an evicted memory
 checkpoint left (`SaveRequest.spare`, what the memory tier does from its (K+1)-th save on) vs into fresh memory.
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 bench/flash_spare_write.py
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 bench/decisions/flash_spare_write.py
 
 DDP x 2 (gloo) on bench_save.py's 103M Llama after one step; six saves of the 1.23 GB checkpoint into
 /dev/shm/flash-spare-bench, alternating fresh (nothing to reuse) and spare (the previous checkpoint's tensor files
@@ -11,7 +11,7 @@ into it costs several times a copy; memory just freed does not.
 """
 import sys, time, os, shutil, glob
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE); sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, ".."))  # bench/: bench_save
 from bench_save import bench_model, SIZES
 import torch
 from transformers import Trainer

@@ -2,7 +2,7 @@
 converter's whole files) through the page cache vs with the direct writers (`unified_checkpoint_direct_io`), against a
 raw direct write of the same number of bytes, in one run (issue 49).
 
-    python bench/whole_file_write.py [--mb 2400] [--reps 3] [--folder .]
+    python bench/decisions/whole_file_write.py [--mb 2400] [--reps 3] [--folder .]
 
 150 fp32 tensors of uneven sizes (`--mb` MB in all), each way `--reps` times, alternating; every write ends with an
 fsync. Prints the median wall time, GB/s and CPU (user + system of this process) per way, and the ratios of the
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.raw_disk
 
 import torch  # noqa: E402
 

@@ -6,7 +6,7 @@ parameter, round-trips them through each candidate coding, and prints the relati
 direction `m / (sqrt(v) + eps)` over all parameters, the largest per-element ratio |u'| / max|u| (a value far
 above 1 is the zero-point blow-up), and how many non-zero v decode as 0 (where that blow-up can start). Bytes per moment value include the scales.
 
-    python bench/codec_choice.py [--steps 200]
+    python bench/decisions/codec_choice.py [--steps 200]
 """
 
 from __future__ import annotations
