@@ -62,7 +62,8 @@ def trainer_for(kind: str, out: Path, engine: str, world: int):
     import hf_unified_ckpt
 
     sys.path.insert(0, str(HERE.parent / "tests"))
-    from _runs import fsdp_args, fsdp_on_cpu, reset_accelerate_state
+    from support.env import fsdp_on_cpu, reset_accelerate_state
+    from support.trainers import fsdp_args
 
     reset_accelerate_state()
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

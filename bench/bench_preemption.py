@@ -41,7 +41,7 @@ def worker(mode: str, out: Path, size: str, blocks: int, block_steps: int) -> No
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
-    import _runs
+    from support import trainers  # make_trainer builds its model with trainers.build_model
 
     class Marks(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -77,11 +77,11 @@ def worker(mode: str, out: Path, size: str, blocks: int, block_steps: int) -> No
             self.began = time.perf_counter()
 
     if SIZES[size] is not None:
-        _runs.build_model = lambda kind="llama", seed=0: LlamaForCausalLM(LlamaConfig(**SIZES[size]))
+        trainers.build_model = lambda kind="llama", seed=0: LlamaForCausalLM(LlamaConfig(**SIZES[size]))
     steps = {"preempt": 10**6, "plain": PREEMPT_AT, "toggle": blocks * block_steps}[mode]
-    trainer = _runs.make_trainer(out / "run", world_size=dist_world(), max_steps=steps,
-                                 save_steps=PREEMPT_AT if mode == "plain" else 10**6, logging_steps=10**6,
-                                 save_strategy="no" if mode == "toggle" else "steps")
+    trainer = trainers.make_trainer(out / "run", world_size=dist_world(), max_steps=steps,
+                                    save_steps=PREEMPT_AT if mode == "plain" else 10**6, logging_steps=10**6,
+                                    save_strategy="no" if mode == "toggle" else "steps")
     trainer.add_callback(Marks())
     if mode == "toggle":
         toggle = Toggle()

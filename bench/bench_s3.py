@@ -458,7 +458,7 @@ def main() -> None:
     size_label = next((a.split("=", 1)[-1] for a in sys.argv if a.startswith("--size=")), None) or (
         sys.argv[sys.argv.index("--size") + 1] if "--size" in sys.argv else "50m")
 
-    from s3_server import SeaweedS3, weed_binary
+    from support.s3_server import SeaweedS3, weed_binary
 
     global SERVER_PID
     code = code_state()

@@ -3,7 +3,7 @@
     python bench/bench_s3_reshard.py [--reps 5] [--size 50m] [--nproc 2] [--json] [--out PATH]
 
 LOOPBACK FIGURES against SeaweedFS on this machine (client and server share its CPU cores), not a per-node S3
-figure. This script starts the server (tests/s3_server.py), saves a checkpoint of a plain stack of nn.Linear layers
+figure. This script starts the server (tests/support/s3_server.py), saves a checkpoint of a plain stack of nn.Linear layers
 (odd sizes, fp32, `--size` parameters) and AdamW after one step from ONE process into the bucket, then launches
 `torchrun --nproc_per_node N` (gloo, CPU) where every rank builds the same model, shards it with FSDP2
 (`fully_shard` per layer and at the root) and, per repetition, contenders alternating (each after a barrier and
@@ -61,7 +61,7 @@ def one_step(model, opt):
 def parent(args) -> dict:
     import torch
 
-    from s3_server import SeaweedS3
+    from support.s3_server import SeaweedS3
 
     from hf_unified_ckpt.checkpoint.save.saving import SaveRequest, save_checkpoint
     from hf_unified_ckpt.engines.replicated import ReplicatedEngine
@@ -102,21 +102,21 @@ def worker(args) -> None:
     from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_checkpoint
     from hf_unified_ckpt.engines.fsdp import FSDPEngine
     from hf_unified_ckpt.options import parse_options
-    from hf_unified_ckpt.store import S3Store, store_for
+    from support.faulty_store import injected
+    from hf_unified_ckpt.store import store_for
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     options = parse_options(unified_checkpoint=True)
     fetched = [0]
-    real = S3Store.read
 
-    def counting(self, ref, offset=0, length=None):
-        data = real(self, ref, offset, length)
-        fetched[0] += len(data)
+    def counting(call):  # a store hook (tests/support/faulty_store.py): every byte read from the bucket, counted
+        data = call.proceed()
+        if call.method == "read":
+            fetched[0] += len(data)
         return data
 
-    S3Store.read = counting
     expected = torch.load(Path(args.tmp) / "expected.pt", weights_only=True)
 
     def fresh():
@@ -144,39 +144,40 @@ def worker(args) -> None:
     local_dir = str(Path(args.tmp) / "download" / "checkpoint-1")
     times = {"direct": [], "download": []}
     per_rank = {"fetched": [], "held": []}
-    for rep in range(args.reps + 1):  # the first round is a warm-up (not counted)
-        order = ["direct", "download"] if rep % 2 == 0 else ["download", "direct"]
-        for who in order:
-            model, opt = fresh()
-            if rank == 0 and os.path.exists(os.path.dirname(local_dir)):
-                shutil.rmtree(os.path.dirname(local_dir))
-            os.sync()
-            dist.barrier()
-            fetched[0] = 0
-            start = time.perf_counter()
-            if who == "direct":
-                manifest = verify_checkpoint(args.ckpt, checked_on_read=True)
-                load_checkpoint(args.ckpt, FSDPEngine(model, opt), manifest, options)
-            else:
-                if rank == 0:
-                    store = store_for(args.ckpt)
-                    store.fs.get(store._key(args.ckpt) + "/", local_dir + "/", recursive=True,
-                                 chunksize=16 * 2**20, max_concurrency=4)
+    with injected(counting, ref=args.ckpt):
+        for rep in range(args.reps + 1):  # the first round is a warm-up (not counted)
+            order = ["direct", "download"] if rep % 2 == 0 else ["download", "direct"]
+            for who in order:
+                model, opt = fresh()
+                if rank == 0 and os.path.exists(os.path.dirname(local_dir)):
+                    shutil.rmtree(os.path.dirname(local_dir))
+                os.sync()
                 dist.barrier()
-                manifest = verify_checkpoint(local_dir)
-                load_checkpoint(local_dir, FSDPEngine(model, opt), manifest, options)
-            dist.barrier()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if rep == 0:
-                check(model)
-            if rep > 0:
-                times[who].append(float(elapsed))
+                fetched[0] = 0
+                start = time.perf_counter()
                 if who == "direct":
-                    counts = [None] * world
-                    dist.all_gather_object(counts, (fetched[0], held(model, opt)))
-                    per_rank["fetched"].append([c[0] for c in counts])
-                    per_rank["held"].append([c[1] for c in counts])
+                    manifest = verify_checkpoint(args.ckpt, checked_on_read=True)
+                    load_checkpoint(args.ckpt, FSDPEngine(model, opt), manifest, options)
+                else:
+                    if rank == 0:
+                        store = store_for(args.ckpt)
+                        store.fs.get(store._key(args.ckpt) + "/", local_dir + "/", recursive=True,
+                                     chunksize=16 * 2**20, max_concurrency=4)
+                    dist.barrier()
+                    manifest = verify_checkpoint(local_dir)
+                    load_checkpoint(local_dir, FSDPEngine(model, opt), manifest, options)
+                dist.barrier()
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if rep == 0:
+                    check(model)
+                if rep > 0:
+                    times[who].append(float(elapsed))
+                    if who == "direct":
+                        counts = [None] * world
+                        dist.all_gather_object(counts, (fetched[0], held(model, opt)))
+                        per_rank["fetched"].append([c[0] for c in counts])
+                        per_rank["held"].append([c[1] for c in counts])
     if rank == 0:
         fetched_last, held_last = per_rank["fetched"][-1], per_rank["held"][-1]
         ratios = [f / h for f, h in zip(fetched_last, held_last)]

@@ -205,7 +205,8 @@ def build_trainer(out: Path, dtype: str, world: int, engine: str = "zero2", ckpt
     import hf_unified_ckpt
 
     sys.path.insert(0, str(HERE.parent / "tests"))
-    from _runs import fsdp_args, fsdp_on_cpu
+    from support.env import fsdp_on_cpu
+    from support.trainers import fsdp_args
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     model, params, dataset = bench_model(SIZES[size])

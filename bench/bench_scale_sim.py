@@ -917,7 +917,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     gc.collect()
-    gc.freeze()  # the imported modules' objects (~170,000: torch's), as tests/_runs.freeze_imports does; see the doc
+    gc.freeze()  # the imported modules' objects (~170,000: torch's), as support.env.freeze_imports does; see the doc
     rows = []
     for model in args.model.split(","):
         for engine in args.engines.split(","):

@@ -4,7 +4,7 @@ devices (a checkpoint written on the GPU resumed by CPU processes at world size 
     python bench/gpu/resume_check.py --device cuda|cpu --json FILE [--cells single,zero2,zero3,fsdp2,cross]
 
 Each cell is an uninterrupted run of 6 steps (a unified save every 3) against a run resumed from its step 3, both
-launched with torchrun through `tests/dist_worker.py` (the suite's worker, `tests/_runs.run_spec`), so the runs are
+launched with torchrun through `tests/support/workers/dist_worker.py` (the suite's worker, `support.specs.run_spec`), so the runs are
 the suite's own: the tiny Llama, AdamW, a linear schedule. On `--device cuda` the runs train on the GPU
 (`use_cpu=False`, DeepSpeed in bf16, FSDP2 as accelerate applies it there); on `--device cpu` the same cells run on
 the CPU (FSDP2 through the suite's CPU shim), which is the dry run the test suite keeps alive. A cell records the

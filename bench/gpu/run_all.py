@@ -51,7 +51,7 @@ def steps(part: str, device: str, dry: bool, out: Path) -> list[tuple[str, list[
                  resume_limit, {})]
 
     if part == "1":
-        demo = ([py, "-c", "print('dry run: the demo runs in tests/test_cli_and_demo.py')"] if dry
+        demo = ([py, "-c", "print('dry run: the demo runs in tests/features/test_cli_and_demo.py')"] if dry
                 else [py, str(ROOT / "examples" / "demo.py")])
         return [*checks(120, 360, "single"),
                 # the README's demo is the CPU one (2 processes, gloo): DeepSpeed is told so on a GPU machine

@@ -1,6 +1,6 @@
 """Checkpoint algorithms, the same for every engine and every store (`..store`), in four parts by role (each may
 import only the parts listed after it; docs/architecture.md, "Inside checkpoint/", is the table
-`tests/test_layers.py` enforces):
+`tests/architecture/test_layers.py` enforces):
 
 - `folder/`: what a checkpoint folder is and its files over the store (file records, manifest, indexes and shards,
   headers, commit, folder kinds, rotation, the output_dir lease, RNG state); imports no other part;

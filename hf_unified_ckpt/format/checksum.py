@@ -2,7 +2,7 @@
 
 Computed by ISA-L (`isal.isal_zlib.crc32`, carry-less multiplication: about 25 GB/s on one core here, 6.5x zlib's
 3.9 GB/s) when python-isal is installed, as it is with this package on CPython, else by zlib: the same values
-either way (`tests/test_format.py` checks them against zlib)."""
+either way (`tests/unit/test_format.py` checks them against zlib)."""
 
 from __future__ import annotations
 

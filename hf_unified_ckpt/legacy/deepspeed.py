@@ -58,7 +58,7 @@ class _PickledState:
 #: neither imports DeepSpeed (0.5 s, most of what reading the pickles costs) nor runs pickled code (`weights_only`).
 #: Checked against the checkpoint code of DeepSpeed's release tags (where each class lives: v0.6.0 to v0.19.5; what
 #: `state_dict` of ZeRO-1/2, ZeRO-3 and the bf16 optimizer and the engine's `_save_checkpoint` store: v0.7.0 to
-#: v0.19.5) and against the files 0.19.8 writes under ZeRO-2, ZeRO-3 and bf16 (tests/test_legacy_deepspeed.py,
+#: v0.19.5) and against the files 0.19.8 writes under ZeRO-2, ZeRO-3 and bf16 (tests/engines/test_legacy_deepspeed.py,
 #: `torch.serialization.get_unsafe_globals_in_checkpoint`): `ZeroStageEnum` since 0.7.0 (an int before),
 #: `fragment_address` in `runtime.bf16_optimizer` 0.6.2-0.7.2 and in `utils.tensor_fragment` since 0.7.3, the loss
 #: scalers in `runtime.fp16.loss_scaler` all along; everything else is tensors and plain values. The Trainer needs

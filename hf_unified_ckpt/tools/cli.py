@@ -11,7 +11,7 @@ import math
 import sys
 
 # `info` and `verify` read file names, JSON and safetensors headers only: keep these imports free of torch,
-# transformers and accelerate (tests/test_imports.py), so the command answers at once. `convert` imports its own.
+# transformers and accelerate (tests/architecture/test_imports.py), so the command answers at once. `convert` imports its own.
 from ..errors import UnifiedCheckpointError
 from ..checkpoint.folder.layout import UNIFIED, detect_layout
 from ..format.headers import tensor_specs
@@ -120,7 +120,7 @@ def _verify(path: str, checksums: bool = True) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser: every command and flag (docs/cli.md documents each; `tests/test_docs.py` checks)."""
+    """The command line's parser: every command and flag (docs/cli.md documents each; `tests/architecture/test_docs.py` checks)."""
     parser = argparse.ArgumentParser(prog="hf-unified-ckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="what a checkpoint folder is, whether it is complete, what it holds")
