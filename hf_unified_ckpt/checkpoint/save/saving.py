@@ -48,14 +48,14 @@ from tqdm.auto import tqdm
 from ... import dist
 from ...format.codecs import MomentCodec, ResidualCodec, count_ties
 from ...format.components import MASTER, Component, Role, component
-from ...engines.base import EngineAdapter
+from ...engines.base import ConfirmsRule, EngineAdapter, MasterFragments
 from ...errors import UnifiedCheckpointError
 from ...options import UnifiedCheckpointOptions
 from . import record_tree, rule_plan
 from .persist import PersistJob, write_small_files
 from ..write.reports import Failure, guarded, out_of_space
-from ...format.planning import (ComponentPlan, Encoder, FilePlan, Pieces, TensorSpec, file_plans, piecewise,
-                               plan_component, stored_pieces, tiling)
+from ...format.planning import (ComponentPlan, Encoder, FilePlan, HaloEncoder, Pieces, TensorSpec, file_plans,
+                               piecewise, plan_component, stored_pieces, tiling)
 from ..folder.commit import (WRITER_MARK, commit, join_staging, mark_writer, new_tag, prepare_staging, remove_stale,
                      remove_writer_marks, sees_writer, staging_dir)
 from ..folder.files import FileRecord, RangeRecord, combine_ranges, put_file
@@ -121,7 +121,7 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False,
     pieces): all ranks must call it."""
     components = [c for c in engine.components() if request.include_optimizer or c.role is not Role.OPTIMIZER]
     rule = rule_plan.agree(engine, components, request, shared) if shared and rank_local else None
-    if rule is not None and hasattr(engine, "confirm_rule"):
+    if rule is not None and isinstance(engine, ConfirmsRule):
         engine.confirm_rule()
     if rule is not None and rule.cached is not None:
         return _reused(rule.cached, engine, request, components, rule)
@@ -207,12 +207,12 @@ def _residual_files(cplan: ComponentPlan, cached: SavePlan, old: list[FilePlan],
 def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:
     """Per component, the tensors the ranks together hold exactly once in contiguous pieces, with every rank's
     piece (`planning.tiling`); every component gets an entry, so a plan made for a shared folder is never empty.
-    A codec that encodes blocks across pieces receives every rank's `halo` (the few elements its neighbours
-    need). Collective (one all-gather of the pieces' bounds and halos): all ranks must call it."""
+    A codec that encodes blocks across pieces (`HaloEncoder`) receives every rank's `halo` (the few elements its
+    neighbours need). Collective (one all-gather of the pieces' bounds and halos): all ranks must call it."""
     local = {}
     for name, cplan in plans.items():
         if piecewise(cplan.codec):
-            halo = getattr(cplan.codec, "halo", None)
+            halo = cplan.codec.halo if isinstance(cplan.codec, HaloEncoder) else None
             local[name] = {n: (f.start, f.values.numel(), halo(n, f.start, f.values) if halo else None)
                            for n, f in engine.fragments(name).items()}
     everyone = dist.all_gather_object(local)
@@ -224,7 +224,7 @@ def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> 
                 held.setdefault(tensor, []).append((rank, start, count))
                 if halo is not None:
                     halos.setdefault(tensor, {})[start] = halo
-        if hasattr(cplan.codec, "receive_halos"):
+        if isinstance(cplan.codec, HaloEncoder):
             cplan.codec.receive_halos(halos)
         out[name] = {t: p for t, bounds in held.items()
                      if (p := tiling(math.prod(cplan.specs[t].shape), bounds)) is not None}
@@ -251,8 +251,8 @@ def residual_census(engine: EngineAdapter) -> tuple[dict[str, int], dict[str, di
     """Master tensors whose every element the bf16 residual rebuilds exactly (the engine's bf16 weights are exactly
     their rounding), with their number of ties summed over the fragments of every rank, and each rank's ties; a
     tensor that fails on any rank is left out (stored as plain fp32). Collective: all ranks must call it."""
-    fragments = getattr(engine, "master_fragments", None)
-    local = {name: count_ties(hp, lp) for name, hp, lp in (fragments() if fragments else [])}
+    fragments = engine.master_fragments() if isinstance(engine, MasterFragments) else []
+    local = {name: count_ties(hp, lp) for name, hp, lp in fragments}
     by_rank: dict[str, dict[int, int | None]] = {}
     for rank, share in enumerate(dist.all_gather_object(local)):
         for name, ties in share.items():
