@@ -59,7 +59,8 @@ from ...format.planning import (ComponentPlan, Encoder, FilePlan, HaloEncoder, P
 from ..folder.commit import (WRITER_MARK, commit, join_staging, mark_writer, new_tag, prepare_staging, remove_stale,
                      remove_writer_marks, sees_writer, staging_dir)
 from ..folder.files import FileRecord, RangeRecord, combine_ranges, put_file
-from ...store import STAGING_SUFFIX, as_ref, join, name_of, parent_of, store_for
+from ...store import (STAGING_SUFFIX, as_ref, join, multipart_of, name_of, parent_of, positional_writes_of,
+                     store_for)
 from ..folder.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from ..folder.safetensors_io import index_name, write_index
 from ..write.aggregating import AggregatingWriter
@@ -353,7 +354,7 @@ def sends_pieces(staging: Staging, request: SaveRequest) -> bool:
     machine's folder (machine-local folders of a store that writes at offsets; not the memory tier, whose files are
     placed whole), instead of the engines assembling every sharded tensor there. The plan then holds every rank's
     pieces (a census: the sender and the writer are different ranks)."""
-    return not staging.shared and request.spare is None and store_for(staging.path).capabilities.positional_writes
+    return not staging.shared and request.spare is None and positional_writes_of(store_for(staging.path)) is not None
 
 
 @dataclass(frozen=True)
@@ -437,14 +438,14 @@ class Staging:
         """Whether ranks write their pieces of shared files themselves: every rank sees the folder and its store
         writes at offsets or takes parts of one upload from several processes (else each file is written whole, in
         order, by one rank)."""
-        capabilities = store_for(self.path).capabilities
-        return self.shared and (capabilities.positional_writes or capabilities.multipart)
+        store = store_for(self.path)
+        return self.shared and (positional_writes_of(store) is not None or multipart_of(store) is not None)
 
     @property
     def multipart(self) -> bool:
         """Whether the ranks upload their pieces as parts of multipart uploads (an object store every rank sees)."""
-        capabilities = store_for(self.path).capabilities
-        return self.shared and capabilities.multipart and not capabilities.positional_writes
+        store = store_for(self.path)
+        return self.shared and multipart_of(store) is not None and positional_writes_of(store) is None
 
 
 def open_staging(final: str, group=None) -> Staging:
