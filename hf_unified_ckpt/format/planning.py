@@ -570,7 +570,7 @@ class FilePlan:
 
 def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> list[FilePlan]:
     """The files of a component plan with their headers and write items (stored tensors, after the codec). A
-    tensor in `pieces` is written in place by its holders, each its own byte range (through a `piecewise` codec:
+    tensor in `pieces` is written in place by its holders, each its own byte range (through a `PiecewiseEncoder`:
     each stored tensor's pieces); every other tensor whole by its file's owner. Pure: every rank computes the same
     list; O(tensors) whatever the number of ranks when the pieces are closed forms."""
     logical = pieces or {}
