@@ -371,9 +371,15 @@ def stale_entries(probes: list[tuple[str, str, int]], allowed: Mapping[tuple[str
 
 
 @functools.cache
+def _package_sources() -> dict[str, tuple[str, bool]]:
+    """The package's modules, read once for the tests of this module."""
+    return package_sources()
+
+
+@functools.cache
 def _package_graph() -> dict[str, list[Import]]:
     """The import graph of the package, walked once for the tests of this module."""
-    return import_graph(package_sources())
+    return import_graph(_package_sources())
 
 
 def test_no_circle_between_modules():
@@ -464,9 +470,15 @@ def test_the_walker_sees_arrows_between_the_parts_of_checkpoint():
                                                       "save/gone.py is in the table but not in the package"]
 
 
+@functools.cache
+def _package_probes() -> list[tuple[str, str, int]]:
+    """The package's literal probes, walked once for the tests of this module."""
+    return literal_probes(_package_sources())
+
+
 def test_no_literal_probe_of_the_projects_own_objects():
     allowed = {**FOREIGN_PROBES, **_PENDING_OTHER_HELPER}
-    found = unallowed_probes(literal_probes(package_sources()), allowed)
+    found = unallowed_probes(_package_probes(), allowed)
     assert not found, ("getattr/hasattr with a literal name on what may be the project's own object: declare the "
                        "member, or a runtime-checkable protocol for an optional capability (docs/architecture.md, "
                        "'Optional capabilities'); a foreign object's goes on FOREIGN_PROBES with its reason:\n"
@@ -474,7 +486,7 @@ def test_no_literal_probe_of_the_projects_own_objects():
 
 
 def test_every_allowed_probe_is_still_there():
-    found = stale_entries(literal_probes(package_sources()), {**FOREIGN_PROBES, **_PENDING_OTHER_HELPER})
+    found = stale_entries(_package_probes(), {**FOREIGN_PROBES, **_PENDING_OTHER_HELPER})
     assert not found, "allow-list entries no getattr/hasattr of the package matches any more:\n" + "\n".join(found)
 
 
