@@ -9,6 +9,7 @@ bad word fails when the arguments are built, before any training.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, is_dataclass
+from typing import ClassVar
 
 from transformers import TrainingArguments
 
@@ -24,6 +25,9 @@ _CONFIG_HELP = "Space- or comma-separated words: " + "; ".join(f"{w}: {d}" for w
 @dataclass
 class UnifiedCheckpointFields:
     """Dataclass mixin holding the plugin's fields; put it first in the bases of a TrainingArguments subclass."""
+
+    #: The config class `with_unified_checkpoint` extended (objects pickle by it); None for a class written by hand.
+    _uc_base: ClassVar[type | None] = None
 
     unified_checkpoint: bool = field(
         default=False,
@@ -176,7 +180,7 @@ class UnifiedCheckpointFields:
         """Pickled (`training_args.bin`) by the config class it extends, so that it unpickles in any interpreter,
         also where the class `with_unified_checkpoint` made is bound to no importable name."""
         cls = type(self)
-        return _rebuild, (cls.__module__, cls.__qualname__, getattr(cls, "_uc_base", None), dict(self.__dict__))
+        return _rebuild, (cls.__module__, cls.__qualname__, cls._uc_base, dict(self.__dict__))
 
 
 def _rebuild(module: str, qualname: str, base: type | None, state: dict):

@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import UnsupportedCheckpointError
 from ..format.conversion import View, WeightConversion
 from ..format.planning import TensorSpec
+from .base import AdapterWrapper, MasterFragments
 from .hf_model import is_peft_model, live_model_state
 
 
@@ -142,17 +143,32 @@ def _refusal(module: nn.Module, key: str, why: str) -> UnsupportedCheckpointErro
         "Mixture-of-Experts models, fused projections). Set unified_checkpoint=False for this model.")
 
 
-class WithConversion:
+class _ConvertedMasterFragments:
+    """`WithConversion`'s `MasterFragments`, where the wrapped adapter has them."""
+
+    def master_fragments(self):
+        """`master_fragments` of the wrapped adapter, by saved name (a piece of each saved tensor it covers)."""
+        pieces = self.inner.parameter_fragments()
+        for name, hp, lp in self.inner.master_fragments():
+            frag = pieces[name]
+            high = self.conversion.fragments({name: dataclasses.replace(frag, values=hp)})
+            low = self.conversion.fragments({name: dataclasses.replace(frag, values=lp)})
+            for saved, piece in high.items():
+                yield saved, piece.values, low[saved].values
+
+
+class WithConversion(AdapterWrapper):
     """An engine adapter seen under the names `save_pretrained` writes: every component (weights, master weights,
     EMA, optimizer state) keyed by the saved names, each rank's pieces of a fused live tensor handed out as pieces of
     the saved tensors they cover (`WeightConversion.fragments`), and on load every reader seen by live names
-    (`LiveReader`). Everything else is the wrapped adapter's."""
+    (`LiveReader`). Everything else is the wrapped adapter's (`inner`), its optional capabilities included
+    (`engines.base.AdapterWrapper`), but its partition rule: the saved tensors follow none."""
+
+    own_capabilities = {MasterFragments: _ConvertedMasterFragments}
 
     def __init__(self, inner, conversion: WeightConversion):
-        self.inner, self.conversion = inner, conversion
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+        super().__init__(inner)
+        self.conversion = conversion
 
     def specs(self, component: str) -> list[TensorSpec]:
         return self.conversion.specs(self.inner.specs(component))
@@ -180,19 +196,6 @@ class WithConversion:
         rule; the save takes the census. Local."""
         return None, "tensors saved under converted names (pieces of fused live tensors)"
 
-    def master_fragments(self):
-        """`master_fragments` of the wrapped adapter, by saved name (a piece of each saved tensor it covers)."""
-        inner = getattr(self.inner, "master_fragments", None)
-        if inner is None:
-            return
-        pieces = self.inner.parameter_fragments()
-        for name, hp, lp in inner():
-            frag = pieces[name]
-            high = self.conversion.fragments({name: dataclasses.replace(frag, values=hp)})
-            low = self.conversion.fragments({name: dataclasses.replace(frag, values=lp)})
-            for saved, piece in high.items():
-                yield saved, piece.values, low[saved].values
-
     def load(self, sources) -> None:
         readers = {name: self.conversion.reader(r) for name, r in sources.readers.items()}
         self.inner.load(dataclasses.replace(sources, readers=readers))
@@ -202,5 +205,6 @@ class WithConversion:
 def live_groups(engine, groups: list[list[str]]) -> list[list[str]]:
     """A checkpoint's param groups (saved names, or the live names of a checkpoint written before conversions were
     handled) by the live names `engine.param_group_names()` lists."""
-    conversion = getattr(engine, "conversion", None)
-    return groups if conversion is None else [conversion.live_names(g) for g in groups]
+    if not isinstance(engine, WithConversion):
+        return groups
+    return [engine.conversion.live_names(g) for g in groups]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -50,20 +51,24 @@ LOSS_SCALER = "loss_scaler"
 SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
+#: DeepSpeed optimizer -> what its wrapped `step` waits for first (`wait_before_steps`).
+_WAITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def wait_before_steps(ds_engine, wait) -> None:
     """Make this DeepSpeed engine's optimizer call `wait()` before each of its steps (this instance only; set
     once, later calls replace `wait`). DeepSpeed steps inside `backward`, where no Trainer callback runs; an
     async save's snapshot may read the fp32 partitions and optimizer state until that step changes them."""
     optimizer = ds_engine.optimizer
-    if getattr(optimizer, "_hf_unified_ckpt_wait", None) is None:
+    if optimizer not in _WAITS:
         step = optimizer.step
 
         def step_after_wait(*args, **kwargs):
-            optimizer._hf_unified_ckpt_wait()
+            _WAITS[optimizer]()
             return step(*args, **kwargs)
 
         optimizer.step = step_after_wait
-    optimizer._hf_unified_ckpt_wait = wait
+    _WAITS[optimizer] = wait
 
 
 
@@ -79,6 +84,9 @@ def autotp_refusal(tp_size: int, stage: int) -> str | None:
 
 class DeepSpeedEngine:
     """Adapter for a `deepspeed.DeepSpeedEngine` (ZeRO stage 1, 2 or 3) wrapping a transformers/PEFT model."""
+
+    #: The weights are written into the ZeRO partitions by position (the load checks their shapes first).
+    loads_by_module = False
 
     def __init__(self, ds_engine, master_weights_policy: str = "save"):
         self.ds = ds_engine

@@ -131,6 +131,9 @@ class FSDPEngine:
     load time by transformers' tensor parallelism (`kind="tensor_parallel"`: DTensor parameters on a `tp` mesh
     dimension, with an `fsdp` one under FSDP2 x TP; the norms stay whole, replicated on every rank)."""
 
+    #: The weights are written into the shards by position (the load checks their shapes first).
+    loads_by_module = False
+
     def __init__(self, model: nn.Module, optimizer, kind: str = "fsdp"):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .parts import MAX_PARTS, HandOver, Part
-from .planning import FilePlan, OwnOnly, once, piece_of
+from .planning import ClosedForm, FilePlan, OwnOnly, once, piece_of
 
 #: Ranges start at multiples of this many bytes at least (direct I/O's block; a filesystem's block or stripe size
 #: where it is larger and readable: `AggregationLayout.align`).
@@ -245,7 +245,7 @@ def writers_of(file: FilePlan) -> int:
     for *_, pieces in file.layout:
         if pieces is None:
             continue
-        holders = pieces.holders() if hasattr(pieces, "holders") else sorted({r for r, _, n in pieces if n})
+        holders = pieces.holders() if isinstance(pieces, ClosedForm) else sorted({r for r, _, n in pieces if n})
         if isinstance(holders, range):
             spans.append((holders.start, holders.stop))
         else:
@@ -285,7 +285,7 @@ def _many_holders(file: FilePlan, limit: int) -> bool:
     """Whether one tensor of `file` alone has more than `limit` holders (so has the file): a closed form's range of
     holders is counted without listing them."""
     for *_, pieces in file.layout:
-        holders = pieces.holders() if pieces is not None and hasattr(pieces, "holders") else None
+        holders = pieces.holders() if isinstance(pieces, ClosedForm) else None
         if isinstance(holders, range) and len(holders) > limit:
             return True
     return False

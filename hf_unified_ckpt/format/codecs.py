@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .planning import Mapped, OwnOnly, TensorSpec
+from .planning import ClosedForm, Mapped, OwnOnly, TensorSpec
 from .headers import TORCH_DTYPE_NAMES, safetensors_dtype
 from .state_shapes import (MOMENT_CODEC, RESIDUAL_CODEC, SCALES, SIGNED_MOMENTS, SQRT_MOMENTS, STAGE_BITS, TIES,
                            Problems, codec_metadata_problems, codec_stored_problems)
@@ -196,15 +196,14 @@ class _BlockRange:
 class MomentCodec:
     """Save and read side of O1/O2 for the optimizer component (see the module docstring).
 
-    It is `piecewise`: in a folder every rank sees, each rank encodes and writes in place the blocks that start
-    among its elements (their codes and scales). A block straddling the end of its piece needs the first elements
+    It is a `planning.HaloEncoder` (piecewise): in a folder every rank sees, each rank encodes and writes in place
+    the blocks that start among its elements (their codes and scales). A block straddling the end of its piece needs the first elements
     of the next pieces: before the save, every rank shares the elements it holds ahead of its first block start
     (`halo`: fewer than a block per tensor), and the block's owner completes its last block with them
     (`receive_halos`, `encode_piece`). The file is the one a whole-tensor encode writes."""
 
     name = MOMENT_CODEC
     version = 1
-    piecewise = True
 
     def __init__(self, stage: str, block: int = BLOCK_SIZE, grids: Mapping[str, Grid] | None = None):
         if stage not in STAGE_BITS:
@@ -226,7 +225,7 @@ class MomentCodec:
         if entry is None:
             return {name: pieces}
         codes, scales = _BlockRange(self.block, self.bits, _numel(entry["shape"])), _BlockRange(self.block)
-        if hasattr(pieces, "of"):  # a closed form: mapped rank by rank when asked
+        if isinstance(pieces, ClosedForm):  # mapped rank by rank when asked
             return {name: Mapped(pieces, codes), name + SCALES: Mapped(pieces, scales)}
         return {name: tuple((r, *codes(f, c)) for r, f, c in pieces),
                 name + SCALES: tuple((r, *scales(f, c)) for r, f, c in pieces)}
@@ -299,7 +298,7 @@ class MomentCodec:
         codec.tensors = dict(meta["tensors"])
         return codec
 
-    # read side (format.reader.Codec)
+    # read side (format.reader.Codec, RowDecoder)
     def logical_specs(self, stored_specs, metadata) -> dict:
         out = {n: s for n, s in stored_specs.items() if not self.hidden(n)}
         for name, entry in self.tensors.items():
@@ -537,13 +536,12 @@ class ResidualCodec:
     (collected before the save, from every rank's fragments); others are stored as plain fp32. On read, `anchor`
     is the model-weights reader (its bf16 tensors).
 
-    The residual is elementwise, so it is `piecewise`: in a folder every rank sees, each rank encodes and writes its
+    The residual is elementwise, so it is a `planning.PiecewiseEncoder`: in a folder every rank sees, each rank encodes and writes its
     own elements (`encode_piece`); the ties of a tensor are laid out rank after rank in element order, each rank's
     at the offset the census gives it (`stored_pieces`), so the file is the one a whole-tensor encode writes."""
 
     name = RESIDUAL_CODEC
     version = 1
-    piecewise = True
 
     def __init__(self, census: Mapping[str, int] | None = None, anchor=None,
                  by_rank: Mapping[str, Mapping[int, int]] | None = None):

@@ -11,7 +11,7 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
@@ -26,12 +26,28 @@ MIN_PARALLEL_SHARD_BYTES = 64 * 2**20
 
 #: Who holds which contiguous part of a sharded tensor: ((rank, first element, element count), ...) in element
 #: order, tiling the flattened tensor exactly. A tensor with pieces is written in place by its holders. Either a
-#: tuple (every rank's piece, from the census of pieces) or a closed form (`Strided`, and what codecs make of it:
-#: `Mapped`, `OwnOnly`), which answers for one rank in O(1) (`piece_of`) without listing the N pieces.
+#: tuple (every rank's piece, from the census of pieces) or a closed form (`ClosedForm`: `Strided`, and what codecs
+#: make of it: `Mapped`, `OwnOnly`), which answers for one rank in O(1) (`piece_of`) without listing the N pieces.
 Pieces = tuple[tuple[int, int, int], ...]
 
 
-class Strided:
+class ClosedForm:
+    """Base of the closed forms of `Pieces`: `of(rank)` answers for one rank in O(1), `holders()` lists the ranks
+    holding a non-empty piece, without listing the pieces. A nominal base (not a protocol): the planning asks
+    `isinstance` per piece per rank, where a runtime protocol's check would cost more than the answer."""
+
+    __slots__ = ()
+
+    def of(self, rank: int) -> tuple[int, int]:
+        """(first element, count) `rank` holds (count 0: none)."""
+        raise NotImplementedError
+
+    def holders(self):
+        """The ranks holding a non-empty piece, in element order."""
+        raise NotImplementedError
+
+
+class Strided(ClosedForm):
     """The pieces of a tensor of `numel` elements laid along a line split in runs of `size` elements, one run per
     rank in rank order, the tensor starting `shift` elements into the line: rank k holds elements
     `[k * size - shift, (k + 1) * size - shift)` of the tensor (clipped). ZeRO-3 and FSDP2's Shard(0) (shift 0),
@@ -91,7 +107,7 @@ class Strided:
         self.numel, self.size, self.shift = state
 
 
-class Mapped:
+class Mapped(ClosedForm):
     """The pieces of a stored tensor made of a closed-form `base` (a codec's codes, scales...): rank r's piece is
     `fn(first, count)` of its piece of `base` (`Pieces` order: the base's)."""
 
@@ -125,7 +141,7 @@ class Mapped:
         self.base, self.fn = state
 
 
-class OwnOnly:
+class OwnOnly(ClosedForm):
     """A stored tensor's pieces where only this rank's is known (the residual's ties: each rank's offset is the sum
     of the ties of the ranks before it, `dist.exclusive_scan_ints`): `of(rank)` of another rank, and listing them,
     raise LookupError. A rank-local plan asks only for its own."""
@@ -161,9 +177,8 @@ class OwnOnly:
 def piece_of(pieces, rank: int) -> tuple[int, int]:
     """(first element, count) of `rank`'s piece in `pieces` (count 0: none): O(1) for a closed form, a scan of a
     tuple."""
-    of = getattr(pieces, "of", None)
-    if of is not None:
-        return of(rank)
+    if isinstance(pieces, ClosedForm):
+        return pieces.of(rank)
     return next(((first, count) for r, first, count in pieces if r == rank and count), (0, 0))
 
 
@@ -178,13 +193,11 @@ class Encoder(Protocol):
     def metadata(self) -> dict: ...
 
 
+@runtime_checkable
 class PiecewiseEncoder(Encoder, Protocol):
-    """An encoder whose stored tensors can be written in place by the ranks holding the pieces of a logical tensor:
-    `piecewise` is True. Its first stored tensor keeps the logical name. A code whose units cross pieces (O1/O2's
-    blocks) also has `halo(name, first, values)` (what a rank shares of its piece when the save is planned) and
-    `receive_halos(halos)` (every rank's), which `saving.census_of_pieces` calls."""
-
-    piecewise: bool
+    """An encoder whose stored tensors can be written in place by the ranks holding the pieces of a logical tensor
+    (`piecewise`). Its first stored tensor keeps the logical name. A code whose units cross pieces (O1/O2's
+    blocks) is a `HaloEncoder`."""
 
     def stored_pieces(self, name: str, pieces: Pieces) -> dict[str, Pieces] | None:
         """The pieces of each stored tensor of `name`, or None (the tensor is assembled and encoded whole)."""
@@ -194,9 +207,22 @@ class PiecewiseEncoder(Encoder, Protocol):
         element `start`."""
 
 
+@runtime_checkable
+class HaloEncoder(PiecewiseEncoder, Protocol):
+    """A piecewise encoder whose units cross the ranks' pieces (O1/O2's blocks): each rank shares what the owner of
+    a unit its piece starts in needs (`halo`, or point to point: `rule_plan.exchange_halos`), and every rank is
+    given the halos before it encodes (`receive_halos`)."""
+
+    def halo(self, name: str, first: int, values: torch.Tensor) -> torch.Tensor | None:
+        """What this rank shares of its piece of `name` (elements from `first`), or None."""
+
+    def receive_halos(self, halos: Mapping[str, Mapping[int, torch.Tensor]]) -> None:
+        """Every rank's halos, by tensor and first element."""
+
+
 def piecewise(codec: Encoder | None) -> bool:
     """Whether the tensors `codec` stores can be written in place piece by piece (always, without a codec)."""
-    return codec is None or bool(getattr(codec, "piecewise", False))
+    return codec is None or isinstance(codec, PiecewiseEncoder)
 
 
 class TensorSpec(NamedTuple):
@@ -492,7 +518,7 @@ class FilePlan:
     def writes_alone(self, rank: int) -> bool:
         """Whether `rank` writes every byte of this file (no other rank writes any)."""
         return rank == self.header_rank and all(
-            len(h) == 0 or (len(h) == 1 and h.holders()[0] == rank) if hasattr(h, "holders")
+            len(h) == 0 or (len(h) == 1 and h.holders()[0] == rank) if isinstance(h, ClosedForm)
             else {r for r, _, c in h if c} <= {rank} for h in self.held.values())
 
     def with_codec(self, codec: Encoder) -> "FilePlan":
@@ -544,7 +570,7 @@ class FilePlan:
 
 def file_plans(plan: ComponentPlan, pieces: dict[str, Pieces] | None = None) -> list[FilePlan]:
     """The files of a component plan with their headers and write items (stored tensors, after the codec). A
-    tensor in `pieces` is written in place by its holders, each its own byte range (through a `piecewise` codec:
+    tensor in `pieces` is written in place by its holders, each its own byte range (through a `PiecewiseEncoder`:
     each stored tensor's pieces); every other tensor whole by its file's owner. Pure: every rank computes the same
     list; O(tensors) whatever the number of ranks when the pieces are closed forms."""
     logical = pieces or {}

@@ -132,9 +132,15 @@ class Codec(Protocol):
         tensor is decoded or any buffer allocated from the metadata."""
         ...
 
+
+@runtime_checkable
+class RowDecoder(Protocol):
+    """A codec that decodes a slice of rows from the stored bytes that cover them (a `Codec` without it is decoded
+    whole, then indexed)."""
+
     def decode_rows(self, name: str, reader: TensorReader, rows: slice) -> torch.Tensor:
         """Rows `rows` (a slice of the first dimension) of logical tensor `name`, reading only the stored bytes
-        that cover them. Optional: a codec without it is decoded whole, then indexed."""
+        that cover them."""
         ...
 
 
@@ -159,15 +165,14 @@ IDENTITY = IdentityCodec()
 
 class DecodedSlice(TensorSlice):
     """A logical tensor a codec builds: a slice of rows is decoded from the stored bytes that cover it when the
-    codec can (`decode_rows`), anything else is decoded whole, then indexed."""
+    codec can (`RowDecoder`), anything else is decoded whole, then indexed."""
 
     def __init__(self, codec: Codec, name: str, stored: TensorReader):
         self._codec, self._name, self._stored = codec, name, stored
 
     def __getitem__(self, index) -> torch.Tensor:
-        rows = getattr(self._codec, "decode_rows", None)
-        if rows is not None and isinstance(index, slice) and index.step in (None, 1):
-            return rows(self._name, self._stored, index)
+        if isinstance(self._codec, RowDecoder) and isinstance(index, slice) and index.step in (None, 1):
+            return self._codec.decode_rows(self._name, self._stored, index)
         return self._codec.decode(self._name, self._stored)[index]
 
 

@@ -48,7 +48,7 @@ def legacy_components(legacy, for_loading: bool = False) -> dict:
 def check_readable(legacy) -> None:
     """Refuse a legacy checkpoint whose tensors this library cannot put together offline: DeepSpeed AutoTP's, one
     mp_rank file per slice of the sharded weights."""
-    tp_size = getattr(legacy, "tp_size", 1)
+    tp_size = legacy.tp_size
     if tp_size > 1:
         raise UnsupportedCheckpointError(
             f"{legacy.dir} was written by DeepSpeed AutoTP ({tp_size} tensor-parallel ranks, one mp_rank_* file per "

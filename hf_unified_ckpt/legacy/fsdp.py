@@ -90,6 +90,9 @@ class _DCPFolder:
 class LegacyFSDPCheckpoint:
     """Tensors of a legacy FSDP checkpoint by parameter name."""
 
+    #: Tensor-parallel slices in separate files (`check_readable`): FSDP writes none.
+    tp_size = 1
+
     def __init__(self, folder: str | Path, trust_pickles: bool = False):
         self.folder = Path(folder)
         if (self.folder / MODEL_DIR).is_dir():

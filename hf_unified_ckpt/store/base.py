@@ -6,8 +6,8 @@ A checkpoint, a run folder or a file is named by a *reference*: a local path (`/
 which turns `s3://b/x` into `s3:/b/x`. `store_for(ref)` finds the store of a reference by its URL scheme (a small
 registry: `register_store`); a reference without a scheme is a local path.
 
-What a store can do is declared in `Capabilities`, and the algorithms above choose from it (never from the
-scheme): where positional writes exist and every rank sees the files, ranks write their pieces of a shared file in
+What a store can do is what it implements (the capability protocols below) plus what it declares in
+`Capabilities`, and the algorithms above choose from those (never from the scheme): where positional writes exist and every rank sees the files, ranks write their pieces of a shared file in
 place; elsewhere each file is streamed whole, in offset order, by one writer. Where rename is atomic a save is
 written into a hidden staging folder and renamed into place; elsewhere it is written in place and the manifest,
 written last, is the commit (`publish` does nothing), and `remove` deletes the manifest first, so a half-removed
@@ -18,8 +18,8 @@ What a store has or has not beyond the `Store` protocol are capabilities, each a
 `MultipartUploads` (several processes upload numbered parts of one file), `LocalPaths` (references are paths
 other libraries open: safetensors files are then read memory-mapped) and `WritableMappings` (a file mapped for
 writing: the memory tier's snapshots). A caller asks for one (`multipart_of`, `local_paths_of`,
-`writable_mappings_of`: the capability, or None) and never calls a method a store lacks; the `Capabilities` flags
-say the same (`multipart`, `local_paths`). Reading tensors is not the store's: `checkpoint/folder/tensor_files.py` reads
+`writable_mappings_of`: the capability, or None) and never calls a method a store lacks; `Capabilities` declares
+only what no method shows (atomic rename, who sees the bytes, part sizes). Reading tensors is not the store's: `checkpoint/folder/tensor_files.py` reads
 a safetensors file through `read` (ranged), or memory-mapped where the store has local paths (`open_mapped_tensors`).
 
 Which ranks call what: every method is local to the calling process (no collective). The save algorithm
@@ -59,22 +59,18 @@ DELETING_SUFFIX = ".deleting"
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a store can do; the save and remove algorithms choose their strategy from it."""
+    """What a store can do that no method of it shows; the save and remove algorithms choose their strategy from
+    it and from the capability protocols the store implements (`PositionalWrites`, `MultipartUploads`,
+    `LocalPaths`, `WritableMappings`: asked with `positional_writes_of`...)."""
 
-    #: Several processes may write byte ranges of one file at offsets (`PositionalWrites`): shared files written in
-    #: place.
-    positional_writes: bool
     #: Renaming a folder is atomic (a save is staged aside and renamed into place); else the manifest is the commit.
     atomic_rename: bool
-    #: References are local paths that other libraries can open (the store is `LocalPaths`).
-    local_paths: bool
     #: Every process of a job on any machine sees the same bytes (a local folder may be one machine's only: the
     #: save then finds out with writer marks).
     seen_by_all_ranks: bool
-    #: Several ranks may upload numbered parts of one file (the store is `MultipartUploads`), each part at least
-    #: `min_part_size` bytes but the last, and about `part_size` bytes (the target size of the parts ranks upload
-    #: and of those a whole file is streamed in).
-    multipart: bool = False
+    #: Of a store with multipart uploads (`MultipartUploads`): each part at least `min_part_size` bytes but the
+    #: last, and about `part_size` bytes (the target size of the parts ranks upload and of those a whole file is
+    #: streamed in). 0 for others.
     min_part_size: int = 0
     part_size: int = 0
 
@@ -159,8 +155,7 @@ class Store(Protocol):
 
 @runtime_checkable
 class PositionalWrites(Protocol):
-    """A store where several processes write byte ranges of one file at offsets (`Capabilities.positional_writes`):
-    shared files written in place."""
+    """A store where several processes write byte ranges of one file at offsets: shared files written in place."""
 
     def write_at(self, ref: str, ranges: Iterable[Range], size: int | None, direct_io: bool = False) -> list[Written]:
         """Write `ranges` (in offset order) at their offsets into file `ref`, created if missing and never
@@ -175,8 +170,8 @@ class PositionalWrites(Protocol):
 
 @runtime_checkable
 class MultipartUploads(Protocol):
-    """A store where several processes upload numbered parts of one file (`Capabilities.multipart`): one begins
-    the upload, any uploads parts to it, one completes it and the file appears whole, at once."""
+    """A store where several processes upload numbered parts of one file (of about `Capabilities.part_size`
+    bytes): one begins the upload, any uploads parts to it, one completes it and the file appears whole, at once."""
 
     def start_upload(self, ref: str) -> str:
         """Begin a multipart upload of file `ref`; its ID, to which any process may upload parts."""
@@ -197,7 +192,7 @@ class MultipartUploads(Protocol):
 
 @runtime_checkable
 class LocalPaths(Protocol):
-    """A store whose references are local paths other libraries can open (`Capabilities.local_paths`)."""
+    """A store whose references are local paths other libraries can open."""
 
     def local_path(self, ref: str) -> str:
         """`ref` as a path of this machine."""

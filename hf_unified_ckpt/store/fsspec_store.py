@@ -19,8 +19,7 @@ class FsspecStore(RangedReads, ManifestCommit):
     """References are URLs of one fsspec protocol (see the module docstring). No capability beyond the `Store`
     protocol."""
 
-    capabilities = Capabilities(positional_writes=False, atomic_rename=False, local_paths=False,
-                                seen_by_all_ranks=False)
+    capabilities = Capabilities(atomic_rename=False, seen_by_all_ranks=False)
 
     def __init__(self, scheme: str, **storage_options):
         import fsspec

@@ -27,8 +27,7 @@ class LocalStore:
     """References are local paths (see the module docstring). Capabilities beyond the `Store` protocol:
     `LocalPaths` (`local_path`) and `WritableMappings` (`map_writable`); no multipart uploads."""
 
-    capabilities = Capabilities(positional_writes=True, atomic_rename=True, local_paths=True,
-                                seen_by_all_ranks=False)
+    capabilities = Capabilities(atomic_rename=True, seen_by_all_ranks=False)
 
     def __init__(self, scheme: str = ""):
         self.scheme = scheme

@@ -48,8 +48,7 @@ class S3Store(RangedReads, ManifestCommit):
     """References are `s3://bucket/key...` URLs (see the module docstring). Capabilities beyond the `Store`
     protocol: `MultipartUploads`."""
 
-    capabilities = Capabilities(positional_writes=False, atomic_rename=False, local_paths=False,
-                                seen_by_all_ranks=True, multipart=True, min_part_size=MIN_PART_SIZE,
+    capabilities = Capabilities(atomic_rename=False, seen_by_all_ranks=True, min_part_size=MIN_PART_SIZE,
                                 part_size=PART_SIZE)
 
     def __init__(self, scheme: str = "s3", **storage_options):

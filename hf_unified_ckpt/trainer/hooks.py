@@ -12,6 +12,7 @@ import transformers
 from transformers import TrainerCallback
 
 from .. import dist
+from ..arguments import UnifiedCheckpointFields
 from ..checkpoint.save.async_save import AsyncSaver
 from .session import CheckpointSession
 
@@ -77,7 +78,7 @@ def equip(trainer, hooks: type[SessionHooks] = SessionHooks) -> CheckpointSessio
 def check_trainer(trainer) -> None:
     """Refuse a trainer whose `args` lack the plugin's fields, or a transformers other than 5.x (or whose Trainer
     lacks a method the plugin overrides)."""
-    if getattr(trainer.args, "unified_checkpoint_options", None) is None:
+    if not isinstance(trainer.args, UnifiedCheckpointFields):
         raise TypeError(
             f"trainer.args is a {type(trainer.args).__name__} without the unified-checkpoint fields; build it with "
             "hf_unified_ckpt.UnifiedCheckpointArguments (or with_unified_checkpoint(YourConfigClass)).")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from ..arguments import UnifiedCheckpointFields
 from .chain import chained
 from .hooks import equip
 
@@ -88,8 +89,8 @@ def _optimizer_state_checkpointable(model, training_args):
     """While the Trainer is built: transformers refuses `save_only_model=False` for a model sharded at load time,
     because its own save keeps one rank's optimizer shards; unified checkpoints save all of them, so with
     `unified_checkpoint=True` the flag reads True during `Trainer.__init__` and is set back after."""
-    options = getattr(training_args, "unified_checkpoint_options", None)
-    lift = (options is not None and options.enabled and not training_args.save_only_model
+    lift = (isinstance(training_args, UnifiedCheckpointFields) and training_args.unified_checkpoint_options.enabled
+            and not training_args.save_only_model
             and getattr(model, "is_distributed_loading_by_transformers", False))
     if lift:
         training_args.save_only_model = True

@@ -21,7 +21,7 @@ import uuid
 from .. import dist
 from ..checkpoint.folder.files import read_json
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..store import as_ref, is_file, join, put_bytes, read_bytes, remove, store_for
+from ..store import as_ref, is_file, join, local_paths_of, put_bytes, read_bytes, remove, store_for
 from .capture import SCALER_FILE, TRAINER_STATE_FILE
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def memory_root(trainer, trial=None) -> str | None:
 
 def is_remote(ref: str) -> bool:
     """Whether `ref` lies in a store other libraries cannot open by path (object storage)."""
-    return not store_for(ref).capabilities.local_paths
+    return local_paths_of(store_for(ref)) is None
 
 
 def check_writable(root: str) -> None:

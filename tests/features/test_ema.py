@@ -170,3 +170,49 @@ def test_ema_fields_parse_from_the_command_line_and_are_validated():
 def test_fsdp1_with_ema_is_refused_before_the_first_step(engines):
     _, out = engines
     assert out["f1-refused"]["global_step"] == 0 and "needs FSDP2" in out["f1-refused"]["error"]
+
+
+def _static_isinstance(obj, capability) -> bool:
+    """`isinstance(obj, capability)` as Python 3.12 answers it for a runtime protocol: each member looked up with
+    `inspect.getattr_static` (on the class, never through `__getattr__`)."""
+    import inspect
+
+    members = [n for n, v in vars(capability).items() if callable(v) and not n.startswith("_")]
+    return all(inspect.getattr_static(obj, n, None) is not None for n in members)
+
+
+def test_wrapped_adapters_have_exactly_the_capabilities_of_the_adapter_they_wrap():
+    """`WithEma` and `WithConversion` (alone and nested, as the session builds them) answer `isinstance` on every
+    optional engine capability as the adapter they wrap does, also as Python 3.12 answers (statically: these
+    wrappers pass everything else on through `__getattr__`, which 3.12's protocol check never calls); a forwarded
+    capability reaches the inner adapter. `WithConversion` declares its own partition rule (none)."""
+    import itertools
+
+    from hf_unified_ckpt.checkpoint.save.ema import ExponentialAverage, WithEma
+    from hf_unified_ckpt.engines.base import CAPABILITIES, ConfirmsRule, MasterPrecision, PartitionRule
+    from hf_unified_ckpt.engines.conversion import WithConversion
+
+    def inner_with(capabilities):
+        calls = []
+        members = {n: (lambda n: lambda self, *a, **k: calls.append(n) or (None, n))(n)
+                   for c in capabilities for n, v in vars(c).items() if callable(v) and not n.startswith("_")}
+        return type("Inner", (), {"engine": "inner", **members})(), calls
+
+    checked = 0
+    for k in range(len(CAPABILITIES) + 1):
+        for capabilities in itertools.combinations(CAPABILITIES, k):
+            inner, calls = inner_with(capabilities)
+            ema = WithEma(inner, ExponentialAverage(0.9))
+            for wrapper in (ema, WithConversion(inner, None), WithConversion(ema, None)):
+                for c in CAPABILITIES:
+                    expected = c in capabilities or (c is PartitionRule and isinstance(wrapper, WithConversion))
+                    assert isinstance(wrapper, c) == _static_isinstance(wrapper, c) == expected, (capabilities, c)
+                    checked += 1
+                if ConfirmsRule in capabilities:
+                    wrapper.confirm_rule()
+                    assert calls.pop() == "confirm_rule"
+                if MasterPrecision in capabilities:
+                    assert wrapper.needs_fp32_master() == (None, "needs_fp32_master")
+                    assert calls.pop() == "needs_fp32_master"
+            assert not calls
+    assert checked == 2 ** len(CAPABILITIES) * 3 * len(CAPABILITIES)

@@ -37,7 +37,7 @@ from hf_unified_ckpt.checkpoint.load.loading import load_checkpoint, verify_chec
 from hf_unified_ckpt.options import UnifiedCheckpointOptions
 from hf_unified_ckpt.checkpoint.save.snapshot import Snapshots
 from hf_unified_ckpt.checkpoint.folder.retention import rotate_checkpoints
-from hf_unified_ckpt.checkpoint.save.saving import (SaveRequest, conclude, open_staging, raise_if_failed,
+from hf_unified_ckpt.checkpoint.save.saving import (SaveRequest, Staging, conclude, open_staging, raise_if_failed,
                                   save_checkpoint)
 from hf_unified_ckpt.checkpoint.folder.commit import WRITER_MARK, list_checkpoints
 from hf_unified_ckpt.checkpoint.folder.manifest import MANIFEST_NAME
@@ -46,8 +46,9 @@ from hf_unified_ckpt.checkpoint.write.memory_tier import MemoryTierWriter
 from hf_unified_ckpt.checkpoint.write.multipart import MultipartWriter
 from hf_unified_ckpt.checkpoint.write.writer import PlacesSnapshots, SharedFileWriter, WholeFileWriter
 from hf_unified_ckpt.format.parts import VERIFY_BLOCK
-from hf_unified_ckpt.store import (FsspecStore, LocalStore, canonical, join, multipart_of, name_of, parent_of,
-                                   positional_writes_of, scheme_of, sibling, store_for)
+from hf_unified_ckpt.store import (FsspecStore, LocalStore, S3Store, canonical, join, local_paths_of, multipart_of,
+                                   name_of, parent_of, positional_writes_of, register_store, scheme_of, sibling,
+                                   store_for)
 
 #: Several files per component: the model's 5 tensors (65, 13, 39, 3 and 77 floats) and their optimizer state.
 OPTIONS = UnifiedCheckpointOptions(enabled=True, max_shard_size=200)
@@ -166,7 +167,7 @@ def _in_place(run: str) -> bool:
 def test_remote_round_trip_is_byte_identical_to_local(remote_run, tmp_path):
     run = remote_run
     store = store_for(run)
-    assert not store.capabilities.positional_writes and not store.capabilities.local_paths
+    assert positional_writes_of(store) is None and local_paths_of(store) is None
     assert not store.capabilities.atomic_rename and store.stage(join(run, "checkpoint-1")) == join(run, "checkpoint-1")
     model, opt = _model_and_optimizer()
     states = {}
@@ -732,22 +733,43 @@ def test_writable_maps_follow_a_file_through_renames_and_let_go_of_removed_ones(
     assert len(maps) == 0
 
 
-def test_capability_flags_match_the_capability_protocols():
-    """Every registered store implements the `Store` protocol (`check_writable` and `close` included), and has a
-    capability protocol exactly where its `Capabilities` say so: multipart uploads (with a part size S3 accepts) and
-    local paths; writable mappings only with local paths. No store carries stubs of a capability it lacks."""
-    from hf_unified_ckpt.store import LocalPaths, MultipartUploads, PositionalWrites, Store, WritableMappings
+class _SubclassedS3(S3Store):
+    """A store subclassed with nothing changed (a user's wrapper of S3Store)."""
 
-    for ref in ("/x", "file:///x", "memory://x", "s3://bucket/x"):
+
+class _PositionalMemory(FsspecStore):
+    """A subclass that adds a capability its base lacks (never written through here)."""
+
+    def write_at(self, ref, ranges, size, direct_io=False):
+        raise NotImplementedError
+
+    def block_size(self, ref):
+        return 4096
+
+
+def test_capability_flags_match_the_capability_protocols():
+    """Every registered store, and subclasses (one that changes nothing, one that adds `write_at`), implements the
+    `Store` protocol (`check_writable` and `close` included), and the flags the save and load choose from (in place,
+    multipart, local paths) are exactly its capability protocols: multipart uploads (with a part size S3 accepts)
+    and local paths; writable mappings only with local paths. No store carries stubs of a capability it lacks."""
+    from hf_unified_ckpt.store import LocalPaths, MultipartUploads, PositionalWrites, Store, WritableMappings
+    from hf_unified_ckpt.trainer.storage import is_remote
+
+    register_store("subclassed-s3", _SubclassedS3)
+    register_store("positional-memory", lambda scheme: _PositionalMemory("memory"))
+    for ref in ("/x", "file:///x", "memory://x", "s3://bucket/x", "subclassed-s3://bucket/x", "positional-memory://x"):
         store = store_for(ref)
-        flags = store.capabilities
+        sizes, staging = store.capabilities, Staging(ref, ref, 0, shared=True)
+        multipart, positional = isinstance(store, MultipartUploads), isinstance(store, PositionalWrites)
         assert isinstance(store, Store), ref
-        assert flags.multipart == isinstance(store, MultipartUploads), ref
-        assert flags.positional_writes == isinstance(store, PositionalWrites), ref
-        assert flags.local_paths == isinstance(store, LocalPaths), ref
-        assert not isinstance(store, WritableMappings) or flags.local_paths, ref
-        assert (flags.part_size >= 2 * flags.min_part_size > 0) if flags.multipart else flags.part_size == 0, ref
+        assert staging.multipart == (multipart and not positional), ref
+        assert staging.in_place == (multipart or positional), ref
+        assert is_remote(ref) != isinstance(store, LocalPaths), ref
+        assert not isinstance(store, WritableMappings) or isinstance(store, LocalPaths), ref
+        assert (sizes.part_size >= 2 * sizes.min_part_size > 0) if multipart else sizes.part_size == 0, ref
         assert not hasattr(store, "open_tensors"), ref
+    assert store_for("subclassed-s3://b/x").capabilities == store_for("s3://b/x").capabilities
+    assert Staging("positional-memory://x", "", 0, shared=True).in_place
 
 
 def test_check_writable_and_close_on_every_store(run_ref):

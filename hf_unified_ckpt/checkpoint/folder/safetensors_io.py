@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from ...errors import CorruptCheckpointError
-from ...store import as_ref, join, name_of, store_for
+from ...store import as_ref, join, local_paths_of, name_of, store_for
 from .files import FileRecord, crc32_combine, read_json, write_json
 from .manifest import read_manifest
 from .manifest_fields import check_index_fields
@@ -103,7 +103,7 @@ class LocalFiles(FileOpener):
     def blocks(self, file: str) -> dict | None:
         """The manifest's CRC-32 per block of `file` (files uploaded in parts to an object store), which a ranged
         read checks; None where there are none (local folders are verified whole before loading)."""
-        if self.store.capabilities.local_paths:
+        if local_paths_of(self.store) is not None:
             return None
         if self._blocks is None:
             try:

@@ -8,7 +8,7 @@ from contextlib import ExitStack
 
 from ... import dist
 from ...format.components import MASTER, MODEL, OPTIMIZER, Role
-from ...engines.base import EngineAdapter, LoadSources
+from ...engines.base import EngineAdapter, LoadSources, MasterPrecision
 from ...errors import CorruptCheckpointError, UnifiedCheckpointError, UnsupportedCheckpointError, count_and_first
 from .file_service import FileService
 from ...format.optim_state import group_param_names
@@ -162,7 +162,7 @@ def _check_shapes(engine, model: ComponentReader) -> None:
     """Sharded engines write the saved tensors into their shards by position, so a saved weight of another shape
     than the model's is refused here, naming it, before anything is loaded. An engine that loads through the
     module's own `load_state_dict` (`loads_by_module`: one process, DDP, as the native Trainer) leaves shapes to it."""
-    if getattr(engine, "loads_by_module", False):
+    if engine.loads_by_module:
         return
     saved = model.specs()
     bad = [f"{spec.name}: checkpoint {tuple(saved[spec.name][0])} vs model {tuple(spec.shape)}"
@@ -175,7 +175,7 @@ def _check_shapes(engine, model: ComponentReader) -> None:
 def _check_master_rebuild(folder: str, manifest: dict, model: ComponentReader, engine, options) -> None:
     """The folder has no master weights. Fine if its model weights are fp32; otherwise fp32 values are rebuilt
     from low precision: allowed by `master_weight_compatible` or a `remove_master_weight` save, said once."""
-    if not getattr(engine, "needs_fp32_master", lambda: False)():
+    if not (isinstance(engine, MasterPrecision) and engine.needs_fp32_master()):
         return
     low = sorted({dtype for _, dtype in model.specs().values() if dtype in _LOW_PRECISION})
     if not low:

@@ -56,11 +56,11 @@ class Placement:
         """Which rank checks what: `work` is a mapping of file name -> size (whole files) or a list of
         `checkpoint.folder.manifest.Chunk`s (byte ranges); each item goes to one holder of its file, biggest first to
         the least loaded holder (the same answer on every rank)."""
-        items = [(n, size, n) for n, size in work.items()] if isinstance(work, Mapping) else \
-            [(c.name, c.length, c) for c in work]
+        items = [(n, size, 0, n) for n, size in work.items()] if isinstance(work, Mapping) else \
+            [(c.name, c.length, c.offset, c) for c in work]
         load = {r: 0 for r in range(self.world_size)}
         shares: dict[int, list] = {r: [] for r in range(self.world_size)}
-        for name, size, item in sorted(items, key=lambda t: (-t[1], t[0], getattr(t[2], "offset", 0))):
+        for name, size, _, item in sorted(items, key=lambda t: (-t[1], t[0], t[2])):
             chosen = min(self.holders[name], key=lambda r: (load[r], r))
             load[chosen] += size
             shares[chosen].append(item)

@@ -26,7 +26,7 @@ import torch
 
 from ... import dist
 from ...format.components import EMA, Component
-from ...engines.base import Fragment, LoadSources
+from ...engines.base import AdapterWrapper, Fragment, LoadSources, ParameterRule, PartitionRule
 from ...errors import UnsupportedCheckpointError, count_and_first
 from .persist import Background
 from .snapshot import HostBuffers
@@ -102,33 +102,51 @@ class BackgroundUpdates:
             raise RuntimeError(f"updating the EMA of the weights failed: {error}") from error
 
 
-class WithEma:
-    """An engine adapter plus the `ema` component (see the module docstring); everything else is the engine's."""
+class _EmaPartitionRule:
+    """`WithEma`'s `PartitionRule`, where the engine has one."""
+
+    def partition_rule(self, component: str, names=None) -> tuple[dict | None, str]:
+        """The engine's (`saving.plan_save`); for EMA, the layout of the parameters the averages follow (the engine's
+        `parameter_rule`), restricted to the averages not held whole. Local."""
+        if component != EMA.name:
+            return self.inner.partition_rule(component, names)
+        if not isinstance(self.inner, ParameterRule):
+            return None, f"{type(self.inner).__name__} has no parameter rule for its EMA"
+        rule, why = self.inner.parameter_rule()
+        if rule is None:
+            return None, why
+        parts = self._average.parts
+        return {n: s for n, s in rule.items() if n in parts and not parts[n].replicated}, why
+
+
+class WithEma(AdapterWrapper):
+    """An engine adapter plus the `ema` component (see the module docstring); everything else is the engine's
+    (`inner`), its optional capabilities included (`engines.base.AdapterWrapper`)."""
+
+    own_capabilities = {PartitionRule: _EmaPartitionRule}
 
     def __init__(self, engine, average: ExponentialAverage, load_average: bool = True):
-        self._engine, self._average, self._load_average = engine, average, load_average
+        super().__init__(engine)
+        self._average, self._load_average = average, load_average
         self._cache: dict[str, torch.Tensor] = {}
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
     def components(self) -> list[Component]:
-        own = self._engine.components()
+        own = self.inner.components()
         return own + [EMA] if self._average.parts else own
 
     def specs(self, component: str) -> list[TensorSpec]:
         if component != EMA.name:
-            return self._engine.specs(component)
+            return self.inner.specs(component)
         return [TensorSpec(n, tuple(f.shape), torch.float32) for n, f in self._average.parts.items()]
 
     def preferred_owners(self, component: str) -> dict[str, int]:
-        return {} if component == EMA.name else self._engine.preferred_owners(component)
+        return {} if component == EMA.name else self.inner.preferred_owners(component)
 
     def exchange(self, component: str, names: Sequence[str], owner: int) -> None:
         """The engine's exchange; for EMA, each sharded tensor is summed from the ranks' zero-padded fragments into
         `owner`. Collective: all ranks must call it, in the same order."""
         if component != EMA.name:
-            return self._engine.exchange(component, names, owner)
+            return self.inner.exchange(component, names, owner)
         for name in names:
             part = self._average.parts[name]
             if part.replicated:
@@ -139,33 +157,16 @@ class WithEma:
             if dist.rank() == owner:
                 self._cache[name] = full.view(part.shape)
 
-    def partition_rule(self, component: str, names=None) -> tuple[dict | None, str]:
-        """The engine's (`saving.plan_save`); for EMA, the layout of the parameters the averages follow (the engine's
-        `parameter_rule`), restricted to the averages not held whole. Local."""
-        if component != EMA.name:
-            inner = getattr(self._engine, "partition_rule", None)
-            if inner is None:
-                return None, f"{type(self._engine).__name__} has no rule"
-            return inner(component, names)
-        inner = getattr(self._engine, "parameter_rule", None)
-        if inner is None:
-            return None, f"{type(self._engine).__name__} has no parameter rule for its EMA"
-        rule, why = inner()
-        if rule is None:
-            return None, why
-        parts = self._average.parts
-        return {n: s for n, s in rule.items() if n in parts and not parts[n].replicated}, why
-
     def fragments(self, component: str, names: Sequence[str] | None = None) -> dict[str, Fragment]:
         """The engine's; for EMA, this rank's part of every average not held whole by every rank. Local."""
         if component != EMA.name:
-            return self._engine.fragments(component, names)
+            return self.inner.fragments(component, names)
         parts = self._average.parts
         return {n: parts[n] for n in (parts if names is None else names) if not parts[n].replicated}
 
     def tensors(self, component: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         if component != EMA.name:
-            return self._engine.tensors(component, names)
+            return self.inner.tensors(component, names)
         parts = self._average.parts
         return {n: self._cache.pop(n) if n in self._cache else parts[n].values.view(parts[n].shape) for n in names}
 
@@ -173,9 +174,9 @@ class WithEma:
         """The engine's load; then this rank's EMA ranges (on a resume: when the optimizer is loaded too)."""
         readers = dict(sources.readers)
         reader = readers.pop(EMA.name, None)
-        self._engine.load(LoadSources(readers, sources.global_step))
+        self.inner.load(LoadSources(readers, sources.global_step))
         if reader is not None and self._load_average and sources.readers.get("optimizer") is not None:
-            self._average.load(reader, self._engine.parameter_fragments())
+            self._average.load(reader, self.inner.parameter_fragments())
 
 
 class EmaRun:

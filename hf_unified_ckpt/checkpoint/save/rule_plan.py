@@ -26,8 +26,9 @@ import marshal
 import torch
 
 from ... import dist
+from ...engines.base import MasterFragments, PartitionRule
 from ...format.codecs import ResidualCodec, count_ties_many
-from ...format.planning import ComponentPlan, Strided
+from ...format.planning import ComponentPlan, HaloEncoder, Strided
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,9 @@ class Rule:
 def rules_of(engine, components, specs: dict | None = None) -> tuple[dict | None, str]:
     """Every component's closed-form pieces (`engine.partition_rule`), or (None, why not); `specs`: the engine's of
     each component, where the caller has them. Local."""
-    declared = getattr(engine, "partition_rule", None)
-    if declared is None:
+    if not isinstance(engine, PartitionRule):
         return None, f"{type(engine).__name__} declares no partition rule"
+    declared = engine.partition_rule
     out, why = {}, ""
     for c in components:
         rule, why = declared(c.name, [s.name for s in specs[c.name]]) if specs else declared(c.name)
@@ -82,7 +83,7 @@ def digest_of(engine, components, request, shared: bool, rules: dict | None, spe
     on every rank that would plan the same. Local."""
     h = hashlib.blake2b(digest_size=8)
     options = request.options
-    h.update(repr((dist.world_size(), getattr(engine, "engine", type(engine).__name__), shared,
+    h.update(repr((dist.world_size(), engine.engine, shared,
                    request.include_optimizer, options.quant_stage, options.residual_master_weight,
                    options.max_shard_size)).encode())
     for c in components:  # marshal's version 2: the bytes of the values alone (no back-references)
@@ -131,7 +132,7 @@ def pieces_of(rule: Rule, plans: dict[str, ComponentPlan]) -> dict[str, dict[str
 
 def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, dict[str, Strided]],
                    group=None) -> None:
-    """Give every codec that encodes blocks across pieces (`receive_halos`) the halos its rank needs: each rank
+    """Give every codec that encodes blocks across pieces (`HaloEncoder`) the halos its rank needs: each rank
     sends the elements it holds ahead of its first block start to the rank that holds that block's start (whose
     last block they complete), all tensors to one rank in one message. Tensors split alike (the same numel and
     rule: a layer's norms, a parameter's moments) go as one group, in the order both sides walk them.
@@ -141,7 +142,7 @@ def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, di
     wanted: dict[int, list[tuple[str, tuple[str, ...], int, int]]] = {}  # source -> (component, tensors, first, n)
     for component, cplan in plans.items():
         codec = cplan.codec
-        if not hasattr(codec, "receive_halos"):
+        if not isinstance(codec, HaloEncoder):
             continue
         rules = pieces[component]
         names = sorted((n for n in codec.tensors if n in rules), key=lambda n: (_alike(rules[n]), n))
@@ -167,7 +168,7 @@ def exchange_halos(engine, plans: dict[str, ComponentPlan], pieces: dict[str, di
         got.sort(key=lambda g: g[0])
         halos[component][name] = {got[0][0]: torch.cat([c for _, c in got]) if len(got) > 1 else got[0][1]}
     for component, cplan in plans.items():
-        if hasattr(cplan.codec, "receive_halos"):
+        if isinstance(cplan.codec, HaloEncoder):
             cplan.codec.receive_halos(halos[component])
 
 
@@ -223,8 +224,7 @@ def residual_census(engine, names: list[str], group=None) -> ResidualCodec:
     elements fail the bf16 check, who holds any, and the ties, summed by one all-reduce; this rank's first tie by
     an exclusive scan over the ranks (ties are laid out rank after rank: the rule's element order). Collective: all
     ranks must call it."""
-    fragments = getattr(engine, "master_fragments", None)
-    local = count_ties_many(fragments() if fragments else [])
+    local = count_ties_many(engine.master_fragments() if isinstance(engine, MasterFragments) else [])
     failed = [int(n in local and local[n] is None) for n in names]
     present = [int(n in local) for n in names]
     ties = [local.get(n) or 0 for n in names]

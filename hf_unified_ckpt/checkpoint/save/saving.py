@@ -48,18 +48,19 @@ from tqdm.auto import tqdm
 from ... import dist
 from ...format.codecs import MomentCodec, ResidualCodec, count_ties
 from ...format.components import MASTER, Component, Role, component
-from ...engines.base import EngineAdapter
+from ...engines.base import ConfirmsRule, EngineAdapter, MasterFragments
 from ...errors import UnifiedCheckpointError
 from ...options import UnifiedCheckpointOptions
 from . import record_tree, rule_plan
 from .persist import PersistJob, write_small_files
 from ..write.reports import Failure, guarded, out_of_space
-from ...format.planning import (ComponentPlan, Encoder, FilePlan, Pieces, TensorSpec, file_plans, piecewise,
-                               plan_component, stored_pieces, tiling)
+from ...format.planning import (ComponentPlan, Encoder, FilePlan, HaloEncoder, Pieces, TensorSpec, file_plans,
+                               piecewise, plan_component, stored_pieces, tiling)
 from ..folder.commit import (WRITER_MARK, commit, join_staging, mark_writer, new_tag, prepare_staging, remove_stale,
                      remove_writer_marks, sees_writer, staging_dir)
 from ..folder.files import FileRecord, RangeRecord, combine_ranges, put_file
-from ...store import STAGING_SUFFIX, as_ref, join, name_of, parent_of, store_for
+from ...store import (STAGING_SUFFIX, as_ref, join, multipart_of, name_of, parent_of, positional_writes_of,
+                     store_for)
 from ..folder.manifest import MANIFEST_NAME, ComponentEntry, build_manifest, codec_summary, write_manifest
 from ..folder.safetensors_io import index_name, write_index
 from ..write.aggregating import AggregatingWriter
@@ -122,7 +123,7 @@ def plan_save(engine: EngineAdapter, request: SaveRequest, shared: bool = False,
     pieces): all ranks must call it."""
     components = [c for c in engine.components() if request.include_optimizer or c.role is not Role.OPTIMIZER]
     rule = rule_plan.agree(engine, components, request, shared) if shared and rank_local else None
-    if rule is not None and hasattr(engine, "confirm_rule"):
+    if rule is not None and isinstance(engine, ConfirmsRule):
         engine.confirm_rule()
     if rule is not None and rule.cached is not None:
         return _reused(rule.cached, engine, request, components, rule)
@@ -208,12 +209,12 @@ def _residual_files(cplan: ComponentPlan, cached: SavePlan, old: list[FilePlan],
 def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> dict[str, dict[str, Pieces]]:
     """Per component, the tensors the ranks together hold exactly once in contiguous pieces, with every rank's
     piece (`planning.tiling`); every component gets an entry, so a plan made for a shared folder is never empty.
-    A codec that encodes blocks across pieces receives every rank's `halo` (the few elements its neighbours
-    need). Collective (one all-gather of the pieces' bounds and halos): all ranks must call it."""
+    A codec that encodes blocks across pieces (`HaloEncoder`) receives every rank's `halo` (the few elements its
+    neighbours need). Collective (one all-gather of the pieces' bounds and halos): all ranks must call it."""
     local = {}
     for name, cplan in plans.items():
         if piecewise(cplan.codec):
-            halo = getattr(cplan.codec, "halo", None)
+            halo = cplan.codec.halo if isinstance(cplan.codec, HaloEncoder) else None
             local[name] = {n: (f.start, f.values.numel(), halo(n, f.start, f.values) if halo else None)
                            for n, f in engine.fragments(name).items()}
     everyone = dist.all_gather_object(local)
@@ -225,7 +226,7 @@ def census_of_pieces(engine: EngineAdapter, plans: dict[str, ComponentPlan]) -> 
                 held.setdefault(tensor, []).append((rank, start, count))
                 if halo is not None:
                     halos.setdefault(tensor, {})[start] = halo
-        if hasattr(cplan.codec, "receive_halos"):
+        if isinstance(cplan.codec, HaloEncoder):
             cplan.codec.receive_halos(halos)
         out[name] = {t: p for t, bounds in held.items()
                      if (p := tiling(math.prod(cplan.specs[t].shape), bounds)) is not None}
@@ -252,8 +253,8 @@ def residual_census(engine: EngineAdapter) -> tuple[dict[str, int], dict[str, di
     """Master tensors whose every element the bf16 residual rebuilds exactly (the engine's bf16 weights are exactly
     their rounding), with their number of ties summed over the fragments of every rank, and each rank's ties; a
     tensor that fails on any rank is left out (stored as plain fp32). Collective: all ranks must call it."""
-    fragments = getattr(engine, "master_fragments", None)
-    local = {name: count_ties(hp, lp) for name, hp, lp in (fragments() if fragments else [])}
+    fragments = engine.master_fragments() if isinstance(engine, MasterFragments) else []
+    local = {name: count_ties(hp, lp) for name, hp, lp in fragments}
     by_rank: dict[str, dict[int, int | None]] = {}
     for rank, share in enumerate(dist.all_gather_object(local)):
         for name, ties in share.items():
@@ -357,7 +358,7 @@ def sends_pieces(staging: Staging, request: SaveRequest) -> bool:
     machine's folder (machine-local folders of a store that writes at offsets; not the memory tier, whose files are
     placed whole), instead of the engines assembling every sharded tensor there. The plan then holds every rank's
     pieces (a census: the sender and the writer are different ranks)."""
-    return not staging.shared and request.spare is None and store_for(staging.path).capabilities.positional_writes
+    return not staging.shared and request.spare is None and positional_writes_of(store_for(staging.path)) is not None
 
 
 @dataclass(frozen=True)
@@ -450,14 +451,14 @@ class Staging:
         """Whether ranks write their pieces of shared files themselves: every rank sees the folder and its store
         writes at offsets or takes parts of one upload from several processes (else each file is written whole, in
         order, by one rank)."""
-        capabilities = store_for(self.path).capabilities
-        return self.shared and (capabilities.positional_writes or capabilities.multipart)
+        store = store_for(self.path)
+        return self.shared and (positional_writes_of(store) is not None or multipart_of(store) is not None)
 
     @property
     def multipart(self) -> bool:
         """Whether the ranks upload their pieces as parts of multipart uploads (an object store every rank sees)."""
-        capabilities = store_for(self.path).capabilities
-        return self.shared and capabilities.multipart and not capabilities.positional_writes
+        store = store_for(self.path)
+        return self.shared and multipart_of(store) is not None and positional_writes_of(store) is None
 
 
 def open_staging(final: str, group=None) -> Staging:

@@ -1,5 +1,5 @@
 """`MultipartWriter`: every rank uploads the bytes it holds of the shared files, as parts of one multipart upload
-per file (object stores: `Capabilities.multipart`).
+per file (object stores: `MultipartUploads`).
 
 The strategy's steps (`writer.StorageWriter`): `set_up` (training thread): rank 0 starts one upload per file
 (`start_uploads`: its IDs are sent to all ranks, and uploads that a crashed save left under the run are aborted
@@ -167,10 +167,10 @@ class MultipartWriter:
 
 
 def multipart_store(ref: str) -> MultipartUploads:
-    """The store of `ref` as `MultipartUploads` (this writer is chosen only where `Capabilities.multipart`)."""
+    """The store of `ref` as `MultipartUploads` (this writer is chosen only where it is one)."""
     store = multipart_of(store_for(ref))
     if store is None:
-        raise TypeError(f"{ref}: its store has no multipart uploads (Capabilities.multipart is False)")
+        raise TypeError(f"{ref}: its store has no multipart uploads (it is not a store.MultipartUploads)")
     return store
 
 
