@@ -5,11 +5,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-#: The folders of test modules, by kind (docs/testing.md). A few modules share helpers by importing another by its
-#: basename (`from test_flash import ...`; basenames are unique under tests/): every kind is on the path, whichever
-#: module pytest collects first.
-KINDS = ("unit", "architecture", "engines", "features", "faults")
-sys.path[:0] = [str(TESTS)] + [str(TESTS / kind) for kind in KINDS]  # tests/: the support package, `support.x`
+sys.path.insert(0, str(TESTS))  # the support package, `support.x`: what test modules share (no test imports another)
 
 from support.faults import FAULTS  # noqa: E402
 from support.launches import LAUNCHES  # noqa: E402

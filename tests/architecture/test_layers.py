@@ -23,7 +23,9 @@ No probe of the project's own seams (issue 60): a `getattr`/`hasattr` call with 
 only on a foreign object (torch, transformers, DeepSpeed, accelerate, PEFT, numpy, the standard library,
 s3fs/botocore), each (file, name) on the allow-list below with its reason; what the project's own objects may have
 is a runtime-checkable protocol (docs/architecture.md, "Optional capabilities"). An allow-list entry no probe
-matches any more is reported too."""
+matches any more is reported too.
+
+The test harness: no module under tests/ imports a test module; what tests share lives in `tests/support/`."""
 
 from __future__ import annotations
 
@@ -504,3 +506,30 @@ def test_the_walker_sees_literal_probes():
                                                  "mod.py:3 probes 'rule' with getattr/hasattr",
                                                  "mod.py:3 probes 'rule' with getattr/hasattr"]
     assert stale_entries(probes, allowed) == ["sub/other.py: 'rule' (foreign)"]
+
+
+# ---- the test harness ----------------------------------------------------------------------------------------------
+
+TESTS = ROOT / "tests"
+
+
+def imports_of_test_modules(sources: Mapping[str, str]) -> list[str]:
+    """`file:line imports test_x` for every import of a test module (`test_*`) in `sources` (file -> source)."""
+    found = []
+    for file, source in sources.items():
+        for node in sorted(ast.walk(ast.parse(source)), key=lambda n: getattr(n, "lineno", 0)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{file}:{node.lineno} imports {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in `tests/support/` (docs/testing.md): a test module imported by basename resolves only
+    in the pytest process, not in the ranks a launch forks or the workers it starts by path."""
+    sources = {str(p.relative_to(TESTS)): p.read_text() for p in sorted(TESTS.rglob("*.py"))}
+    assert imports_of_test_modules({"a.py": "import os\nfrom support import x\ndef f():\n    from test_b import y\n"
+                                            "import support.test_c\n"}) == ["a.py:4 imports test_b",
+                                                                          "a.py:5 imports support.test_c"]
+    found = imports_of_test_modules(sources)
+    assert not found, "move what these share into tests/support/:\n" + "\n".join(found)

@@ -147,7 +147,7 @@ def test_partitions_are_read_without_deepspeed_and_without_running_pickled_code(
 
 def test_convert_can_compress_the_optimizer_moments(legacy, tmp_path):
     from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
-    from test_compression import round_trip
+    from support.codecs import round_trip
 
     src = legacy[0] / "z2bf16" / "checkpoint-3"
     exact, small = tmp_path / "exact", tmp_path / "o1"

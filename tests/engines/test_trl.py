@@ -1,33 +1,15 @@
 """TRL's SFTTrainer and DPOTrainer: two added lines (config class + attach), save unified, resume exactly."""
 
-import random
-
 import pytest
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 import hf_unified_ckpt
 from support.env import reset_accelerate_state
 from support.models import build_model
 from support.states import final_state
+from support.text import local_tokenizer, texts
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
-
-WORDS = [f"w{i}" for i in range(90)]
-
-
-def local_tokenizer():
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def _texts(n, seed=0):
-    r = random.Random(seed)
-    return [" ".join(r.choice(WORDS) for _ in range(12)) for _ in range(n)]
-
 
 def _run(kind, output_dir, resume=None, model_kind="llama", how="attach"):
     from trl import DPOTrainer, SFTTrainer
@@ -37,14 +19,14 @@ def _run(kind, output_dir, resume=None, model_kind="llama", how="attach"):
     reset_accelerate_state()
     common = dict(output_dir=str(output_dir), max_steps=4, save_steps=2, per_device_train_batch_size=4, use_cpu=True,
                   bf16=False, report_to=[], logging_steps=1, unified_checkpoint=True, disable_tqdm=True, seed=0)
-    texts = _texts(48)
+    sentences = texts(48)
     callbacks = [hf_unified_ckpt.UnifiedCheckpointCallback()] if how == "callback" else None
     if kind == "sft":
         trainer = SFTTrainer(model=build_model(model_kind), args=UnifiedSFTConfig(max_length=16, **common),
-                             train_dataset=Dataset.from_dict({"text": texts}), processing_class=local_tokenizer(),
+                             train_dataset=Dataset.from_dict({"text": sentences}), processing_class=local_tokenizer(),
                              callbacks=callbacks)
     else:
-        pref = Dataset.from_dict({"prompt": texts[:24], "chosen": texts[24:], "rejected": texts[:24][::-1]})
+        pref = Dataset.from_dict({"prompt": sentences[:24], "chosen": sentences[24:], "rejected": sentences[:24][::-1]})
         trainer = DPOTrainer(model=build_model(model_kind), ref_model=build_model("llama", seed=1),
                              args=UnifiedDPOConfig(max_length=32, **common), train_dataset=pref,
                              processing_class=local_tokenizer(), callbacks=callbacks)

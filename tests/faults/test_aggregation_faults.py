@@ -16,13 +16,12 @@ import re
 
 import pytest
 
-from support.specs import spec_of
+from support.specs import FORCED_AGGREGATION, spec_of
 from support.faults import record_fault
 from support.launches import torchrun
 from support.fork_launch import GRACE
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout, newest_complete
 from hf_unified_ckpt.checkpoint.load.loading import verify_checkpoint
-from test_aggregation import FORCED
 
 KINDS = {"z3": {"zero": 3}, "f2": {"fsdp": 2},
          # bf16 residual master weights, ties planted at step 6: pieces only their rank can place, announced
@@ -35,7 +34,7 @@ KILLS = {  # tag: (engine, fault, extra options)
 
 
 def _spec(tmp, kind, tag, words, fault=None, **extra):
-    options = {"unified_checkpoint_config": words, **extra, **(FORCED if "aggregate" in words else {})}
+    options = {"unified_checkpoint_config": words, **extra, **(FORCED_AGGREGATION if "aggregate" in words else {})}
     return {**spec_of(KINDS, tmp, kind, tag, **options),
             **({"aggregation_fault": fault, "default_timeout": TIMEOUT_S} if fault else {})}
 

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from test_preemption import exit_codes, finish, launch, run
+from support.preemption import exit_codes, finish, launch, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

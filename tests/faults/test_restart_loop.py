@@ -1,6 +1,6 @@
 """Slow: the memory tier under random crashes (marker `slow`, not in the default suite: `make test-slow`). Issue 47.
 
-A flash run (DDP x 2, the optimizer split over both ranks: `test_flash.SPLIT`, 2000 steps, a save every 2, one kept
+A flash run (DDP x 2, the optimizer split over both ranks: `support.flash.SPLIT`, 2000 steps, a save every 2, one kept
 in memory) is launched with `resume_from_checkpoint="auto"`, killed (SIGKILL of torchrun and its workers, the
 persister spared) at a random instant (5-15 s after the launch: in start-up, resume, training or a save), and
 launched again, up to RESTARTS times (environment, default 30) or until a launch finishes the job (a scheduler does
@@ -24,7 +24,8 @@ import torch
 
 from support.states import assert_resumed_matches
 from support.launches import torchrun, torchrun_popen
-from test_flash import SPLIT, _kill_launcher_and_workers, _persisters, _spec, run_folder
+from support.flash import SPLIT, flash_spec, kill_launcher_and_workers, persisters
+from hf_unified_ckpt.flash.layout import run_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -41,13 +42,13 @@ def memory():
     folder = f"/dev/shm/hf_unified_ckpt-loop-{uuid.uuid4().hex[:8]}"
     os.makedirs(folder)
     yield folder
-    for pid in _persisters(folder):
+    for pid in persisters(folder):
         os.kill(pid, signal.SIGKILL)
     shutil.rmtree(folder, ignore_errors=True)
 
 
 def _loop_spec(tmp, memory, tag, **extra):
-    return {**_spec(tmp, memory, tag), "overrides": {**LOOP, "unified_checkpoint_memory_dir": memory}, **extra}
+    return {**flash_spec(tmp, memory, tag), "overrides": {**LOOP, "unified_checkpoint_memory_dir": memory}, **extra}
 
 
 def _launch_and_kill(tmp_path, spec, nproc: int, delay: float) -> int | None:
@@ -59,7 +60,7 @@ def _launch_and_kill(tmp_path, spec, nproc: int, delay: float) -> int | None:
         time.sleep(0.1)
     ended = proc.poll()
     if ended is None:
-        _kill_launcher_and_workers(proc.pid)
+        kill_launcher_and_workers(proc.pid)
         proc.wait()
     log = sorted(tmp_path.glob(f"spec-{nproc}-*.log"), key=os.path.getmtime)[-1].read_text(errors="replace")
     assert not any(mark in log for mark in CRASHED), log[-6000:]
@@ -88,7 +89,7 @@ def test_random_kills_and_restarts_end_as_the_uninterrupted_run(tmp_path, memory
             print(f"{case}: the job finished in launch {i}", flush=True)
             break
         if mixed and i % 3 == 2:
-            for pid in _persisters(run):
+            for pid in persisters(run):
                 os.kill(pid, signal.SIGKILL)
     if not finished:
         final = torchrun(2, [spec], tmp_path)
@@ -104,6 +105,6 @@ def test_random_kills_and_restarts_end_as_the_uninterrupted_run(tmp_path, memory
         assert early and all(abs(result["losses"][s] - expected["losses"][s]) <= 1e-5 * abs(expected["losses"][s])
                              for s in early)
     deadline = time.monotonic() + 120
-    while (os.path.exists(run) or _persisters(run)) and time.monotonic() < deadline:
+    while (os.path.exists(run) or persisters(run)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not os.path.exists(run) and _persisters(run) == []
+    assert not os.path.exists(run) and persisters(run) == []

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from support.specs import run_spec, spec_of
+from support.specs import FORCED_AGGREGATION, run_spec, spec_of
 from support.states import assert_resumed_matches
 from support.launches import torchrun
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
@@ -27,7 +27,6 @@ from hf_unified_ckpt.format.aggregation import (UNKNOWN, AggregationLayout, aggr
                                                 writers_of)
 from hf_unified_ckpt.format.planning import OwnOnly, Strided, TensorSpec, file_plans, plan_component
 
-FORCED = {"unified_checkpoint_aggregate_range": "8KiB", "unified_checkpoint_aggregate_buffer": "8KiB"}
 KINDS = {
     "z3": {"zero": 3},
     "f2": {"fsdp": 2, "overrides": {"ckpt_quant_stage": "O1"}},
@@ -53,10 +52,11 @@ def _runs(tmp):
     out = []
     for kind in KINDS:
         for mode in ("in_place", "aggregate"):
-            extra = {"unified_checkpoint_config": f"{CONFIG[kind]} {mode}".strip(), **(FORCED if mode == "aggregate"
-                                                                                       else {})}
+            forced = FORCED_AGGREGATION if mode == "aggregate" else {}
+            extra = {"unified_checkpoint_config": f"{CONFIG[kind]} {mode}".strip(), **forced}
             out.append({**spec_of(KINDS, tmp, kind, f"{kind}-{mode}", **extra), "record_aggregation": True})
-    out.append({**spec_of(KINDS, tmp, "z3", "z3p-aggregate", **PROCESS, **FORCED), "record_aggregation": True})
+    out.append({**spec_of(KINDS, tmp, "z3", "z3p-aggregate", **PROCESS, **FORCED_AGGREGATION),
+                "record_aggregation": True})
     return out
 
 

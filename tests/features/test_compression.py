@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from support.codecs import Stored, round_trip
 from support.faults import resign, rewrite_tensor
 from support.trainers import train
 from support.launches import torchrun
@@ -25,30 +26,6 @@ from hf_unified_ckpt.format.codecs import (CHUNK, CODE_BOOKS, MomentCodec, Resid
                                     rebuild_master, residual_of)
 from hf_unified_ckpt.checkpoint.folder.layout import detect_layout
 from hf_unified_ckpt.format.planning import TensorSpec
-
-
-class _Stored:
-    """A reader over a dict of stored tensors (what a codec decodes from)."""
-
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def get(self, name):
-        return self.tensors[name]
-
-    def get_slice(self, name):
-        return self.tensors[name]
-
-    def specs(self):
-        from hf_unified_ckpt.format.headers import safetensors_dtype
-
-        return {n: (tuple(t.shape), safetensors_dtype(t.dtype)) for n, t in self.tensors.items()}
-
-
-def round_trip(stage: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
-    codec = MomentCodec(stage)
-    codec.stored_specs(TensorSpec(key, tuple(tensor.shape), tensor.dtype))
-    return codec.decode(key, _Stored(codec.encode(key, tensor)))
 
 
 # ---- the codecs ------------------------------------------------------------------------------------------------
@@ -111,7 +88,7 @@ def test_rows_decode_from_the_blocks_that_cover_them_only(stage):
     for key, value in (("w/exp_avg", x), ("w/exp_avg_sq", x.square())):
         codec = MomentCodec(stage)
         codec.stored_specs(TensorSpec(key, tuple(value.shape), value.dtype))
-        stored = _Stored(codec.encode(key, value))
+        stored = Stored(codec.encode(key, value))
         whole = codec.decode(key, stored)
         for rows in (slice(0, 37), slice(3, 4), slice(5, 22), slice(36, 37), slice(10, 10), slice(30, None)):
             assert torch.equal(codec.decode_rows(key, stored, rows), whole[rows]), (key, rows)
@@ -120,8 +97,8 @@ def test_rows_decode_from_the_blocks_that_cover_them_only(stage):
     census = {"w": count_ties(master, master.to(torch.bfloat16))}
     residual = ResidualCodec(census)
     residual.stored_specs(TensorSpec("w", (37, 29), torch.float32))
-    stored = _Stored(residual.encode("w", master))
-    reader = ResidualCodec.from_metadata(residual.metadata(), anchor=_Stored({"w": master.to(torch.bfloat16)}))
+    stored = Stored(residual.encode("w", master))
+    reader = ResidualCodec.from_metadata(residual.metadata(), anchor=Stored({"w": master.to(torch.bfloat16)}))
     assert census["w"] == 1 and torch.equal(reader.decode("w", stored).view(torch.int32), master.view(torch.int32))
     for rows in (slice(0, 1), slice(4, 9), slice(36, 37)):
         assert torch.equal(reader.decode_rows("w", stored, rows).view(torch.int32), master[rows].view(torch.int32))
@@ -284,7 +261,7 @@ def test_ranks_encoding_their_pieces_of_the_residual_in_place_make_the_file_a_wh
         assert (tmp_path / "in_place" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     (tmp_path / "in_place" / "master_weights.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"codec": plan.codec.metadata()}, "weight_map": plan.weight_map}))
-    reader = ComponentReader(tmp_path / "in_place", "master_weights", anchor=_Stored(bf16))
+    reader = ComponentReader(tmp_path / "in_place", "master_weights", anchor=Stored(bf16))
     for n, m in masters.items():
         assert torch.equal(reader.get(n).view(torch.int32), m.view(torch.int32)), n
     moved = ResidualCodec(census, by_rank={**by_rank, "a": {**by_rank["a"], 2: by_rank["a"][2] + 1,
@@ -329,8 +306,7 @@ def test_o1_files_metadata_and_info(single, capsys):
 def test_compressed_files_read_alike_locally_and_from_another_machine(single):
     """Rows of compressed moments decode from the byte ranges that cover them, also when another machine serves
     the file (machine-local folders)."""
-    from test_reader import Loopback
-
+    from support.loopback import Loopback
     from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader
 
     ckpt = single / "o1" / "checkpoint-3"

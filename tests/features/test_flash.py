@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from support.callbacks import _wait_until
+from support.flash import FLASH, SPLIT, flash_spec, kill_launcher_and_workers, persisters
 from support.specs import loop_spec, run_spec
 from support.states import assert_loop_options, assert_resumed_matches
 from support.launches import torchrun, torchrun_machines, torchrun_popen
@@ -28,7 +29,6 @@ from hf_unified_ckpt.flash.layout import (CHECKPOINTS, DURABLE, FAILED, LEASE_FI
 from hf_unified_ckpt.store.node import is_locked, memory_room
 
 LOSS_RTOL = STATE_ATOL = 1e-5
-FLASH = {"unified_checkpoint_config": "flash", "save_steps": 2, "max_steps": 6}
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +41,8 @@ def memory(tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _spec(tmp, memory, tag, output=None, **overrides):
-    return {"output_dir": str(output or tmp / tag), "result": str(tmp / f"{tag}.pt"),
-            "overrides": {**FLASH, "unified_checkpoint_memory_dir": memory, **overrides}}
-
-
-#: The optimizer split over both ranks in 5 files (each rank writes some; a resumed job once planned them in the
-#: loaded state's order, which shrank two of them), one memory checkpoint kept, 10 steps: a job resumed at step 4
-#: evicts checkpoint-4 at the save of step 6 and writes the save of step 8 over its files (issue 47).
-SPLIT = {**FLASH, "max_steps": 10, "unified_checkpoint_memory_keep": 1, "unified_checkpoint_persist_every": 100,
-         "unified_checkpoint_max_shard_size": 40000}
-
-
 def _split_spec(tmp, memory, tag, **extra):
-    return {**_spec(tmp, memory, tag), "overrides": {**SPLIT, "unified_checkpoint_memory_dir": memory}, **extra}
+    return {**flash_spec(tmp, memory, tag), "overrides": {**SPLIT, "unified_checkpoint_memory_dir": memory}, **extra}
 
 
 def _file_sizes(checkpoint) -> dict[str, int]:
@@ -63,12 +51,6 @@ def _file_sizes(checkpoint) -> dict[str, int]:
 
     files = json.loads((checkpoint / "unified_checkpoint.json").read_text())["files"]
     return {n: e["size"] for n, e in files.items() if n.endswith(".safetensors")}
-
-
-def _persisters(run: str) -> list[int]:
-    """Processes whose command line names `run` (its persisters)."""
-    out = subprocess.run(["pgrep", "-f", f"hf_unified_ckpt.flash.persister {run}"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
 
 
 def _wait(predicate, timeout=60.0, what=""):
@@ -87,12 +69,12 @@ def runs(tmp_path_factory, memory):
     save of step 4 on, one keeping a single memory checkpoint (its evicted files are overwritten by the next
     save), one whose persister is killed while it trains, and the baseline of the restart test (`_split_spec`)."""
     tmp = tmp_path_factory.mktemp("flash")
-    specs = [_spec(tmp, memory, "ddp", unified_checkpoint_persist_every=2),
-             loop_spec(_spec(tmp, memory, "loop", unified_checkpoint_persist_every=2), tmp / "loop-model"),
-             {**_spec(tmp, memory, "full"), "memory_full_from": 4},
-             {**_spec(tmp, memory, "reuse", unified_checkpoint_persist_every=2, unified_checkpoint_memory_keep=1),
+    specs = [flash_spec(tmp, memory, "ddp", unified_checkpoint_persist_every=2),
+             loop_spec(flash_spec(tmp, memory, "loop", unified_checkpoint_persist_every=2), tmp / "loop-model"),
+             {**flash_spec(tmp, memory, "full"), "memory_full_from": 4},
+             {**flash_spec(tmp, memory, "reuse", unified_checkpoint_persist_every=2, unified_checkpoint_memory_keep=1),
               "record_reuse": True},
-             {**_spec(tmp, memory, "revive", unified_checkpoint_persist_every=1), "kill_persister": [3, 5, "checkpoint-4"]},
+             {**flash_spec(tmp, memory, "revive", unified_checkpoint_persist_every=1), "kill_persister": [3, 5, "checkpoint-4"]},
              _split_spec(tmp, memory, "split")]
     proc = torchrun(2, specs, tmp)
     out = {s["output_dir"].rsplit("/", 1)[1]: torch.load(s["result"], weights_only=False) for s in specs}
@@ -113,7 +95,7 @@ def test_every_mth_save_and_the_last_are_durable_and_memory_is_freed(runs, memor
     assert all(torch.equal(loaded[k], final[k]) for k in loaded)
     # nothing left in memory nor running once train() returned
     assert os.listdir(memory) == []
-    assert _persisters(run_folder(memory, str(tmp / "ddp"))) == []
+    assert persisters(run_folder(memory, str(tmp / "ddp"))) == []
 
 
 @pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
@@ -182,15 +164,6 @@ def test_a_full_memory_folder_saves_to_durable_storage_instead(runs, memory):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _kill_launcher_and_workers(launcher: int) -> list[int]:
-    """SIGKILL torchrun and its workers (its children), not their children: the persister outlives them."""
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True,
-                                              text=True).stdout.split()]
-    for pid in [launcher] + workers:
-        os.kill(pid, signal.SIGKILL)
-    return workers
-
-
 @pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
 def test_killed_job_resumes_from_memory_on_another_world_size_and_the_persister_makes_it_durable(runs, memory,
                                                                                                 tmp_path):
@@ -199,27 +172,27 @@ def test_killed_job_resumes_from_memory_on_another_world_size_and_the_persister_
     resumes from memory (memory wins the tie), trains on to the baseline's result, and ends with nothing left."""
     _, out, _ = runs
     marker = tmp_path / "saved-4"
-    spec = {**_spec(tmp_path, memory, "killed", unified_checkpoint_persist_every=100),
+    spec = {**flash_spec(tmp_path, memory, "killed", unified_checkpoint_persist_every=100),
             "stop_after_save": [4, str(marker), "hold"]}
     proc = torchrun_popen(2, [spec], tmp_path)
     try:
         _wait(lambda: marker.exists() or proc.poll() is not None, 300, "the save of step 4")
         assert marker.exists(), (tmp_path / "spec-2-0.log").read_text()[-5000:]  # the launch failed before it
     finally:
-        workers = _kill_launcher_and_workers(proc.pid)
+        workers = kill_launcher_and_workers(proc.pid)
     assert len(workers) >= 2
     run = run_folder(memory, str(tmp_path / "killed"))
-    assert len(_persisters(run)) == 1, "the persister must outlive the trainer"
+    assert len(persisters(run)) == 1, "the persister must outlive the trainer"
     _wait(lambda: (tmp_path / "killed" / "checkpoint-4" / "unified_checkpoint.json").exists(), 60,
           "the persister to make checkpoint-4 durable")
     verify_checkpoint(str(tmp_path / "killed" / "checkpoint-4"))
     assert os.path.isdir(os.path.join(run, CHECKPOINTS, "checkpoint-4")), "memory is kept for a restart"
-    resumed = run_spec({**_spec(tmp_path, memory, "killed", unified_checkpoint_persist_every=100),
+    resumed = run_spec({**flash_spec(tmp_path, memory, "killed", unified_checkpoint_persist_every=100),
                         "resume": True}, 1)
     assert resumed["resumed_from"] == os.path.join(run, CHECKPOINTS, "checkpoint-4")
     assert_resumed_matches(resumed, out["ddp"], [5, 6], exact=False, loss_rtol=LOSS_RTOL, state_atol=STATE_ATOL)
     assert _durable(tmp_path / "killed") == ["checkpoint-4", "checkpoint-6"]
-    assert not os.path.exists(run) and _persisters(run) == []
+    assert not os.path.exists(run) and persisters(run) == []
 
 
 @pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
@@ -249,7 +222,7 @@ def test_torchrun_max_restarts_resumes_from_memory_and_recycles_the_checkpoint_i
     sizes = _file_sizes(tmp_path / "restarted" / "checkpoint-10")
     assert sum(n.startswith("optimizer-") for n in sizes) == 5
     assert sizes == _file_sizes(runs[0] / "split" / "checkpoint-10")
-    assert not os.path.exists(run) and _persisters(run) == []
+    assert not os.path.exists(run) and persisters(run) == []
 
 
 @pytest.mark.dist  # launches torchrun (itself or through the module's `runs`)
@@ -258,7 +231,7 @@ def test_machine_local_durable_folders_on_two_machines_are_refused_before_the_fi
     other machine's share never arrives), so train() refuses before step 1, on both machines, naming the machine
     that does not see the folder, and leaves nothing in either memory folder."""
     def spec(k):
-        return {**_spec(tmp_path, f"{memory}/local{k}", f"local-m{k}", output=tmp_path / f"disk{k}" / "run"),
+        return {**flash_spec(tmp_path, f"{memory}/local{k}", f"local-m{k}", output=tmp_path / f"disk{k}" / "run"),
                 "expect_error": "needs a durable folder that every machine sees"}
 
     for k in (0, 1):
@@ -276,7 +249,7 @@ def test_two_machines_each_persist_their_share(memory, tmp_path):
     each machine's memory holds its share; each persister copies its machine's files, the leader writes the
     manifest once both are there."""
     def spec(k, tag, **extra):
-        return {**_spec(tmp_path, f"{memory}/machine{k}", f"{tag}-m{k}", output=tmp_path / tag,
+        return {**flash_spec(tmp_path, f"{memory}/machine{k}", f"{tag}-m{k}", output=tmp_path / tag,
                         unified_checkpoint_persist_every=1, unified_checkpoint_memory_keep=3), **extra}
 
     for k in (0, 1):
@@ -299,7 +272,7 @@ def test_the_persister_writes_through_the_bucket_store(s3_bucket, memory, tmp_pa
     durable in the bucket, through the same store: complete and verified there."""
     from hf_unified_ckpt.store import join
 
-    run_spec(_spec(tmp_path, memory, "s3", unified_checkpoint_storage=s3_bucket, unified_checkpoint_persist_every=1,
+    run_spec(flash_spec(tmp_path, memory, "s3", unified_checkpoint_storage=s3_bucket, unified_checkpoint_persist_every=1,
                    max_steps=4), 1)
     for step in (2, 4):
         verify_checkpoint(join(s3_bucket, f"checkpoint-{step}"))

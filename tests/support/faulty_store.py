@@ -90,15 +90,19 @@ def _hooked(name: str, real: Callable) -> Callable:
 @contextlib.contextmanager
 def injected(*hooks: Hook, ref: str = ""):
     """A `FaultyStore` with `hooks` answers every reference of `ref`'s URL scheme in this process while the block
-    runs (a fresh instance of the scheme's store class); then a fresh real one. Yields the faulty store."""
+    runs (a fresh instance of the scheme's store class); then the real one that answered before, the same instance.
+    The faulty one is closed on the way out where its class holds resources (`close`: S3's event loop thread).
+    Yields the faulty store."""
     scheme = scheme_of(str(ref))
-    cls = type(store_for(ref or "/"))
-    store = faulty_store(cls)(scheme, hooks)
+    real = store_for(ref or "/")
+    store = faulty_store(type(real))(scheme, hooks)
     register_store(scheme, lambda _: store)
     try:
         yield store
     finally:
-        register_store(scheme, cls)
+        register_store(scheme, lambda _: real)
+        if callable(getattr(store, "close", None)):
+            store.close()
 
 
 def die() -> None:

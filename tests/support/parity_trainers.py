@@ -130,9 +130,9 @@ def build_trainer(kind: str, recorder, model, training_args, train_set, eval_set
         return hooked_trainer(recorder)(model=model, args=training_args, train_dataset=train_set,
                                         eval_dataset=eval_set, compute_metrics=compute_metrics, callbacks=callbacks)
     from datasets import Dataset
-    from test_trl import _texts, local_tokenizer
+    from support.text import local_tokenizer, texts as sentences
 
-    texts = _texts(48)
+    texts = sentences(48)
     if kind == "sft":
         from trl import SFTTrainer
         return recording(SFTTrainer, recorder)(model=model, args=training_args, callbacks=callbacks,

@@ -18,6 +18,11 @@ from .states import assert_autotp, assert_sharded, assert_tensor_parallel, recor
 from .trainers import FP16_SCALER, fsdp_args, losses_of, make_trainer, zero_config
 
 
+#: Aggregation forced on the tiny test models (whose files are far below the default ranges): ranges and buffers
+#: of 8 KiB.
+FORCED_AGGREGATION = {"unified_checkpoint_aggregate_range": "8KiB", "unified_checkpoint_aggregate_buffer": "8KiB"}
+
+
 def spec_of(kinds: dict, tmp, kind: str, tag: str, resume: tuple[str, int] | None = None, **overrides) -> dict:
     """The run spec of a `kind` (its fields in `kinds`) writing into `tmp/tag` and its record into `tmp/tag.pt`,
     resumed from `tmp/<resume[0]>/checkpoint-<resume[1]>`, with extra TrainingArguments `overrides`."""

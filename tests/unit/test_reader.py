@@ -2,45 +2,19 @@
 tensor (local files, files served by another machine, legacy tensors computed on demand), and a codec sits between
 the stored tensors and what engines see."""
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from support.loopback import Loopback
 from hf_unified_ckpt.errors import CorruptCheckpointError
-from hf_unified_ckpt.checkpoint.load.file_service import FileService, RemoteFile, RemoteSlice, answer, tensor_from
+from hf_unified_ckpt.checkpoint.load.file_service import FileService, RemoteSlice
 from hf_unified_ckpt.legacy.sources import TensorSource
 from hf_unified_ckpt.format.reader import FileHandle, FileOpener, LoadedSlice, TensorReader, TensorSlice
 from hf_unified_ckpt.checkpoint.folder.safetensors_io import ComponentReader, LocalFiles, write_index
 
 A = torch.arange(40, dtype=torch.float32).reshape(8, 5)
 B = torch.tensor(7, dtype=torch.int64)
-
-
-class Loopback(FileOpener):
-    """A `FileService` whose other machine is this process: each request is answered by the server's own `answer`,
-    and recorded."""
-
-    def __init__(self, folder):
-        self.folder, self.handles, self.asked = folder, {}, []
-
-    def is_local(self, file):
-        return False
-
-    def exists(self, file):
-        return (self.folder / file).is_file()
-
-    def header(self, file):
-        return json.loads(bytes(answer(self.folder, self.handles, {"op": "header", "file": file})[1].numpy()))
-
-    def read_tensor(self, file, name, index=None):
-        self.asked.append((name, index))
-        request = {"op": "tensor", "file": file, "name": name, "index": index}
-        return tensor_from(*answer(self.folder, self.handles, request))
-
-    def open(self, file):
-        return RemoteFile(self, file)
 
 
 @pytest.fixture
