@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -8,6 +7,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # the support package, `support.x`: what test modules share (no test imports another)
 
 from support.faults import FAULTS  # noqa: E402
+from support.env import scoped_environ  # noqa: E402
 from support.launches import LAUNCHES  # noqa: E402
 
 
@@ -30,16 +30,10 @@ def s3_server(tmp_path_factory):
     from support.s3_server import SeaweedS3
 
     server = SeaweedS3(tmp_path_factory.mktemp("weed")).start()
-    saved = {k: os.environ.get(k) for k in server.environment()}
-    os.environ.update(server.environment())
     try:
-        yield server
+        with scoped_environ(server.environment()):
+            yield server
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         server.stop()
 
 
