@@ -59,7 +59,7 @@ def _launch(work: Path, runs: list[dict], nproc: int, name: str, device: str) ->
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(TESTS / "dist_worker.py"), str(spec)]
+           str(TESTS / "support" / "workers" / "dist_worker.py"), str(spec)]
     with open(work / f"{name}.log", "w") as log:  # the launch keeps its own copy of the handle
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
