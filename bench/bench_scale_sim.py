@@ -735,27 +735,32 @@ def write_calls(mine: Walk, rank: int) -> dict | None:
     """Drive the direct writer's run cutting (`store.direct._Runs`) with this rank's ranges, file by file: the
     bytes in direct calls of at least 8 MiB, and the calls not 4 KiB-aligned (offset or length), in all and in the
     file with most (None: the rank writes nothing)."""
+    import inspect
+
     from hf_unified_ckpt.store import direct
 
     calls, current = [], [None]
+    takes_index = "index" in inspect.signature(direct._Runs.add).parameters  # older revisions (measured too): not
 
     class Pool:
         chunk = direct.CHUNK
+        parts: list = []  # the writer's checksums of its parts (none here: no byte exists)
 
         def submit(self, offset, length, pieces):
             calls.append((current[0], offset, length))
 
-    saved = direct.pwrite_all
+    saved = direct.pwrite_all, getattr(direct, "crc32", None)
     direct.pwrite_all = lambda fd, data, offset: calls.append((current[0], offset, len(data)))
+    direct.crc32 = lambda data, *start: 0
     try:
         for file, ranges in mine.ranges():
             current[0] = file.name
             runs = direct._Runs(-1, Pool())
-            for offset, length in ranges:
-                runs.add(offset, _Bytes(length))
+            for index, (offset, length) in enumerate(ranges):
+                runs.add(offset, _Bytes(length), *([index] if takes_index else []))
             runs.close_run()
     finally:
-        direct.pwrite_all = saved
+        direct.pwrite_all, direct.crc32 = saved
     total = sum(n for _, _, n in calls)
     if not total:
         return None

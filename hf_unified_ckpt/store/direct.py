@@ -9,8 +9,12 @@ folder, issue 49). The aligned blocks of each contiguous run go to disk in chunk
 write in flight (a raw `dd oflag=direct` speed from one process), copied into their page-aligned buffers with the
 GIL released, or written straight from memory laid out as the file (the snapshot's host buffers made ahead, a mapped
 memory checkpoint the persister copies); the partial blocks at a run's edges, which another rank's bytes may share,
-go through the page cache. `write_whole_direct` is the same writer for a new file written whole (machine-local
-folders, the memory tier's persister, the converter's whole files), its ranges checked to tile the file.
+go through the page cache. Each range's CRC-32 is computed from its parts where they are read anyway (a writer
+thread's buffer right after its copy, while it is in the CPU's cache; the memory a straight write reads; the edges
+written through the page cache) and the parts joined (`crc32_combine`): the tensors' memory is read once, not once
+for the copy and once more for the checksum. `write_whole_direct` is the same writer for a new file written whole
+(machine-local folders, the memory tier's persister, the converter's whole files), its ranges checked to tile the
+file.
 `direct_io_works` probes a filesystem once (tmpfs and some network filesystems refuse direct I/O); where it does not,
 the caller writes through the page cache.
 
@@ -32,11 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..format.checksum import crc32
+from ..format.checksum import crc32, crc32_combine
 from .local_io import file_mode, grow_to, pwrite_all
 
-#: Bytes of one direct write (a multiple of every logical block size in use: 512 B and 4 KiB).
-CHUNK = 8 * 2**20
+#: Bytes of one direct write (a multiple of every logical block size in use: 512 B and 4 KiB). With `WRITERS`, measured
+#: on this project's CPU VM (bench/decisions/direct_chunks.py, 3.9 GB of tensors, medians of 8 beside a raw direct
+#: write): 8 MiB x 4 writers 0.80 of the raw write, 16 MiB x 2 0.95, 32 MiB x 2 1.01, 32 MiB x 3 0.99, 64 MiB x 2 1.01.
+CHUNK = 32 * 2**20
 _ALIGN = 4096
 
 
@@ -62,10 +68,14 @@ def _open_direct(path: Path, buf: memoryview) -> int | None:
 
 
 # ---- ranges of a shared file, several writes in flight -------------------------------------------------------------
-#: Direct writes in flight per file: several, so that the disk's queue stays full while the next chunk is copied.
-WRITERS = 4
+#: Direct writes in flight per file: two, so that the disk's queue stays full while the next chunk is copied (more
+#: threads copying at once slowed the disk down: each copy takes memory bandwidth the disk's own transfers need).
+WRITERS = 2
 #: A contiguous run shorter than this is written through the page cache whole (not worth aligning).
 SMALL_RUN = 256 * 1024
+#: The least memory alignment a straight direct write is tried from. The kernel asks for the device's `dma_alignment`
+#: (4 bytes on many NVMe drives, 512 on virtio disks): each refusal raises it above the refused address's alignment.
+_MEMORY_ALIGN = 4
 _support: dict[int, bool] = {}
 _support_lock = threading.Lock()
 
@@ -91,12 +101,12 @@ def write_at_direct(path: str | os.PathLike, ranges: Iterable[tuple[int, memoryv
                     chunk: int = CHUNK, writers: int = WRITERS) -> list[tuple[int, int, int]]:
     """Write `ranges` ((offset, bytes) in offset order, no overlaps; gaps are other writers' bytes) into `path`,
     created if missing and never truncated, grown to `size` first where given; return each range's (offset, length,
-    CRC-32), computed from memory. The aligned blocks of each contiguous run of ranges go to the disk with direct
-    I/O, copied (GIL released) into page-aligned buffers by `writers` threads, each with one write in flight; the
-    partial blocks at a run's edges (which other writers' bytes may share) and runs under `SMALL_RUN` go through
-    the page cache. The ranges are consumed one at a time, at most `2 * writers` chunks ahead of the disk: the
-    caller may produce the next while these are written, and what it produced is released once written. The caller
-    checked `direct_io_works` and makes the file durable (fsync) afterwards."""
+    CRC-32), computed from memory (from its parts, as they are written). The aligned blocks of each contiguous run of
+    ranges go to the disk with direct I/O, copied (GIL released) into page-aligned buffers by `writers` threads, each
+    with one write in flight; the partial blocks at a run's edges (which other writers' bytes may share) and runs
+    under `SMALL_RUN` go through the page cache. The ranges are consumed one at a time, at most `2 * writers` chunks
+    ahead of the disk: the caller may produce the next while these are written, and what it produced is released
+    once written. The caller checked `direct_io_works` and makes the file durable (fsync) afterwards."""
     buffered = os.open(path, os.O_WRONLY | os.O_CREAT, file_mode(path))
     try:
         if size is not None:
@@ -104,19 +114,38 @@ def write_at_direct(path: str | os.PathLike, ranges: Iterable[tuple[int, memoryv
         direct = os.open(path, os.O_WRONLY | os.O_DIRECT)
         try:
             with _ChunkWriters(direct, chunk, writers) as pool:
-                runs, records = _Runs(buffered, pool), []
+                runs, extents = _Runs(buffered, pool), []
                 for offset, data in ranges:
                     data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-                    runs.add(offset, data)
-                    records.append((offset, len(data), crc32(data)))  # GIL released: overlaps the writers
+                    runs.add(offset, data, len(extents))
+                    extents.append((offset, len(data)))
                     del data
                 runs.close_run()
                 pool.wait()
-                return records
+                return _joined(extents, pool.parts)
         finally:
             os.close(direct)
     finally:
         os.close(buffered)
+
+
+def _joined(extents: list[tuple[int, int]], parts: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int]]:
+    """Each range's (offset, length, CRC-32) from the CRC-32s of its parts ((range, offset, length, crc), in any
+    order), which must tile it."""
+    by_range: list[list[tuple[int, int, int]]] = [[] for _ in extents]
+    for index, at, length, crc in parts:
+        by_range[index].append((at, length, crc))
+    records = []
+    for (offset, length), pieces in zip(extents, by_range):
+        crc, end = 0, offset
+        for at, n, part in sorted(pieces):
+            if at != end:
+                raise RuntimeError(f"the written parts of the range at byte {offset} do not tile it (byte {end})")
+            crc, end = crc32_combine(crc, part, n), end + n
+        if end != offset + length:
+            raise RuntimeError(f"the written parts of the range at byte {offset} end at {end}, not {offset + length}")
+        records.append((offset, length, crc))
+    return records
 
 
 def write_whole_direct(path: str | os.PathLike, ranges: Iterable[tuple[int, memoryview]], size: int,
@@ -146,22 +175,23 @@ def _ceil(offset: int) -> int:
 class _Runs:
     """Cuts a stream of ranges into contiguous runs: each run's partial first block buffered, its whole blocks handed
     to the writers chunk by chunk as the ranges arrive, its partial last block buffered; a run under `SMALL_RUN`
-    buffered whole. Holds only the ranges not yet handed over."""
+    buffered whole. Holds only the ranges not yet handed over; every piece keeps the index of its range (its CRC-32
+    is one part of that range's)."""
 
     def __init__(self, fd: int, pool: "_ChunkWriters"):
         self.fd, self.pool = fd, pool
-        self.pending: collections.deque[tuple[int, memoryview]] = collections.deque()
+        self.pending: collections.deque[tuple[int, memoryview, int]] = collections.deque()
         self.start = self.end = self.pos = None  # the run's first byte, its end, the first byte not handed over
         self.direct = False
 
-    def add(self, offset: int, data: memoryview) -> None:
+    def add(self, offset: int, data: memoryview, index: int) -> None:
         if self.end is not None and offset < self.end:
             raise ValueError(f"a range starts at byte {offset}, before the previous one ends ({self.end})")
         if self.end is not None and offset != self.end:
             self.close_run()
         if self.start is None:
             self.start = self.pos = offset
-        self.pending.append((offset, data))
+        self.pending.append((offset, data, index))
         self.end = offset + len(data)
         if not self.direct and self.end - self.start >= SMALL_RUN:
             self.direct = True
@@ -180,20 +210,22 @@ class _Runs:
         self.direct = False
 
     def _buffered(self, hi: int) -> None:
-        for offset, data in self._take(hi):
+        for offset, data, index in self._take(hi):
             pwrite_all(self.fd, data, offset)
+            self.pool.parts.append((index, offset, len(data), crc32(data)))
 
     def _hand(self, hi: int) -> None:
         self.pool.submit(self.pos, hi - self.pos, self._take(hi))
 
-    def _take(self, hi: int) -> list[tuple[int, memoryview]]:
-        """The pending bytes in [pos, hi), as (file offset, bytes); ranges wholly before `hi` are let go."""
+    def _take(self, hi: int) -> list[tuple[int, memoryview, int]]:
+        """The pending bytes in [pos, hi), as (file offset, bytes, range index); ranges wholly before `hi` are let
+        go."""
         pieces, lo = [], self.pos
         while self.pending and lo < hi:
-            offset, data = self.pending[0]
+            offset, data, index = self.pending[0]
             a, b = max(lo, offset), min(hi, offset + len(data))
             if a < b:
-                pieces.append((a, data[a - offset:b - offset]))
+                pieces.append((a, data[a - offset:b - offset], index))
             if offset + len(data) <= hi:
                 self.pending.popleft()
             lo = b
@@ -202,12 +234,14 @@ class _Runs:
 
 
 class _ChunkWriters:
-    """Threads that each copy one aligned chunk into their page-aligned buffer and write it with direct I/O; at most
-    `2 * writers` chunks handed over and not yet written (`submit` blocks beyond). `wait` returns once every chunk
-    is written, and raises the first failure."""
+    """Threads that each copy one aligned chunk into their page-aligned buffer and write it with direct I/O (or write
+    it straight from memory where the kernel takes that memory), adding each piece's CRC-32 to `parts` as
+    (range index, file offset, length, crc); at most `2 * writers` chunks handed over and not yet written (`submit`
+    blocks beyond). `wait` returns once every chunk is written, and raises the first failure."""
 
     def __init__(self, fd: int, chunk: int, writers: int):
         self.fd, self.chunk = fd, chunk
+        self.parts: list[tuple[int, int, int, int]] = []  # appended to by every writer thread
         self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="hf_unified_ckpt-direct")
         self._buffers = [_aligned(chunk) for _ in range(writers)]
         self._free: queue.SimpleQueue = queue.SimpleQueue()
@@ -215,40 +249,48 @@ class _ChunkWriters:
             self._free.put(buf)
         self._slots = threading.BoundedSemaphore(2 * writers)
         self._futures: list = []
+        self._memory_align = _MEMORY_ALIGN
 
-    def submit(self, offset: int, length: int, pieces: list[tuple[int, memoryview]]) -> None:
+    def submit(self, offset: int, length: int, pieces: list[tuple[int, memoryview, int]]) -> None:
         self._slots.acquire()
         self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
         self._futures.append(self._pool.submit(self._write, offset, length, pieces))
 
-    def _write(self, offset: int, length: int, pieces: list[tuple[int, memoryview]]) -> None:
+    def _write(self, offset: int, length: int, pieces: list[tuple[int, memoryview, int]]) -> None:
         try:
             if not self._straight(offset, pieces):
                 self._through_buffer(offset, length, pieces)
         finally:
             self._slots.release()
 
-    def _straight(self, offset: int, pieces: list[tuple[int, memoryview]]) -> bool:
-        """Write a chunk that is one page-aligned piece of memory straight from it (memory laid out as the file: a
-        snapshot's host buffer placed so, `snapshot.HostBuffers`); False where it is not, or where the kernel
-        refuses that memory for direct I/O (EINVAL, before anything is written)."""
-        if len(pieces) != 1 or _address(pieces[0][1]) % _ALIGN:
+    def _straight(self, offset: int, pieces: list[tuple[int, memoryview, int]]) -> bool:
+        """Write a chunk that is one piece of memory straight from it, where its address is aligned as the kernel's
+        direct I/O asks (memory laid out as the file: a snapshot's host buffer placed so, `snapshot.HostBuffers`; a
+        tensor whose bytes happen to sit as they do in the file); False where it is not, or where the kernel refuses
+        that memory (EINVAL, before anything is written: the alignment asked of later chunks is raised above it)."""
+        address = _address(pieces[0][1]) if len(pieces) == 1 else 1
+        if address % self._memory_align:
             return False
+        at, data, index = pieces[0]
         try:
-            pwrite_all(self.fd, pieces[0][1], offset)
+            pwrite_all(self.fd, data, offset)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
+            self._memory_align = max(self._memory_align, (address & -address) * 2)  # a benign race: it only grows
             return False
+        self.parts.append((index, at, len(data), crc32(data)))
         return True
 
-    def _through_buffer(self, offset: int, length: int, pieces: list[tuple[int, memoryview]]) -> None:
+    def _through_buffer(self, offset: int, length: int, pieces: list[tuple[int, memoryview, int]]) -> None:
         buf = self._free.get()
         try:
             target = np.frombuffer(buf, dtype=np.uint8, count=length)
-            for at, data in pieces:
-                np.copyto(target[at - offset:at - offset + len(data)], np.frombuffer(data, dtype=np.uint8))
-            del pieces
+            for at, data, index in pieces:
+                copy = target[at - offset:at - offset + len(data)]
+                np.copyto(copy, np.frombuffer(data, dtype=np.uint8))
+                self.parts.append((index, at, len(data), crc32(copy)))  # the bytes just copied: still in the cache
+            del pieces, data
             pwrite_all(self.fd, memoryview(buf)[:length], offset)
         finally:
             self._free.put(buf)

@@ -259,13 +259,15 @@ def test_empty_param_groups_match_on_either_side():
 
 @pytest.mark.parametrize("n", [0, 1, 7, 1000, 1 << 16])
 def test_crc32_combine_matches_zlib(n):
+    """ISA-L's compiled combine and the Python one (where python-isal is missing) agree with zlib over A + B."""
     import os
     import zlib
 
-    from hf_unified_ckpt.checkpoint.folder.files import crc32_combine
+    from hf_unified_ckpt.format.checksum import crc32_combine, crc32_combine_py
 
     a, b = os.urandom(333), os.urandom(n)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert crc32_combine_py(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
 def test_the_checksum_is_zlibs_crc32():
@@ -408,6 +410,87 @@ def test_memory_laid_out_as_the_file_is_written_straight_from_it(tmp_path, monke
         records = direct.write_at_direct(path, [(0, memoryview(head)), (1000, data)], 1000 + n, chunk=2**20)
         assert records[1] == (1000, n, zlib.crc32(data)) and path.read_bytes() == head + bytes(data)
         assert copied == expect_copies, (phase, copied)
+
+
+def test_a_ranges_checksum_is_joined_from_its_parts_each_read_once_where_it_is_written(tmp_path, monkeypatch):
+    """The tensors' memory is read once: a range's CRC-32 is joined from its parts' (no checksum is taken over more
+    than one chunk), each part's taken by the writer thread that copies or writes it (the edges, through the page
+    cache, by the caller); the joined records are zlib's over each range."""
+    import threading
+    import zlib
+
+    from hf_unified_ckpt.store import direct
+
+    taken = []
+    real = direct.crc32
+    monkeypatch.setattr(direct, "crc32", lambda data, *a: taken.append((threading.current_thread().name,
+                                                                       len(data))) or real(data, *a))
+    data = torch.randint(0, 256, (5 * 2**20 + 333,), dtype=torch.uint8)
+    views = [memoryview(data[:777].numpy()), memoryview(data[777:].numpy())]
+    ranges = [(0, views[0]), (777, views[1])]
+    records = direct.write_at_direct(tmp_path / "f", iter(ranges), len(data), chunk=2**20)
+    assert records == [(0, 777, zlib.crc32(views[0])), (777, len(views[1]), zlib.crc32(views[1]))]
+    assert (tmp_path / "f").read_bytes() == bytes(data.numpy())
+    assert max(n for _, n in taken) <= 2**20 and sum(n for _, n in taken) == len(data)
+    by_writers = sum(n for name, n in taken if name.startswith("hf_unified_ckpt-direct"))
+    assert by_writers >= 5 * 2**20 - 4096  # all but the edges
+
+
+def test_straight_writes_learn_the_memory_alignment_the_kernel_asks_for(tmp_path, monkeypatch):
+    """Memory that sits as the file does is written straight from it wherever the kernel takes its alignment (its
+    `dma_alignment`: 4 bytes on many NVMe drives, 512 on virtio disks, not a whole page); a refusal (EINVAL) raises the
+    alignment tried, so a file's chunks are refused once, not each: here a kernel that asks for 4 KiB, with memory
+    512 bytes into a page and 64 bytes into one. The bytes and records are right either way."""
+    import errno
+    import fcntl
+    import os
+    import zlib
+
+    from hf_unified_ckpt.checkpoint.save.device_copy import paged_buffer
+    from hf_unified_ckpt.store import direct
+
+    refused, copied = [], []
+    real, real_copy = direct.pwrite_all, direct._ChunkWriters._through_buffer
+
+    def page_aligned_only(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and direct._address(data) % 4096:
+            refused.append(direct._address(data) % 4096)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct, "pwrite_all", page_aligned_only)
+    monkeypatch.setattr(direct._ChunkWriters, "_through_buffer",
+                        lambda self, o, n, p: copied.append(o) or real_copy(self, o, n, p))
+    head, n = b"h" * 1000, 6 * 2**20
+    for into_page in (512, 64, 0):
+        buffer = paged_buffer((n,), torch.uint8, (1000 + into_page) % 4096)  # chunks start `into_page` into a page
+        buffer.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+        data = memoryview(buffer.numpy())
+        refused.clear(), copied.clear()
+        path = tmp_path / f"f{into_page}"
+        records = direct.write_at_direct(path, [(0, memoryview(head)), (1000, data)], 1000 + n, chunk=2**20)
+        assert records[1] == (1000, n, zlib.crc32(data)) and path.read_bytes() == head + bytes(data)
+        assert refused == ([into_page] if into_page else []), into_page  # one refusal a file, at most
+        # six chunks: the first (the header's too) through a buffer; the others straight where the kernel took them
+        assert len(copied) == (1 if not into_page else 6), (into_page, copied)
+
+
+def test_memory_as_aligned_as_the_disk_asks_is_written_straight_on_this_kernel(tmp_path):
+    """On this machine's kernel and disk: memory sitting as the file does, 512 bytes into a page (a sector, not a
+    page), written with direct I/O gives the file's bytes and records (straight where the disk's `dma_alignment`
+    takes it, else through the writers' buffers)."""
+    import zlib
+
+    from hf_unified_ckpt.checkpoint.save.device_copy import paged_buffer
+    from hf_unified_ckpt.store import direct
+
+    head, n = b"h" * 1000, 3 * 2**20 + 123
+    buffer = paged_buffer((n,), torch.uint8, 1512)
+    buffer.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+    data = memoryview(buffer.numpy())
+    records = direct.write_at_direct(tmp_path / "f", [(0, memoryview(head)), (1000, data)], 1000 + n, chunk=2**20)
+    assert records == [(0, 1000, zlib.crc32(head)), (1000, n, zlib.crc32(data))]
+    assert (tmp_path / "f").read_bytes() == head + bytes(data)
 
 
 def test_a_failed_direct_write_is_raised_after_every_write_ended(tmp_path, monkeypatch):
@@ -581,6 +664,40 @@ def test_ranks_writing_their_pieces_in_place_make_the_file_save_file_writes(tmp_
     for record in combined:
         assert record.crc32 == file_crc32(tmp_path / record.name)
         assert record.size == (tmp_path / record.name).stat().st_size
+
+
+def test_a_device_tensor_is_written_a_host_slice_at_a_time(tmp_path, monkeypatch):
+    """A tensor on a device is copied to the host a slice at a time as the writer asks (`item_ranges`: the copy of
+    one slice runs while the one before is written; a host tensor is one range from its own memory). Here the host
+    slices of CPU tensors, 7 bytes each, stand in for a device's: the file is byte for byte `save_file`'s, and the
+    ranges' records join into the file's CRC-32."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from hf_unified_ckpt.checkpoint.folder.files import combine_ranges, file_crc32
+    from hf_unified_ckpt.checkpoint.write import writer
+    from hf_unified_ckpt.format.planning import file_plans
+
+    tensors = {"w": torch.randn(7, 3), "v": torch.randn(11).to(torch.bfloat16), "e": torch.empty(0)}
+    plan = plan_component("model", [TensorSpec.of(n, t) for n, t in tensors.items()], writers=1,
+                          max_shard_size=10**6)
+    (file,) = file_plans(plan, {})
+    item = next(i for i in file.items_of(0) if i.name == "w")
+    assert list(writer.item_ranges(item, tensors["w"], 100)) == [(100, memoryview(tensors["w"].numpy()).cast("B"))]
+    slices = list(writer.host_slices(tensors["w"].reshape(-1).view(torch.uint8), 100, 8))  # 84 bytes
+    assert [(o, len(v)) for o, v in slices] == [(100 + 8 * k, 8) for k in range(10)] + [(180, 4)]
+    assert b"".join(bytes(v) for _, v in slices) == tensors["w"].numpy().tobytes()
+    monkeypatch.setattr(writer, "item_ranges", lambda item, tensor, offset: writer.host_slices(
+        writer._flat_bytes(item, tensor.detach()), offset, 7))
+    records = writer.write_ranges(tmp_path / file.name, file, 0, tensors)
+    assert len(records) > len(tensors) + 1  # the header, then several slices a tensor
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / file.name).read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    (combined,) = combine_ranges({file.name: file.size}, records)
+    assert combined.crc32 == file_crc32(tmp_path / file.name)
+    with pytest.raises(ValueError, match="holds 84 bytes of the 88"):
+        list(writer.item_ranges(dataclasses.replace(item, end=item.end + 4), tensors["w"], 0))
 
 
 def test_pieces_that_do_not_tile_are_assembled_and_bad_ranges_fail_the_save():

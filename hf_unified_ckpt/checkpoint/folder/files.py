@@ -3,7 +3,6 @@ through the store (`..store`), and the plain-file-name rule."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 from ...errors import CorruptCheckpointError
 from ...store import as_ref, name_of, store_for
 from ...format.bounded_json import MAX_JSON_BYTES, parse_json, too_large
-from ...format.checksum import crc32
+from ...format.checksum import crc32, crc32_combine
 
 CHECKSUM_ALGORITHM = "crc32"
 
@@ -67,53 +66,6 @@ def check_plain_name(name: str, where: str) -> str:
             "(no directories, absolute paths or '..'). The checkpoint is corrupt or hostile; do not load it."
         )
     return name
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc(A), crc(B) and len(B): ISA-L's compiled `crc32_combine` (python-isal, installed with
-    this package on CPython: about 1 us; Python's zlib lacks zlib's), else `crc32_combine_py`."""
-    return _combine(crc1, crc2, len2)
-
-
-def crc32_combine_py(crc1: int, crc2: int, len2: int) -> int:
-    """`crc32_combine` in Python: crc(A) shifted over len(B) zero bytes, XOR crc(B). The shift is a product of
-    GF(2) 32x32 matrices, one per set bit of len(B), each the zero-byte operator squared k times (computed once per
-    process)."""
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(_zeros_operator(k), crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
-
-
-def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
-
-
-@functools.cache
-def _zeros_operator(k: int) -> tuple[int, ...]:
-    """The operator that appends 2**k zero bytes to a CRC-32 register."""
-    if k == 0:
-        bit = (0xEDB88320,) + tuple(1 << n for n in range(31))  # appends one zero bit
-        for _ in range(3):
-            bit = tuple(_gf2_times(bit, bit[n]) for n in range(32))
-        return bit
-    half = _zeros_operator(k - 1)
-    return tuple(_gf2_times(half, half[n]) for n in range(32))
-
-
-try:
-    from isal.isal_zlib import crc32_combine as _combine
-except ImportError:  # pragma: no cover - PyPy, or python-isal missing
-    _combine = crc32_combine_py
 
 
 def put_file(ref: str | os.PathLike, data: bytes, exclusive: bool = False) -> FileRecord:

@@ -236,13 +236,13 @@ def in_place_store(ref: str) -> PositionalWrites:
 
 def rank_ranges(file: FilePlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[int, memoryview]]:
     """What `rank` holds of `file`, as (offset in the file, bytes) in offset order: the header on the header rank,
-    then its write items, from `tensors` (by stored name, encoded), each taken (a device tensor copied to the host)
-    when the writer asks for it."""
+    then its write items, from `tensors` (by stored name, encoded), each taken when the writer asks for it (a device
+    tensor copied to the host a slice at a time, `item_ranges`)."""
     head = file.header_bytes
     if rank == file.header_rank:
         yield 0, memoryview(head)
     for item in sorted(file.items_of(rank), key=lambda item: item.start):
-        yield len(head) + item.start, _item_bytes(item, tensors[item.name])
+        yield from item_ranges(item, tensors[item.name], len(head) + item.start)
 
 
 def writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
@@ -255,12 +255,34 @@ def writes_whole(file: FilePlan, rank: int, items: list[WriteItem]) -> bool:
     return rank == file.header_rank and len(file.header_bytes) + end == file.size
 
 
-def _item_bytes(item: WriteItem, tensor: torch.Tensor) -> memoryview:
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()) if tensor.nbytes else memoryview(b"")
-    if len(data) != item.end - item.start:
-        raise ValueError(f"{item.name}: rank {item.rank} holds {len(data)} bytes of the {item.end - item.start} it "
+#: Bytes of a device tensor copied to the host at a time when it is written (a synchronous save of a model on a GPU):
+#: the writers write one slice while the next is copied. Copied whole, a tensor of hundreds of MB left the disk idle
+#: for its whole copy (the writers hold a few chunks); under glibc's largest mmap threshold (32 MiB), the slices'
+#: host memory is reused from slice to slice, not faulted in anew.
+DEVICE_SLICE = 16 * 2**20
+
+
+def item_ranges(item: WriteItem, tensor: torch.Tensor, offset: int,
+                slice_bytes: int = DEVICE_SLICE) -> Iterator[tuple[int, memoryview]]:
+    """`item`'s bytes from `tensor` as (offset in the file, bytes) from `offset` on: a host tensor's memory as one
+    range; a device tensor's bytes copied to the host `slice_bytes` at a time, each when the writer asks for it."""
+    flat = _flat_bytes(item, tensor.detach())
+    if flat.device.type == "cpu":
+        yield offset, memoryview(flat.numpy()) if len(flat) else memoryview(b"")
+        return
+    yield from host_slices(flat, offset, slice_bytes)
+
+
+def host_slices(flat: torch.Tensor, offset: int, slice_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """The bytes of `flat` (a flat uint8 tensor, on any device) copied to the host `slice_bytes` at a time, as
+    (offset + where the slice starts, bytes)."""
+    for start in range(0, len(flat), slice_bytes):
+        yield offset + start, memoryview(flat[start:start + slice_bytes].cpu().numpy())
+
+
+def _flat_bytes(item: WriteItem, tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8) if tensor.nbytes else torch.empty(0, dtype=torch.uint8)
+    if len(flat) != item.end - item.start:
+        raise ValueError(f"{item.name}: rank {item.rank} holds {len(flat)} bytes of the {item.end - item.start} it "
                          "was planned to write; the engine's shards changed after the save was planned.")
-    return data
+    return flat
